@@ -1,0 +1,1 @@
+"""EAGLE3 draft-model training pipeline."""

