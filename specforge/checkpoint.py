@@ -1,0 +1,154 @@
+"""The one writer, reader and validator of draft checkpoints (contract §1).
+
+SGLang reports none of the ways a checkpoint can be wrong: unknown names are dropped, missing ones
+stay random, a reduced vocab without d2t is read as target ids. So we validate strictly on both
+write and read and say exactly what is wrong.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from specforge.models.draft import ARCHITECTURE, Eagle3Config, Eagle3Draft
+from specforge.utils.io import atomic_dir
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+OPTIONAL_KEYS = {"embed_tokens.weight"}
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+def expected_shapes(cfg: Eagle3Config) -> dict[str, tuple[int, ...]]:
+    h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    attn = "midlayer.self_attn"
+    return {
+        "fc.weight": (h, 3 * cfg.target_hidden_size),
+        f"{attn}.q_proj.weight": (cfg.num_attention_heads * d, 2 * h),
+        f"{attn}.k_proj.weight": (cfg.num_key_value_heads * d, 2 * h),
+        f"{attn}.v_proj.weight": (cfg.num_key_value_heads * d, 2 * h),
+        f"{attn}.o_proj.weight": (h, cfg.num_attention_heads * d),
+        "midlayer.mlp.gate_proj.weight": (i, h),
+        "midlayer.mlp.up_proj.weight": (i, h),
+        "midlayer.mlp.down_proj.weight": (h, i),
+        "midlayer.input_layernorm.weight": (h,),
+        "midlayer.hidden_norm.weight": (h,),
+        "midlayer.post_attention_layernorm.weight": (h,),
+        "norm.weight": (h,),
+        "lm_head.weight": (cfg.draft_vocab_size, h),
+        "d2t": (cfg.draft_vocab_size,),
+        "t2d": (cfg.vocab_size,),
+        "embed_tokens.weight": (cfg.vocab_size, h),
+    }
+
+
+def validate_config(d: dict, where: str = CONFIG_NAME) -> Eagle3Config:
+    def fail(msg):
+        raise CheckpointError(f"{where}: {msg}")
+
+    if d.get("architectures") != [ARCHITECTURE]:
+        fail(f"architectures must be [{ARCHITECTURE!r}] (SGLang picks the class from it), "
+             f"got {d.get('architectures')!r}")
+    if d.get("model_type") != "llama":
+        fail(f"model_type must be 'llama', got {d.get('model_type')!r}")
+    if d.get("num_hidden_layers") != 1:
+        fail(f"num_hidden_layers must be 1, got {d.get('num_hidden_layers')!r}")
+    if d.get("tie_word_embeddings") is not False:
+        fail("tie_word_embeddings must be false (true breaks the draft lm_head on reload)")
+    for key in ("vocab_size", "draft_vocab_size", "hidden_size", "intermediate_size",
+                "num_attention_heads", "num_key_value_heads", "head_dim", "target_hidden_size"):
+        if not isinstance(d.get(key), int) or d[key] <= 0:
+            fail(f"{key} must be a positive integer, got {d.get(key)!r}")
+    if d["draft_vocab_size"] > d["vocab_size"]:
+        fail(f"draft_vocab_size {d['draft_vocab_size']} > vocab_size {d['vocab_size']}")
+    ids = (d.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if not (isinstance(ids, list) and len(ids) == 3 and all(isinstance(i, int) for i in ids)
+            and ids == sorted(set(ids))):
+        fail(f"eagle_config.eagle_aux_hidden_state_layer_ids must be 3 ascending ids, got {ids!r}")
+    if (d.get("eagle_config") or {}).get("use_aux_hidden_state") is not True:
+        fail("eagle_config.use_aux_hidden_state must be true")
+    return Eagle3Config.from_json_dict(d)
+
+
+def validate_tensors(cfg: Eagle3Config, shapes: dict[str, tuple], where: str = WEIGHTS_NAME) -> None:
+    want = expected_shapes(cfg)
+    missing = sorted(set(want) - set(shapes) - OPTIONAL_KEYS)
+    unknown = sorted(set(shapes) - set(want))
+    wrong = [f"{k}: {tuple(shapes[k])} != expected {want[k]}"
+             for k in sorted(set(want) & set(shapes)) if tuple(shapes[k]) != want[k]]
+    problems = ([f"missing weights {missing}"] if missing else []) + \
+               ([f"unknown weights {unknown} (a server would silently ignore them)"] if unknown else []) + wrong
+    if problems:
+        raise CheckpointError(f"{where}: " + "; ".join(problems))
+
+
+def validate_vocab(d2t: torch.Tensor, t2d: torch.Tensor, where: str = WEIGHTS_NAME) -> None:
+    """d2t must map draft ids to strictly increasing target ids that are exactly the set t2d marks."""
+    if d2t.dtype != torch.int64:
+        raise CheckpointError(f"{where}: d2t must be int64, got {d2t.dtype}")
+    if t2d.dtype != torch.bool:
+        raise CheckpointError(f"{where}: t2d must be bool, got {t2d.dtype}")
+    target_ids = torch.arange(len(d2t)) + d2t
+    if len(target_ids) and (target_ids.min() < 0 or target_ids.max() >= len(t2d)):
+        raise CheckpointError(f"{where}: d2t maps draft ids outside the target vocab [0, {len(t2d)})")
+    if len(target_ids) > 1 and not bool((target_ids[1:] > target_ids[:-1]).all()):
+        raise CheckpointError(f"{where}: d2t target ids must be strictly increasing (sorted, no repeats)")
+    if int(t2d.sum()) != len(d2t) or not bool(t2d[target_ids].all()):
+        raise CheckpointError(f"{where}: t2d does not mark exactly the {len(d2t)} target ids of d2t")
+
+
+def save_checkpoint(draft: Eagle3Draft, out_dir: str | Path, dtype=torch.bfloat16) -> Path:
+    """Write a directory SGLang can serve as-is; validated before anything is renamed into place."""
+    cfg_dict = draft.config.to_json_dict()
+    cfg = validate_config(cfg_dict)
+    tensors = {}
+    for name, t in draft.state_dict().items():
+        t = t.detach().cpu()
+        tensors[name] = t if name in ("d2t", "t2d") else t.to(dtype)
+    validate_tensors(cfg, {k: tuple(v.shape) for k, v in tensors.items()})
+    validate_vocab(tensors["d2t"], tensors["t2d"])
+    out_dir = Path(out_dir)
+    with atomic_dir(out_dir) as tmp:
+        (tmp / CONFIG_NAME).write_text(json.dumps(cfg_dict, indent=2, sort_keys=True) + "\n")
+        save_file({k: v.contiguous() for k, v in sorted(tensors.items())}, tmp / WEIGHTS_NAME,
+                  metadata={"format": "pt"})
+    return out_dir
+
+
+def read_checkpoint(path: str | Path) -> tuple[Eagle3Config, dict[str, torch.Tensor]]:
+    """Config and tensors of a checkpoint directory, validated."""
+    path = Path(path)
+    cfg_path, weights_path = path / CONFIG_NAME, path / WEIGHTS_NAME
+    for p in (cfg_path, weights_path):
+        if not p.exists():
+            raise CheckpointError(f"{p}: missing (a checkpoint is config.json + model.safetensors)")
+    try:
+        cfg_dict = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg_path}: invalid JSON ({e.msg} at line {e.lineno})") from None
+    cfg = validate_config(cfg_dict, str(cfg_path))
+    with safe_open(weights_path, framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    validate_tensors(cfg, {k: tuple(v.shape) for k, v in tensors.items()}, str(weights_path))
+    validate_vocab(tensors["d2t"], tensors["t2d"], str(weights_path))
+    return cfg, tensors
+
+
+def load_draft(path: str | Path, device="cpu", dtype=torch.float32, attention: str = "sdpa",
+               embed_tokens: torch.Tensor | None = None) -> Eagle3Draft:
+    """An Eagle3Draft from a checkpoint; `embed_tokens` supplies the target's embedding when the
+    checkpoint does not carry one (as a server does)."""
+    cfg, tensors = read_checkpoint(path)
+    if "embed_tokens.weight" not in tensors:
+        if embed_tokens is None:
+            raise CheckpointError(f"{path}: no embed_tokens.weight; pass the target's embedding")
+        tensors["embed_tokens.weight"] = embed_tokens
+    draft = Eagle3Draft(cfg, attention=attention)
+    draft.load_state_dict(tensors, strict=True)
+    return draft.to(device=device, dtype=dtype).requires_grad_(False).eval()

@@ -1,0 +1,256 @@
+"""The EAGLE3 draft head (contract §3): one Llama decoder layer that reads the target's features.
+
+Weight names are the checkpoint's names (`fc`, `midlayer.*`, `norm`, `lm_head`, `embed_tokens`,
+`d2t`, `t2d`), so saving and loading is a plain state_dict with no renaming.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from specforge.models.attention import TTTMask, attend, causal_mask
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+
+
+@dataclass
+class Eagle3Config:
+    vocab_size: int
+    draft_vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    target_hidden_size: int
+    aux_layer_ids: list[int]
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[dict] = None
+    max_position_embeddings: int = 4096
+    bos_token_id: Optional[int] = None
+    eos_token_id: Optional[int] = None
+    pad_token_id: Optional[int] = None
+    extra: dict = field(default_factory=dict)  # other keys of config.json, kept on round trip
+
+    @classmethod
+    def from_target(cls, target_config, aux_layer_ids, draft_cfg=None, draft_vocab_size=None):
+        """Draft geometry copied from the target's text config unless `draft_cfg` overrides it."""
+        from specforge.targets.loader import text_config
+
+        t = text_config(target_config)
+
+        def pick(name, default):
+            value = getattr(draft_cfg, name, None) if draft_cfg is not None else None
+            return default if value is None else value
+
+        # transformers 5 keeps theta and scaling together in `rope_parameters`; 4.x split them.
+        rope = dict(getattr(t, "rope_parameters", None) or getattr(t, "rope_scaling", None) or {})
+        rope_theta = rope.pop("rope_theta", getattr(t, "rope_theta", 10000.0))
+        rope_scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
+        heads = pick("num_attention_heads", t.num_attention_heads)
+        hidden = pick("hidden_size", t.hidden_size)
+        vocab_size = t.vocab_size
+        dvs = draft_vocab_size or pick("draft_vocab_size", vocab_size)
+        return cls(
+            vocab_size=vocab_size,
+            draft_vocab_size=min(dvs, vocab_size),
+            hidden_size=hidden,
+            intermediate_size=pick("intermediate_size", t.intermediate_size),
+            num_attention_heads=heads,
+            num_key_value_heads=pick("num_key_value_heads", t.num_key_value_heads),
+            head_dim=pick("head_dim", getattr(t, "head_dim", None) or hidden // heads),
+            target_hidden_size=t.hidden_size,
+            aux_layer_ids=list(aux_layer_ids),
+            hidden_act=getattr(t, "hidden_act", "silu"),
+            rms_norm_eps=getattr(t, "rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=pick("max_position_embeddings", t.max_position_embeddings),
+            bos_token_id=getattr(t, "bos_token_id", None),
+            eos_token_id=getattr(t, "eos_token_id", None),
+            pad_token_id=getattr(t, "pad_token_id", None),
+        )
+
+    def to_json_dict(self) -> dict:
+        """config.json as SGLang and vLLM read it (contract §1)."""
+        d = asdict(self)
+        ids = d.pop("aux_layer_ids")
+        extra = d.pop("extra")
+        return {
+            **extra,
+            **d,
+            "architectures": [ARCHITECTURE],
+            "model_type": "llama",
+            "num_hidden_layers": 1,
+            "tie_word_embeddings": False,
+            "attention_bias": False,
+            "mlp_bias": False,
+            "torch_dtype": "bfloat16",
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
+        }
+
+    @classmethod
+    def from_json_dict(cls, d: dict) -> "Eagle3Config":
+        known = set(cls.__dataclass_fields__) - {"aux_layer_ids", "extra"}
+        fixed = {"architectures", "model_type", "num_hidden_layers", "tie_word_embeddings",
+                 "attention_bias", "mlp_bias", "torch_dtype", "eagle_config"}
+        return cls(
+            **{k: d[k] for k in known if k in d},
+            aux_layer_ids=list(d["eagle_config"]["eagle_aux_hidden_state_layer_ids"]),
+            extra={k: v for k, v in d.items() if k not in known and k not in fixed},
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def inverse_frequencies(cfg: Eagle3Config) -> tuple[torch.Tensor, float]:
+    """RoPE inverse frequencies (and attention scaling) of the draft, as the target computes them."""
+    scaling = cfg.rope_scaling or {}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        exponent = torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim
+        return 1.0 / (cfg.rope_theta ** exponent), 1.0
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"rope_scaling.rope_type: {rope_type!r} is not supported")
+    hf = LlamaConfig(
+        hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
+        head_dim=cfg.head_dim, max_position_embeddings=cfg.max_position_embeddings,
+        rope_parameters={"rope_theta": cfg.rope_theta, **scaling, "rope_type": rope_type},
+    )
+    return ROPE_INIT_FUNCTIONS[rope_type](hf)
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        # Input is [embedding ; feature], twice the hidden width (contract §3).
+        self.q_proj = nn.Linear(2 * h, self.n_heads * d, bias=False)
+        self.k_proj = nn.Linear(2 * h, self.n_kv * d, bias=False)
+        self.v_proj = nn.Linear(2 * h, self.n_kv * d, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * d, h, bias=False)
+
+    def forward(self, x, cos, sin, past_kv, mask, impl):
+        b, n, _ = x.shape
+        q = self.q_proj(x).view(b, n, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, n, self.n_kv, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, n, self.n_kv, self.head_dim).transpose(1, 2)
+        q = (q * cos + rotate_half(q) * sin).to(v.dtype)
+        k = (k * cos + rotate_half(k) * sin).to(v.dtype)
+        keys, values = k, v
+        if past_kv is not None:
+            keys = torch.cat([past_kv[0].to(k.dtype), k], dim=2)
+            values = torch.cat([past_kv[1].to(v.dtype), v], dim=2)
+        out = attend(q, keys, values, mask, impl)
+        return self.o_proj(out.transpose(1, 2).reshape(b, n, -1)), (k, v)
+
+
+class DraftMLP(nn.Module):
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        if cfg.hidden_act != "silu":
+            raise ValueError(f"hidden_act: {cfg.hidden_act!r} is not supported (silu only)")
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftLayer(nn.Module):
+    """The single decoder layer; names match SGLang's `midlayer.*`."""
+
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DraftAttention(cfg)
+        self.mlp = DraftMLP(cfg)
+
+    def forward(self, emb, feat, cos, sin, past_kv, mask, impl):
+        residual = feat
+        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(feat)], dim=-1)
+        attn_out, kv = self.self_attn(x, cos, sin, past_kv, mask, impl)
+        h = residual + attn_out
+        return h + self.mlp(self.post_attention_layernorm(h)), kv
+
+
+class Eagle3Draft(nn.Module):
+    def __init__(self, cfg: Eagle3Config, attention: str = "sdpa"):
+        super().__init__()
+        self.config = cfg
+        self.attention = attention
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.fc = nn.Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.midlayer = DraftLayer(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
+        inv_freq, self.rope_scale = inverse_frequencies(cfg)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def set_vocab_mapping(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    def rope(self, position_ids: torch.Tensor, dtype):
+        freqs = position_ids[..., None].float() * self.inv_freq.to(position_ids.device)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        cos, sin = emb.cos() * self.rope_scale, emb.sin() * self.rope_scale
+        return cos[:, None].to(dtype), sin[:, None].to(dtype)  # [B, 1, n, d]
+
+    def project(self, aux: torch.Tensor) -> torch.Tensor:
+        """Target features [.., 3*H_target] -> draft width [.., H]."""
+        return self.fc(aux)
+
+    def step(self, input_ids, feat, position_ids, past_kv=None, attn_mask=None):
+        """One draft forward over n new positions (see docs/design.md for shapes).
+
+        Returns the pre-norm output (next step's feature), draft-vocab logits, and the new (k, v).
+        """
+        if attn_mask is None:
+            past = 0 if past_kv is None else past_kv[0].shape[2]
+            attn_mask = causal_mask(input_ids.shape[1], past, input_ids.device)[None]
+        emb = self.embed_tokens(input_ids).to(feat.dtype)
+        cos, sin = self.rope(position_ids, feat.dtype)
+        out, kv = self.midlayer(emb, feat, cos, sin, past_kv, attn_mask, self.attention)
+        return out, self.lm_head(self.norm(out)), kv
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def trainable_parameters(self):
+        """Everything but the embedding, which stays frozen to the target's (contract §1)."""
+        return [p for n, p in self.named_parameters() if not n.startswith("embed_tokens")]
+
+
+__all__ = ["Eagle3Config", "Eagle3Draft", "TTTMask", "ARCHITECTURE"]

@@ -1,0 +1,121 @@
+"""Training-time test (contract §4): unroll the draft k steps on its own features and score every
+step against the target's distribution.
+
+Alignment, for a sequence of S tokens: the target's states at position t have seen tokens 0..t.
+At TTT step k the draft at position t consumes token t+1+k (ground truth) and the feature of the
+previous step (step 0: the projected target aux states at t), sits at position t+k, and predicts
+token t+2+k, whose teacher is the target's distribution at position t+1+k.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from specforge.models.attention import TTTMask
+
+
+class Teacher:
+    """The target's own head over its final post-norm states, restricted to the draft vocab."""
+
+    def __init__(self, lm_head_weight: torch.Tensor, t2d: torch.Tensor, chunk: int = 2048):
+        self.weight = lm_head_weight  # [V, H_target], frozen
+        self.draft_ids = torch.nonzero(t2d, as_tuple=False).squeeze(-1)  # sorted target ids
+        self.t2d = t2d
+        self.chunk = chunk
+
+    @torch.no_grad()
+    def __call__(self, last: torch.Tensor):
+        """last [B, S, H] -> (probs over the draft vocab [B, S, Vd] fp32, target argmax [B, S],
+        whether that argmax is in the draft vocab [B, S])."""
+        flat = last.reshape(-1, last.shape[-1]).to(self.weight.dtype)
+        probs, argmax = [], []
+        for i in range(0, flat.shape[0], self.chunk):  # bounded memory: V can be 150K wide
+            logits = flat[i : i + self.chunk] @ self.weight.T
+            argmax.append(logits.argmax(-1))
+            probs.append(logits[:, self.draft_ids].float().softmax(-1))
+        shape = last.shape[:-1]
+        argmax = torch.cat(argmax).view(shape)
+        return torch.cat(probs).view(*shape, -1), argmax, self.t2d[argmax]
+
+
+@dataclass
+class StepStats:
+    """Sums over positions for one TTT step; turned into rates once aggregated."""
+
+    loss_sum: torch.Tensor
+    positions: torch.Tensor
+    correct: torch.Tensor
+    chain_correct: torch.Tensor  # correct at this step and every step before
+    chain_prev: torch.Tensor  # correct at every step before (the denominator of conditional acceptance)
+
+
+def shift(x: torch.Tensor, by: int, fill=0) -> torch.Tensor:
+    """x[:, t] <- x[:, t+by], padding the end with `fill`."""
+    if by == 0:
+        return x
+    pad = torch.full_like(x[:, :by], fill)
+    return torch.cat([x[:, by:], pad], dim=1)
+
+
+def ttt_forward(draft, batch: dict, teacher: Teacher, ttt_length: int, step_weight: float):
+    """Returns the weighted loss (a scalar to backprop) and per-step StepStats.
+
+    batch: input_ids [B,S] long, loss_mask [B,S] bool (False on padding), aux [B,S,3H], last [B,S,H],
+    position_ids [B,S].
+    """
+    ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
+    probs, argmax, in_vocab = teacher(batch["last"])
+    seq_len = ids.shape[1]
+    feat = draft.project(batch["aux"].to(draft.fc.weight.dtype))
+    keys, values = None, None
+    total = feat.new_zeros((), dtype=torch.float32)
+    stats, chain = [], torch.ones_like(loss_mask)
+    for k in range(ttt_length):
+        step_ids = shift(ids, 1 + k)
+        teacher_k = shift(probs, 1 + k)
+        valid = shift(loss_mask, 2 + k, False) & shift(in_vocab, 1 + k, False)
+        out, logits, (new_k, new_v) = draft.step(
+            step_ids, feat, batch["position_ids"] + k,
+            past_kv=None if keys is None else (keys, values),
+            attn_mask=TTTMask(seq_len, k),
+        )
+        keys = new_k if keys is None else torch.cat([keys, new_k], dim=2)
+        values = new_v if values is None else torch.cat([values, new_v], dim=2)
+        logp = F.log_softmax(logits.float(), dim=-1)
+        per_pos = -(teacher_k * logp).sum(-1)
+        n = valid.sum()
+        loss_k = (per_pos * valid).sum() / n.clamp(min=1)
+        total = total + (step_weight**k) * loss_k
+        with torch.no_grad():
+            correct = (logits.argmax(-1) == teacher_k.argmax(-1)) & valid
+            prev = chain & valid
+            chain = prev & correct
+            stats.append(StepStats((per_pos * valid).sum().detach(), n, correct.sum(),
+                                   chain.sum(), prev.sum()))
+        feat = out  # the next step reads this step's pre-norm output
+    return total, stats
+
+
+def summarize(stats_per_step: list[StepStats]) -> dict:
+    """Rates from summed StepStats: loss_k, acc_k, cond_acc_k and the simulated accept length."""
+    out, prod, accept = {}, 1.0, 1.0
+    for k, s in enumerate(stats_per_step):
+        n = max(int(s.positions), 1)
+        acc = int(s.correct) / n
+        out[f"loss_{k}"] = float(s.loss_sum) / n
+        out[f"acc_{k}"] = acc
+        out[f"cond_acc_{k}"] = int(s.chain_correct) / max(int(s.chain_prev), 1)
+        prod *= acc
+        accept += prod
+    out["positions"] = int(stats_per_step[0].positions) if stats_per_step else 0
+    out["sim_accept_length"] = accept
+    return out
+
+
+def add_stats(a: list[StepStats] | None, b: list[StepStats]) -> list[StepStats]:
+    if a is None:
+        return [StepStats(*(t.detach().clone() for t in vars(s).values())) for s in b]
+    return [StepStats(*(x + y for x, y in zip(vars(sa).values(), vars(sb).values())))
+            for sa, sb in zip(a, b)]

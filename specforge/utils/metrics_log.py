@@ -1,0 +1,45 @@
+"""Metrics go to `metrics.jsonl` in the run directory (always) and to wandb (when configured)."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+class MetricsLogger:
+    def __init__(self, path: str | Path, logging_cfg=None, run_name: str = "", config: dict | None = None,
+                 enabled: bool = True, fresh: bool = True):
+        self.path = Path(path)
+        self.enabled = enabled
+        self.wandb = None
+        if not enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if fresh and self.path.exists():
+            self.path.unlink()
+        if logging_cfg is not None and logging_cfg.wandb:
+            os.environ.setdefault("WANDB_MODE", logging_cfg.wandb_mode)
+            import wandb
+
+            self.wandb = wandb.init(project=logging_cfg.project, name=run_name, config=config,
+                                    dir=str(self.path.parent))
+
+    def log(self, row: dict) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.wandb is not None:
+            self.wandb.log({f"{row.get('split', 'train')}/{k}": v for k, v in row.items()
+                            if isinstance(v, (int, float))})
+
+    def close(self) -> None:
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    path = Path(path)
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,96 @@
+"""Checkpoints are served as-is by SGLang: the round trip is exact and every way a checkpoint can be
+wrong is refused with a message naming what is wrong."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from specforge.checkpoint import CheckpointError, load_draft, read_checkpoint, save_checkpoint
+from tests.test_ttt import tiny_draft
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    return save_checkpoint(tiny_draft(), tmp_path / "epoch_1")
+
+
+def test_round_trip_is_bit_identical(ckpt, tmp_path):
+    draft = load_draft(ckpt)
+    again = save_checkpoint(draft, tmp_path / "again")
+    assert (ckpt / "model.safetensors").read_bytes() == (again / "model.safetensors").read_bytes()
+    assert (ckpt / "config.json").read_text() == (again / "config.json").read_text()
+    a, b = load_file(ckpt / "model.safetensors"), load_file(again / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_config_is_what_sglang_reads(ckpt):
+    cfg = json.loads((ckpt / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert cfg["tie_word_embeddings"] is False and cfg["num_hidden_layers"] == 1
+    assert cfg["draft_vocab_size"] == 20 and cfg["vocab_size"] == 50
+    assert cfg["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [0, 1, 2], "use_aux_hidden_state": True}
+    names = set(load_file(ckpt / "model.safetensors"))
+    assert {"fc.weight", "midlayer.hidden_norm.weight", "lm_head.weight", "d2t", "t2d"} <= names
+    assert load_file(ckpt / "model.safetensors")["d2t"].dtype == torch.int64
+
+
+def edit_config(ckpt, **changes):
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg.update(changes)
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+
+
+def edit_weights(ckpt, fn):
+    tensors = load_file(ckpt / "model.safetensors")
+    fn(tensors)
+    save_file(tensors, ckpt / "model.safetensors")
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"architectures": ["LlamaForCausalLM"]}, "architectures must be"),
+    ({"tie_word_embeddings": True}, "tie_word_embeddings must be false"),
+    ({"num_hidden_layers": 2}, "num_hidden_layers must be 1"),
+    ({"draft_vocab_size": None}, "draft_vocab_size must be a positive integer"),
+    ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [3, 1, 2], "use_aux_hidden_state": True}},
+     "3 ascending ids"),
+    ({"model_type": "qwen2"}, "model_type must be 'llama'"),
+])
+def test_bad_config_is_refused(ckpt, changes, message):
+    edit_config(ckpt, **changes)
+    with pytest.raises(CheckpointError, match=message):
+        read_checkpoint(ckpt)
+
+
+def test_invalid_json_names_the_file(ckpt):
+    (ckpt / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="config.json: invalid JSON"):
+        read_checkpoint(ckpt)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda t: t.pop("fc.weight"), r"missing weights \['fc.weight'\]"),
+    (lambda t: t.update({"layers.0.mlp.up_proj.weight": torch.zeros(1)}), "unknown weights"),
+    (lambda t: t.update({"lm_head.weight": torch.zeros(21, 32)}), r"lm_head.weight: \(21, 32\) != expected"),
+    (lambda t: t.update({"d2t": t["d2t"].int()}), "d2t must be int64"),
+    (lambda t: t.update({"d2t": t["d2t"].flip(0)}), "outside the target vocab|strictly increasing"),
+    (lambda t: t["t2d"].__setitem__(1, True), "t2d does not mark exactly"),
+])
+def test_bad_weights_are_refused(ckpt, edit, message):
+    edit_weights(ckpt, edit)
+    with pytest.raises(CheckpointError, match=message):
+        read_checkpoint(ckpt)
+
+
+def test_missing_file_is_named(ckpt):
+    (ckpt / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="model.safetensors: missing"):
+        read_checkpoint(ckpt)
+
+
+def test_writer_refuses_an_invalid_draft(tmp_path):
+    draft = tiny_draft()
+    draft.d2t.zero_()  # every draft id maps to target id == draft id, but t2d marks even ids
+    with pytest.raises(CheckpointError, match="t2d does not mark"):
+        save_checkpoint(draft, tmp_path / "bad")
+    assert not (tmp_path / "bad").exists()

@@ -1,0 +1,121 @@
+"""The TTT unroll must compute exactly what the draft computes when it drafts a chain at serving
+time: step k at position t = the k-th chained draft step after the prefix 0..t."""
+import torch
+
+from specforge.models.draft import Eagle3Config, Eagle3Draft
+from specforge.train.ttt import Teacher, shift, summarize, ttt_forward
+
+
+def tiny_draft(vocab=50, draft_vocab=20, hidden=32, target_hidden=24, seed=0):
+    torch.manual_seed(seed)
+    cfg = Eagle3Config(vocab_size=vocab, draft_vocab_size=draft_vocab, hidden_size=hidden,
+                       intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                       target_hidden_size=target_hidden, aux_layer_ids=[0, 1, 2])
+    draft = Eagle3Draft(cfg, attention="eager")
+    used = torch.arange(0, 2 * draft_vocab, 2)
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[used] = True
+    draft.set_vocab_mapping(used - torch.arange(draft_vocab), t2d)
+    return draft
+
+
+def random_batch(draft, batch=2, seq=10, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    cfg = draft.config
+    return {
+        "input_ids": torch.randint(0, cfg.vocab_size, (batch, seq), generator=g),
+        "loss_mask": torch.ones(batch, seq, dtype=torch.bool),
+        "aux": torch.randn(batch, seq, 3 * cfg.target_hidden_size, generator=g),
+        "last": torch.randn(batch, seq, cfg.target_hidden_size, generator=g),
+        "position_ids": torch.arange(seq).expand(batch, seq),
+    }
+
+
+def ttt_logits(draft, batch, steps):
+    """The logits of every TTT step, captured from the batched unroll."""
+    captured = []
+    original = draft.step
+
+    def spy(*args, **kwargs):
+        out = original(*args, **kwargs)
+        captured.append(out[1])
+        return out
+
+    draft.step = spy
+    teacher = Teacher(torch.randn(draft.config.vocab_size, draft.config.target_hidden_size), draft.t2d)
+    ttt_forward(draft, batch, teacher, steps, 0.8)
+    draft.step = original
+    return captured
+
+
+@torch.no_grad()
+def chained_serving_logits(draft, batch, t, steps):
+    """Draft a chain after prefix 0..t the way a server does, one position per step, with a KV cache."""
+    ids, pos = batch["input_ids"], batch["position_ids"]
+    feat = draft.project(batch["aux"][:, : t + 1])
+    out, logits, (k, v) = draft.step(ids[:, 1 : t + 2], feat, pos[:, : t + 1])
+    result = [logits[:, t]]
+    feat = out[:, t : t + 1]
+    for j in range(1, steps):
+        out, logits, (nk, nv) = draft.step(ids[:, t + 1 + j : t + 2 + j], feat, pos[:, t : t + 1] + j,
+                                           past_kv=(k, v))
+        k, v = torch.cat([k, nk], 2), torch.cat([v, nv], 2)
+        result.append(logits[:, 0])
+        feat = out
+    return result
+
+
+def test_ttt_unroll_equals_chained_drafting():
+    draft = tiny_draft()
+    batch = random_batch(draft, seq=10)
+    steps = 4
+    batched = ttt_logits(draft, batch, steps)
+    for t in range(0, 10 - steps - 1):
+        serial = chained_serving_logits(draft, batch, t, steps)
+        for k in range(steps):
+            torch.testing.assert_close(batched[k][:, t], serial[k], atol=1e-5, rtol=1e-4)
+
+
+def test_shift_pads_the_end():
+    x = torch.tensor([[1, 2, 3, 4]])
+    assert shift(x, 2).tolist() == [[3, 4, 0, 0]]
+
+
+def test_loss_decreases_and_accuracy_rises_when_fitting_one_batch():
+    draft = tiny_draft()
+    batch = random_batch(draft, seq=12)
+    teacher = Teacher(torch.randn(draft.config.vocab_size, draft.config.target_hidden_size), draft.t2d)
+    opt = torch.optim.AdamW(draft.trainable_parameters(), lr=3e-3)
+    first = None
+    for _ in range(60):
+        loss, stats = ttt_forward(draft, batch, teacher, 3, 0.8)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if first is None:
+            first = (float(loss.detach()), summarize(stats))
+    last = summarize(stats)
+    assert float(loss.detach()) < 0.5 * first[0]
+    assert last["acc_0"] > first[1]["acc_0"]
+    assert last["sim_accept_length"] > first[1]["sim_accept_length"]
+
+
+def test_positions_where_target_argmax_is_outside_draft_vocab_do_not_count():
+    draft = tiny_draft()
+    batch = random_batch(draft, seq=8)
+    # A head whose argmax is always target id 1, which is not in the draft vocab (even ids only).
+    weight = torch.zeros(draft.config.vocab_size, draft.config.target_hidden_size)
+    weight[1] = 100.0
+    batch["last"] = batch["last"].abs()
+    _, stats = ttt_forward(draft, batch, Teacher(weight, draft.t2d), 2, 0.8)
+    assert all(int(s.positions) == 0 for s in stats)
+
+
+def test_summarize_simulated_accept_length_is_product_rule():
+    draft = tiny_draft()
+    batch = random_batch(draft, seq=12)
+    teacher = Teacher(torch.randn(draft.config.vocab_size, draft.config.target_hidden_size), draft.t2d)
+    _, stats = ttt_forward(draft, batch, teacher, 3, 0.8)
+    s = summarize(stats)
+    expected = 1 + s["acc_0"] + s["acc_0"] * s["acc_1"] + s["acc_0"] * s["acc_1"] * s["acc_2"]
+    assert abs(s["sim_accept_length"] - expected) < 1e-12
