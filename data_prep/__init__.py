@@ -1,0 +1,1 @@
+"""Dataset generators for demos and tests."""

@@ -1,0 +1,269 @@
+"""Synthetic weather assistant: users ask for a city's weather on a date, the assistant answers
+with a TOON document (schema fixed by the system prompt).
+
+Structured, repetitive answers are what a draft head can learn quickly, so this is the demo and
+test dataset. Everything is derived from the seed: the same (seed, split, n) gives the same
+rows. The forecast of a (city, date) depends only on the seed, so follow-ups and repeated
+questions stay consistent. Train and eval never share a (city, date) pair: eval uses held-out
+cities and held-out dates.
+
+    python data_prep/weather.py --out data/weather --train 2000 --eval 200 --seed 0
+
+Extension points (other issues): `Sample` carries the structured answers beside the messages,
+so images (e.g. a weather map attached to a user turn) or corruption (applied to rows after
+`to_row`) can be added without touching the forecast or phrasing code.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import random
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import toon_format
+
+from specforge.utils.io import write_jsonl
+
+# name, country, mean annual temperature (C), seasonal amplitude (C), southern hemisphere, wetness 0..1
+CITIES = [
+    ("Paris", "France", 12.5, 8.0, False, 0.45),
+    ("Oslo", "Norway", 6.0, 10.5, False, 0.5),
+    ("Lima", "Peru", 19.5, 3.5, True, 0.05),
+    ("Tokyo", "Japan", 16.0, 10.0, False, 0.5),
+    ("Cairo", "Egypt", 22.5, 7.0, False, 0.03),
+    ("Quito", "Ecuador", 14.0, 0.8, True, 0.55),
+    ("Perth", "Australia", 18.5, 5.5, True, 0.3),
+    ("Bern", "Switzerland", 9.0, 9.0, False, 0.5),
+    ("Madrid", "Spain", 15.0, 9.5, False, 0.25),
+    ("Dublin", "Ireland", 10.0, 5.0, False, 0.65),
+    ("Berlin", "Germany", 10.0, 9.5, False, 0.45),
+    ("Rome", "Italy", 15.5, 8.5, False, 0.35),
+    ("Athens", "Greece", 18.5, 8.5, False, 0.2),
+    ("Moscow", "Russia", 5.8, 13.0, False, 0.45),
+    ("Nairobi", "Kenya", 18.0, 1.5, True, 0.35),
+    ("Mumbai", "India", 27.0, 2.5, False, 0.4),
+    ("Bangkok", "Thailand", 28.5, 1.8, False, 0.45),
+    ("Seoul", "South Korea", 12.5, 14.0, False, 0.4),
+    ("Sydney", "Australia", 18.0, 4.5, True, 0.4),
+    ("Toronto", "Canada", 8.5, 13.0, False, 0.45),
+    ("Chicago", "United States", 10.0, 13.5, False, 0.4),
+    ("Denver", "United States", 10.5, 11.0, False, 0.25),
+    ("Mexico City", "Mexico", 16.5, 3.0, False, 0.35),
+    ("Bogota", "Colombia", 14.0, 0.7, False, 0.6),
+    ("Santiago", "Chile", 14.5, 6.5, True, 0.15),
+    ("Cape Town", "South Africa", 17.0, 4.5, True, 0.3),
+    # held out: only ever in eval
+    ("Lisbon", "Portugal", 17.5, 5.5, False, 0.3),
+    ("Vienna", "Austria", 11.0, 10.0, False, 0.4),
+    ("Hanoi", "Vietnam", 24.0, 6.0, False, 0.5),
+    ("Auckland", "New Zealand", 15.5, 4.0, True, 0.5),
+]
+CITY_INFO = {c[0]: c for c in CITIES}
+EVAL_CITIES = frozenset({"Lisbon", "Vienna", "Hanoi", "Auckland"})
+FIRST_DATE = dt.date(2025, 1, 1)
+LAST_DATE = dt.date(2026, 12, 31)
+HOURS = (0, 6, 12, 18)
+
+SYSTEM_PROMPT = (
+    "You are a weather assistant. Reply with only a TOON document:\n"
+    "city: <name>\ncountry: <name>\ndate: <YYYY-MM-DD>\nsummary: <sentence>\n"
+    "temp_c: {min,max}\n"
+    f"hourly[{len(HOURS)}]{{time,temp_c,sky,wind_kmh,precip_mm}}: every {24 // len(HOURS)} hours"
+)
+
+QUESTIONS = [
+    "What's the weather in {city} on {date}?",
+    "What will the weather be like in {city} on {date}?",
+    "Can you give me the forecast for {city}, {date}?",
+    "weather {city} {date}",
+    "I'm travelling to {city} on {date}. What weather should I expect?",
+    "How hot will it be in {city} on {date}?",
+    "Forecast for {city} ({country}) on {date}, please.",
+    "Do I need an umbrella in {city} on {date}?",
+    "Tell me the weather for {date} in {city}.",
+    "Is it going to be windy in {city} on {date}?",
+]
+NEXT_DAY = ["And the next day?", "What about the day after?", "How about the following day?"]
+OTHER_CITY = ["And in {city}?", "How about {city} on the same day?", "What about {city}?"]
+OTHER_DATE = ["What about {date}?", "And on {date}?", "Same city, {date}?"]
+DATE_STYLES = ("iso", "long", "day_month", "weekday")
+SKY_WORDS = {"sunny": "Sunny", "clear": "Clear skies", "partly cloudy": "Partly cloudy", "cloudy": "Overcast",
+             "fog": "Foggy", "rain": "Rainy", "snow": "Snowy", "thunderstorm": "Stormy"}
+
+
+@dataclass
+class Sample:
+    """One generated conversation and the objects its assistant turns encode."""
+
+    id: str
+    messages: list[dict]
+    answers: list[dict] = field(default_factory=list)  # one weather object per assistant turn
+
+
+def is_eval_pair(city: str, date: dt.date) -> bool:
+    """Held-out (city, date) pairs: eval-only cities, and every 7th day for the other cities."""
+    return city in EVAL_CITIES or date.toordinal() % 7 == 3
+
+
+def format_date(date: dt.date, style: str) -> str:
+    if style == "iso":
+        return date.isoformat()
+    if style == "long":
+        return f"{date:%B} {date.day}, {date.year}"
+    if style == "day_month":
+        return f"{date.day} {date:%B} {date.year}"
+    return f"{date:%A}, {date:%B} {date.day}, {date.year}"
+
+
+def _sky(rng: random.Random, wet: float, temp: float) -> tuple[str, float]:
+    """(sky, precipitation mm) for one time slot."""
+    r = rng.random()
+    if r < wet * 0.35:
+        heavy = rng.random() < 0.25
+        mm = round(rng.uniform(2.0, 8.0) if heavy else rng.uniform(0.2, 2.0), 1)
+        if temp <= 0.5:
+            return "snow", mm
+        return ("thunderstorm" if heavy and temp > 18 else "rain"), mm
+    if r < wet * 0.55:
+        return "fog" if temp < 12 and rng.random() < 0.4 else "cloudy", 0.0
+    if r < 0.35 + wet * 0.4:
+        return "partly cloudy", 0.0
+    return ("clear" if rng.random() < 0.5 else "sunny"), 0.0
+
+
+def forecast(city: str, date: dt.date, seed: int = 0) -> dict:
+    """The weather object of (city, date); depends only on the seed, not on who asks."""
+    name, country, mean, amp, south, wet = CITY_INFO[city]
+    rng = random.Random(f"forecast:{seed}:{city}:{date.isoformat()}")
+    season = math.cos(2 * math.pi * (date.timetuple().tm_yday - 200) / 365.25)
+    day_mean = mean + (-amp if south else amp) * season + rng.gauss(0, 2.0)
+    swing = rng.uniform(3.0, 7.0) * (1.0 - 0.5 * wet)
+    wind_base = rng.uniform(4, 22)
+    wet_today = min(0.95, max(0.0, wet + rng.uniform(-0.3, 0.3)))
+    hourly = []
+    for hour in HOURS:
+        temp = day_mean + swing * math.cos(2 * math.pi * (hour - 15) / 24)
+        sky, mm = _sky(rng, wet_today, temp)
+        wind = max(0, round(wind_base + rng.gauss(0, 4) + (8 if sky == "thunderstorm" else 0)))
+        hourly.append({"time": f"{hour:02d}:00", "temp_c": round(temp), "sky": sky,
+                       "wind_kmh": wind, "precip_mm": mm})
+    return {
+        "city": name,
+        "country": country,
+        "date": date.isoformat(),
+        "summary": _summary(hourly),
+        "temp_c": {"min": min(h["temp_c"] for h in hourly), "max": max(h["temp_c"] for h in hourly)},
+        "hourly": hourly,
+    }
+
+
+def _summary(hourly: list[dict]) -> str:
+    skies = [h["sky"] for h in hourly]
+    main = max(sorted(set(skies)), key=skies.count)
+    total = round(sum(h["precip_mm"] for h in hourly), 1)
+    wind = max(h["wind_kmh"] for h in hourly)
+    parts = [SKY_WORDS[main]]
+    parts.append(f"{total} mm of precipitation" if total > 0 else "dry")
+    if wind >= 30:
+        parts.append(f"gusts up to {wind} km/h")
+    return "; ".join(parts) + "."
+
+
+def _random_date(rng: random.Random) -> dt.date:
+    return FIRST_DATE + dt.timedelta(days=rng.randrange((LAST_DATE - FIRST_DATE).days + 1))
+
+
+def _conversation(rng: random.Random, split: str, seed: int, multi_turn: float) -> tuple[list[dict], list[dict]] | None:
+    """Messages and answers of one conversation, or None when a (city, date) falls outside the split."""
+    cities = [c[0] for c in CITIES]
+    city, date = rng.choice(cities), _random_date(rng)
+    style = rng.choice(DATE_STYLES)
+    question = rng.choice(QUESTIONS).format(city=city, country=CITY_INFO[city][1], date=format_date(date, style))
+    asks = [(question, city, date)]
+    if rng.random() < multi_turn:
+        kind = rng.randrange(3)
+        if kind == 0:
+            asks.append((rng.choice(NEXT_DAY), city, date + dt.timedelta(days=1)))
+        elif kind == 1:
+            other = rng.choice([c for c in cities if c != city])
+            asks.append((rng.choice(OTHER_CITY).format(city=other), other, date))
+        else:
+            other_date = _random_date(rng)
+            asks.append((rng.choice(OTHER_DATE).format(date=format_date(other_date, style)), city, other_date))
+    if any(is_eval_pair(c, d) != (split == "eval") or not FIRST_DATE <= d <= LAST_DATE for _, c, d in asks):
+        return None
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}]
+    answers = []
+    for text, c, d in asks:
+        answer = forecast(c, d, seed)
+        messages.append({"role": "user", "content": text})
+        messages.append({"role": "assistant", "content": toon_format.encode(answer)})
+        answers.append(answer)
+    return messages, answers
+
+
+def generate_samples(n: int, seed: int = 0, split: str = "train", multi_turn: float = 0.2) -> list[Sample]:
+    """`n` distinct conversations of `split` ("train" or "eval"); deterministic in (n, seed, split)."""
+    if split not in ("train", "eval"):
+        raise ValueError(f"split: {split!r} must be 'train' or 'eval'")
+    if n < 0:
+        raise ValueError(f"n: must be >= 0, got {n}")
+    rng = random.Random(f"questions:{seed}:{split}")
+    samples: list[Sample] = []
+    seen: set[str] = set()
+    attempts = 0
+    while len(samples) < n:
+        attempts += 1
+        if attempts > 100 * n + 1000:
+            raise RuntimeError(f"could not draw {n} distinct {split} conversations; ask for fewer")
+        conv = _conversation(rng, split, seed, multi_turn)
+        if conv is None:
+            continue
+        messages, answers = conv
+        key = json.dumps(messages[1:], sort_keys=True)
+        if key in seen:
+            continue
+        seen.add(key)
+        samples.append(Sample(f"weather-{split}-{seed}-{len(samples):06d}", messages, answers))
+    return samples
+
+
+def to_row(sample: Sample, fmt: str = "messages") -> dict:
+    """An OpenAI `messages` row or a ShareGPT `conversations` row."""
+    if fmt == "messages":
+        return {"id": sample.id, "messages": sample.messages}
+    if fmt == "sharegpt":
+        names = {"system": "system", "user": "human", "assistant": "gpt"}
+        return {"id": sample.id,
+                "conversations": [{"from": names[m["role"]], "value": m["content"]} for m in sample.messages]}
+    raise ValueError(f"format: {fmt!r} must be 'messages' or 'sharegpt'")
+
+
+def generate(n: int, seed: int = 0, split: str = "train", fmt: str = "messages", multi_turn: float = 0.2) -> list[dict]:
+    """Rows ready to write as JSONL."""
+    return [to_row(s, fmt) for s in generate_samples(n, seed, split, multi_turn)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="data/weather", help="output directory (train.jsonl, eval.jsonl)")
+    p.add_argument("--train", type=int, default=2000, help="number of training conversations")
+    p.add_argument("--eval", type=int, default=200, help="number of held-out conversations")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--format", choices=["messages", "sharegpt"], default="messages")
+    p.add_argument("--multi-turn", type=float, default=0.2, help="fraction with a follow-up question")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    for split, n in (("train", args.train), ("eval", args.eval)):
+        rows = generate(n, args.seed, split, args.format, args.multi_turn)
+        write_jsonl(out / f"{split}.jsonl", rows)
+        print(f"wrote {len(rows)} {split} conversations to {out / f'{split}.jsonl'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,242 @@
+"""Raw dataset rows -> one normalised conversation shape.
+
+Readers never raise on a bad line: it becomes a `RawRow` with an error so the data stage can
+quarantine it with its file and line. `to_conversation` raises `DataError` naming the offending
+field, which the fix step (or the stage) turns into a quarantine reason.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from specforge.utils.io import fingerprint
+
+FORMATS = ("auto", "sharegpt", "messages", "conversations")
+
+# Role spellings seen in public datasets -> the three roles chat templates understand.
+ROLE_MAP = {
+    "system": "system",
+    "developer": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bard": "assistant",
+    "bing": "assistant",
+    "model": "assistant",
+}
+TEXT_PART_TYPES = ("text", "input_text", "output_text")
+IMAGE_PART_TYPES = ("image", "image_url", "input_image")
+
+
+@dataclass
+class RawRow:
+    """One line (JSONL) or element (JSON list) of an input file, parsed or not."""
+
+    file: str
+    line: int
+    data: dict | None
+    error: str | None
+
+
+class DataError(ValueError):
+    """A malformed row; the message starts with the field path, e.g. "messages[2].role: ..."."""
+
+
+def read_raw_rows(path: str | Path) -> Iterator[RawRow]:
+    """Rows of a .jsonl (one per non-blank line) or .json (a list of objects) file.
+
+    Bad JSON, bad UTF-8 or a non-object row yields a RawRow with `error` set; nothing is skipped
+    silently and nothing raises except a missing file or an unsupported extension."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such data file")
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        yield from _read_jsonl(path)
+    elif suffix == ".json":
+        yield from _read_json_list(path)
+    else:
+        raise ValueError(f"{path}: unsupported data file type {suffix!r}; expected .jsonl or .json")
+
+
+def _object_or_error(file: str, line: int, obj: Any) -> RawRow:
+    if isinstance(obj, dict):
+        return RawRow(file, line, obj, None)
+    return RawRow(file, line, None, f"expected a JSON object, got {type(obj).__name__}")
+
+
+def _read_jsonl(path: Path) -> Iterator[RawRow]:
+    file = str(path)
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                text = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                yield RawRow(file, lineno, None, f"invalid UTF-8: {e.reason} at byte {e.start}")
+                continue
+            if not text.strip():
+                continue
+            try:
+                obj = json.loads(text)
+            except json.JSONDecodeError as e:
+                yield RawRow(file, lineno, None, f"invalid JSON: {e.msg} (column {e.colno})")
+                continue
+            yield _object_or_error(file, lineno, obj)
+
+
+def _read_json_list(path: Path) -> Iterator[RawRow]:
+    """Walk the top-level array element by element so each row gets its real line number."""
+    file = str(path)
+    try:
+        text = path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as e:
+        yield RawRow(file, 1, None, f"invalid UTF-8: {e.reason} at byte {e.start}")
+        return
+    decoder = json.JSONDecoder()
+
+    def skip_ws(i: int) -> int:
+        while i < len(text) and text[i] in " \t\r\n":
+            i += 1
+        return i
+
+    def line_of(i: int) -> int:
+        return text.count("\n", 0, i) + 1
+
+    i = skip_ws(0)
+    if i >= len(text) or text[i] != "[":
+        yield RawRow(file, line_of(i), None, "invalid JSON: a .json data file must hold a list of objects")
+        return
+    i = skip_ws(i + 1)
+    if i < len(text) and text[i] == "]":
+        return
+    while i < len(text):
+        start = i
+        try:
+            obj, i = decoder.raw_decode(text, i)
+        except json.JSONDecodeError as e:
+            # The rest of the file cannot be split reliably: one error row for what is left.
+            yield RawRow(file, line_of(start), None, f"invalid JSON: {e.msg} (line {e.lineno}, column {e.colno})")
+            return
+        yield _object_or_error(file, line_of(start), obj)
+        i = skip_ws(i)
+        if i < len(text) and text[i] == ",":
+            i = skip_ws(i + 1)
+        elif i < len(text) and text[i] == "]":
+            return
+        else:
+            yield RawRow(file, line_of(i), None, "invalid JSON: expected ',' or ']' after a list element")
+            return
+    yield RawRow(file, line_of(len(text)), None, "invalid JSON: unterminated list")
+
+
+def detect_format(data: dict) -> str:
+    """'messages', 'sharegpt' (from/value turns) or 'conversations' (role/content turns)."""
+    if "messages" in data:
+        return "messages"
+    turns = data.get("conversations")
+    if turns is None:
+        raise DataError(f"row: no 'messages' or 'conversations' field (keys: {sorted(data)[:8]})")
+    if isinstance(turns, list) and turns and isinstance(turns[0], dict) and "from" in turns[0]:
+        return "sharegpt"
+    return "conversations"
+
+
+def to_conversation(data: dict, fmt: str = "auto") -> dict:
+    """`{"id", "messages": [{"role", "content"}]}` from a ShareGPT, OpenAI-messages or
+    role/content row. Text parts are joined into one string; a turn with image parts keeps its
+    list of parts (normalised to {"type": "text"|"image", ...}) for vision-language targets."""
+    if fmt not in FORMATS:
+        raise ValueError(f"data.format: {fmt!r} is not one of {list(FORMATS)}")
+    if not isinstance(data, dict):
+        raise DataError(f"row: expected a JSON object, got {type(data).__name__}")
+    if fmt == "auto":
+        fmt = detect_format(data)
+    if fmt == "sharegpt":
+        field, role_key, content_key = "conversations", "from", "value"
+    elif fmt == "messages":
+        field, role_key, content_key = "messages", "role", "content"
+    else:
+        field, role_key, content_key = "conversations", "role", "content"
+
+    turns = data.get(field)
+    if turns is None:
+        raise DataError(f"{field}: missing (format {fmt})")
+    if not isinstance(turns, list):
+        raise DataError(f"{field}: expected a list of turns, got {type(turns).__name__}")
+    if not turns:
+        raise DataError(f"{field}: empty")
+
+    messages = []
+    system = data.get("system")  # ShareGPT variants keep the system prompt beside the turns
+    if system is not None and not isinstance(system, str):
+        raise DataError(f"system: expected a string, got {type(system).__name__}")
+    for i, turn in enumerate(turns):
+        where = f"{field}[{i}]"
+        if not isinstance(turn, dict):
+            raise DataError(f"{where}: expected an object, got {type(turn).__name__}")
+        if role_key not in turn:
+            raise DataError(f"{where}.{role_key}: missing")
+        raw_role = turn[role_key]
+        role = ROLE_MAP.get(raw_role.strip().lower()) if isinstance(raw_role, str) else None
+        if role is None:
+            raise DataError(f"{where}.{role_key}: unknown role {raw_role!r}")
+        if content_key not in turn:
+            raise DataError(f"{where}.{content_key}: missing")
+        content = _content(turn[content_key], f"{where}.{content_key}")
+        messages.append({"role": role, "content": content})
+    if system and system.strip() and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system})
+
+    return {"id": _row_id(data, messages), "messages": messages}
+
+
+def _content(value: Any, where: str) -> str | list[dict]:
+    if isinstance(value, str):
+        return value
+    if value is None:
+        raise DataError(f"{where}: is null (expected a string or a list of parts)")
+    if not isinstance(value, list):
+        raise DataError(f"{where}: expected a string or a list of parts, got {type(value).__name__}")
+    parts: list[dict] = []
+    for j, part in enumerate(value):
+        pw = f"{where}[{j}]"
+        if isinstance(part, str):
+            parts.append({"type": "text", "text": part})
+            continue
+        if not isinstance(part, dict):
+            raise DataError(f"{pw}: expected an object, got {type(part).__name__}")
+        kind = part.get("type")
+        if kind in TEXT_PART_TYPES:
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise DataError(f"{pw}.text: expected a string, got {type(text).__name__}")
+            parts.append({"type": "text", "text": text})
+        elif kind in IMAGE_PART_TYPES:
+            parts.append(_image_part(part, pw))
+        else:
+            raise DataError(f"{pw}.type: unknown part type {kind!r}")
+    if all(p["type"] == "text" for p in parts):
+        return "\n".join(p["text"] for p in parts)
+    return parts
+
+
+def _image_part(part: dict, where: str) -> dict:
+    """{"type": "image", "image": <path or URL>} whatever the input spelling was."""
+    src = part.get("image", part.get("image_url"))
+    if isinstance(src, dict):
+        src = src.get("url")
+    if not isinstance(src, str) or not src:
+        raise DataError(f"{where}: image part without an image path or URL")
+    return {"type": "image", "image": src}
+
+
+def _row_id(data: dict, messages: list[dict]) -> str:
+    for key in ("id", "uuid"):
+        value = data.get(key)
+        if isinstance(value, (str, int)) and not isinstance(value, bool) and str(value) != "":
+            return str(value)
+    return "sha-" + fingerprint(messages)

@@ -1,0 +1,261 @@
+"""Data stage: raw files -> clean conversations -> input_ids + loss_mask -> draft vocab map.
+
+Every input row is accounted for: it becomes a sample (kept as is or fixed) or a quarantine
+entry with its file, line and reason; the report shows that the counts reconcile. Outputs live
+in `run_dir/data/` (see docs/design.md).
+"""
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+from specforge.data.fix import fix_dataset, reason_code
+from specforge.data.formats import DataError, RawRow, read_raw_rows, to_conversation
+from specforge.data.template import render
+from specforge.data.vocab import cached_vocab_mapping, save_vocab, vocab_cache_key
+from specforge.utils.io import file_fingerprint, fingerprint, write_json, write_jsonl, write_text
+from specforge.utils.progress import progress_bar
+
+GENERATE_HINT = "it can be generated with `python data_prep/weather.py --out data/weather`"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
+
+
+def split_files(cfg) -> dict[str, list[str]]:
+    """{"train": [...], "eval": [...]}; eval only when eval files are configured."""
+    splits = {"train": list(cfg.data.train_files)}
+    if cfg.data.eval_files:
+        splits["eval"] = list(cfg.data.eval_files)
+    return splits
+
+
+def _check_exists(path: str) -> None:
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"data file {path} not found; {GENERATE_HINT}")
+
+
+def extra_inputs(cfg) -> dict:
+    """Content fingerprints of the raw files: editing a file re-runs the stage."""
+    out = {}
+    for split, files in split_files(cfg).items():
+        for f in files:
+            _check_exists(f)
+        out[split] = {f: file_fingerprint(f) for f in files}
+    return out
+
+
+def target_vocab_size(target_path: Path, tokenizer) -> int:
+    """The model's vocab size (config.json, text_config for vision-language targets), never
+    smaller than the tokenizer: the draft's t2d must cover every id the tokenizer can emit."""
+    config_vocab = 0
+    config_file = Path(target_path) / "config.json"
+    if config_file.is_file():
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+        config_vocab = (config.get("text_config") or {}).get("vocab_size") or config.get("vocab_size") or 0
+    return max(int(config_vocab), len(tokenizer))
+
+
+def tokenizer_fingerprint(target_path: Path) -> str:
+    files = [Path(target_path) / n for n in TOKENIZER_FILES if (Path(target_path) / n).is_file()]
+    return fingerprint({f.name: file_fingerprint(f) for f in files})
+
+
+def _read_split(files: list[str]) -> list[RawRow]:
+    rows: list[RawRow] = []
+    for f in files:
+        _check_exists(f)
+        rows.extend(read_raw_rows(f))
+    return rows
+
+
+def _parse_only(rows: list[RawRow], fmt: str) -> tuple[list[dict], list[dict]]:
+    """Without the fix step: parse each row, quarantine what does not parse (same reason codes)."""
+    kept, quarantined = [], []
+    for raw in rows:
+        if raw.error is not None:
+            quarantined.append({"file": raw.file, "line": raw.line, "reason": f"invalid_json: {raw.error}",
+                                "row": raw.error})
+            continue
+        try:
+            conv = to_conversation(raw.data, fmt)
+        except DataError as e:
+            quarantined.append({"file": raw.file, "line": raw.line, "reason": f"invalid_row: {e}", "row": raw.data})
+            continue
+        kept.append({**conv, "fixes": [], "file": raw.file, "line": raw.line})
+    return kept, quarantined
+
+
+def _normalise(cfg, rows: list[RawRow]) -> tuple[list[dict], list[dict]]:
+    """(conversations {"id", "messages", "fixes", "file", "line"}, quarantine entries)."""
+    if not cfg.data.fix.enabled:
+        return _parse_only(rows, cfg.data.format)
+    result = fix_dataset(rows, cfg.data.fix, cfg.data.format, cfg.data.image_root)
+    if len(result.kept) + len(result.quarantined) != len(rows):
+        raise RuntimeError(
+            f"data.fix: {len(rows)} input rows but {len(result.kept)} kept + {len(result.quarantined)} "
+            "quarantined; every row must be accounted for exactly once"
+        )
+    return result.kept, result.quarantined
+
+
+def process_split(cfg, split: str, files: list[str], tokenizer, progress=None) -> dict:
+    """Read, normalise, limit and render one split.
+
+    Returns {"samples", "conversations", "quarantine", "counts"}; samples that cannot be used
+    after rendering (over-length, template errors) move from kept/fixed to quarantined."""
+    rows = _read_split(files)
+    convs, quarantine = _normalise(cfg, rows)
+    quarantine = [{"split": split, **q} for q in quarantine]
+
+    skipped = 0
+    if cfg.data.max_samples is not None and len(convs) > cfg.data.max_samples:
+        skipped = len(convs) - cfg.data.max_samples
+        convs = convs[: cfg.data.max_samples]
+
+    samples, conversations = [], []
+    fixes: Counter = Counter()
+    kept = fixed = truncated = 0
+    task = progress.add_task(f"data {split}", total=len(convs), info="") if progress else None
+    for conv in convs:
+        try:
+            r = render(tokenizer, conv["messages"], cfg.data.max_length, cfg.data.overlength)
+            reason = r.drop_reason
+        except DataError as e:  # TemplateError: the template cannot be mapped for this row
+            r, reason = None, f"template_error: {e}"
+        if reason is not None:
+            if r is not None:
+                reason = f"{reason}: {r.full_length} tokens > max_length {cfg.data.max_length}"
+            quarantine.append({"split": split, "file": conv.get("file"), "line": conv.get("line"), "reason": reason,
+                               "row": {"id": conv["id"], "messages": conv["messages"]}})
+        else:
+            truncated += r.truncated
+            if conv.get("fixes"):
+                fixed += 1
+                fixes.update(conv["fixes"])
+            else:
+                kept += 1
+            samples.append({"id": conv["id"], "input_ids": r.input_ids, "loss_mask": r.loss_mask})
+            conversations.append({"id": conv["id"], "messages": conv["messages"]})
+        if task is not None:
+            progress.advance(task)
+
+    lengths = [len(s["input_ids"]) for s in samples]
+    counts = {
+        "input_rows": len(rows),
+        "kept": kept,
+        "fixed": fixed,
+        "quarantined": len(quarantine),
+        "skipped_max_samples": skipped,
+        "by_reason": dict(sorted(Counter(reason_code(q["reason"]) for q in quarantine).items())),
+        "by_fix": dict(sorted(fixes.items())),
+        "truncated": truncated,
+        "samples": len(samples),
+        "tokens": sum(lengths),
+        "loss_tokens": sum(sum(s["loss_mask"]) for s in samples),
+        "max_tokens": max(lengths, default=0),
+    }
+    accounted = kept + fixed + len(quarantine) + skipped
+    if accounted != len(rows):
+        raise RuntimeError(
+            f"data {split}: {len(rows)} input rows but {accounted} accounted for "
+            f"(kept {kept} + fixed {fixed} + quarantined {len(quarantine)} + skipped {skipped})"
+        )
+    return {"samples": samples, "conversations": conversations, "quarantine": quarantine, "counts": counts}
+
+
+def _coverage(samples: list[dict], t2d) -> float:
+    """Fraction of loss tokens the draft vocab can predict (1.0 = nothing lost to the reduced vocab)."""
+    allowed = t2d.tolist()
+    total = covered = 0
+    for s in samples:
+        for t, m in zip(s["input_ids"], s["loss_mask"]):
+            if m:
+                total += 1
+                covered += allowed[t]
+    return round(covered / total, 6) if total else 0.0
+
+
+def run(cfg, run_dir) -> dict:
+    """Write run_dir/data/*; returns the per-split counts and vocab facts for the pipeline marker."""
+    from specforge.targets.loader import load_tokenizer, resolve_target_path
+
+    data_dir = Path(run_dir) / "data"
+    splits = split_files(cfg)
+    for files in splits.values():
+        for f in files:
+            _check_exists(f)
+    target_path = resolve_target_path(cfg.target)
+    tokenizer = load_tokenizer(cfg.target)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"target tokenizer at {target_path} has no chat template; the data stage needs one")
+
+    results = {}
+    with progress_bar() as progress:
+        for split, files in splits.items():
+            results[split] = process_split(cfg, split, files, tokenizer, progress)
+
+    for split in ("train", "eval"):
+        if split not in results:  # no eval files configured: leave no stale eval data behind
+            for name in (f"{split}.jsonl", f"{split}.conversations.jsonl"):
+                (data_dir / name).unlink(missing_ok=True)
+            continue
+        write_jsonl(data_dir / f"{split}.jsonl", results[split]["samples"])
+        write_jsonl(data_dir / f"{split}.conversations.jsonl", results[split]["conversations"])
+    write_jsonl(data_dir / "quarantine.jsonl", [q for r in results.values() for q in r["quarantine"]])
+
+    summary = {split: r["counts"] for split, r in results.items()}
+    train = results["train"]
+    if not train["samples"]:
+        _write_report(data_dir, summary, None)
+        raise ValueError(
+            f"data: no training samples left out of {train['counts']['input_rows']} rows; "
+            f"see {data_dir / 'quarantine.jsonl'} and {data_dir / 'report.md'}"
+        )
+
+    vocab_size = target_vocab_size(target_path, tokenizer)
+    key = vocab_cache_key(
+        file_fingerprint(data_dir / "train.jsonl"), tokenizer_fingerprint(target_path),
+        vocab_size, cfg.draft.draft_vocab_size,
+    )
+    d2t, t2d, hit = cached_vocab_mapping(
+        cfg.cache_dir, key, ((s["input_ids"], s["loss_mask"]) for s in train["samples"]),
+        vocab_size, cfg.draft.draft_vocab_size,
+    )
+    save_vocab(data_dir / "vocab.safetensors", d2t, t2d)
+    vocab = {
+        "vocab_size": vocab_size,
+        "draft_vocab_size": int(len(d2t)),
+        "cache_key": key,
+        "cache_hit": hit,
+        "coverage": {split: _coverage(r["samples"], t2d) for split, r in results.items()},
+    }
+    _write_report(data_dir, summary, vocab)
+    return {**summary, "vocab": vocab}
+
+
+def _write_report(data_dir: Path, summary: dict, vocab: dict | None) -> None:
+    write_json(data_dir / "report.json", {"splits": summary, "vocab": vocab})
+    write_text(data_dir / "report.md", report_markdown(summary, vocab))
+
+
+def report_markdown(summary: dict, vocab: dict | None) -> str:
+    rows = ["input_rows", "kept", "fixed", "quarantined", "skipped_max_samples", "truncated",
+            "samples", "tokens", "loss_tokens", "max_tokens"]
+    splits = list(summary)
+    lines = ["# Data report", "", "Every input row is kept, fixed or quarantined "
+             "(input_rows = kept + fixed + quarantined + skipped_max_samples).", "",
+             "| | " + " | ".join(splits) + " |", "|---|" + "---|" * len(splits)]
+    lines += [f"| {k} | " + " | ".join(str(summary[s][k]) for s in splits) + " |" for k in rows]
+    for title, key in (("Quarantined by reason", "by_reason"), ("Fixes applied", "by_fix")):
+        names = sorted({n for s in splits for n in summary[s][key]})
+        if names:
+            lines += ["", f"## {title}", "", "| | " + " | ".join(splits) + " |", "|---|" + "---|" * len(splits)]
+            lines += [f"| {n} | " + " | ".join(str(summary[s][key].get(n, 0)) for s in splits) + " |" for n in names]
+    if vocab:
+        lines += ["", "## Draft vocabulary", "",
+                  f"- {vocab['draft_vocab_size']} of {vocab['vocab_size']} target tokens "
+                  f"(cache {'hit' if vocab['cache_hit'] else 'miss'}, key {vocab['cache_key']})"]
+        lines += [f"- loss tokens covered by the draft vocab, {s}: {c:.2%}" for s, c in vocab["coverage"].items()]
+    lines += ["", "Quarantined rows with file, line and reason: `quarantine.jsonl`.", ""]
+    return "\n".join(lines)

@@ -1,0 +1,142 @@
+"""Conversation -> (input_ids, loss_mask) through the target tokenizer's own chat template.
+
+The draft must see exactly the token stream the target sees when served, so we never build
+prompts by hand. Which tokens carry loss is found by rendering prefixes of the conversation with
+the same template and mapping character spans to tokens with offsets, so templates that inject
+text (default system prompts, BOS, ...) are handled without knowing them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import jinja2
+
+from specforge.data.formats import DataError
+
+OVERLENGTH = ("truncate", "drop")
+
+
+class TemplateError(DataError):
+    """The chat template renders a conversation inconsistently; the row cannot be masked."""
+
+
+@dataclass
+class Rendered:
+    """A rendered sample. Unpacks as `input_ids, loss_mask = render(...)`.
+
+    `drop_reason` is set (and the lists are empty) when the sample must not be used:
+    "overlength" (overlength="drop") or "no_loss_tokens_after_truncation"."""
+
+    input_ids: list[int]
+    loss_mask: list[int]
+    full_length: int  # tokens before any truncation
+    truncated: bool = False
+    drop_reason: str | None = None
+    turns: int = 0  # assistant turns masked
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter((self.input_ids, self.loss_mask))
+
+
+def _apply(tokenizer, messages: list[dict], **kw):
+    """apply_chat_template; a template that cannot render this row (e.g. image parts in a text
+    template) is a row error, not a crash of the whole stage."""
+    try:
+        return tokenizer.apply_chat_template(messages, **kw)
+    except (TypeError, jinja2.TemplateError) as e:
+        raise TemplateError(f"messages: the chat template cannot render this conversation ({e})") from None
+
+
+def _template_text(tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:
+    return _apply(tokenizer, messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def _template_ids(tokenizer, messages: list[dict]) -> list[int]:
+    out = _apply(tokenizer, messages, tokenize=True)
+    ids = out["input_ids"] if hasattr(out, "keys") else out
+    return list(ids)
+
+
+def _special_ids(tokenizer) -> set[int]:
+    ids = set(tokenizer.all_special_ids)
+    ids.update(i for i, tok in tokenizer.added_tokens_decoder.items() if tok.special)
+    return ids
+
+
+def assistant_char_spans(tokenizer, messages: list[dict], full: str) -> list[tuple[int, int, int]]:
+    """For each assistant turn: (generation start, content end, turn end) as character offsets
+    into `full`. Generation starts where the template's generation prompt ends."""
+    spans = []
+    for i, msg in enumerate(messages):
+        if msg["role"] != "assistant":
+            continue
+        prefix = _template_text(tokenizer, messages[:i], add_generation_prompt=True)
+        if not full.startswith(prefix):
+            raise TemplateError(
+                f"messages[{i}]: the chat template renders the conversation before this assistant "
+                f"turn differently from the full conversation; cannot locate the turn"
+            )
+        start = len(prefix)
+        upto = _template_text(tokenizer, messages[: i + 1], add_generation_prompt=False)
+        turn_end = len(upto) if full.startswith(upto) and len(upto) > start else len(full)
+        content = msg["content"]
+        if isinstance(content, str) and content:
+            at = full.find(content, start, turn_end)
+            if at < 0:
+                raise TemplateError(
+                    f"messages[{i}].content: not found in the rendered text after the generation prompt"
+                )
+            content_end = at + len(content)
+        else:
+            content_end = start
+        spans.append((start, content_end, turn_end))
+    return spans
+
+
+def render(tokenizer, messages: list[dict], max_length: int | None = None, overlength: str = "truncate") -> Rendered:
+    """Tokenize a conversation with its chat template; loss on assistant content + end of turn.
+
+    The loss mask covers every token the model generates after the assistant header up to and
+    including the first special token after the content (`<|im_end|>` in ChatML), never the
+    header, the newline after the end token, or system/user turns. A token straddling the
+    header/content boundary (e.g. "assistant: " + "sky" -> " sky") counts as generated."""
+    if overlength not in OVERLENGTH:
+        raise ValueError(f"data.overlength: {overlength!r} is not one of {list(OVERLENGTH)}")
+    full = _template_text(tokenizer, messages, add_generation_prompt=False)
+    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    input_ids = list(enc["input_ids"])
+    offsets = enc["offset_mapping"]
+    expected = _template_ids(tokenizer, messages)
+    if input_ids != expected:
+        raise TemplateError(
+            "chat template: tokenizing the rendered text does not give the template's own token ids"
+        )
+
+    specials = _special_ids(tokenizer)
+    loss_mask = [0] * len(input_ids)
+    spans = assistant_char_spans(tokenizer, messages, full)
+    for (start, content_end, turn_end), turn in zip(spans, range(len(spans))):
+        closed = False
+        for t, (a, b) in enumerate(offsets):
+            if a < content_end and b > start:  # overlaps the generated text (a token may straddle the header)
+                loss_mask[t] = 1
+            elif content_end <= a < turn_end and input_ids[t] in specials:
+                loss_mask[t] = 1  # the end-of-turn token closing this assistant turn
+                closed = True
+                break
+        if not closed:
+            raise TemplateError(
+                f"assistant turn {turn}: no end-of-turn special token after the content"
+            )
+
+    n = len(input_ids)
+    result = Rendered(input_ids, loss_mask, full_length=n, turns=len(spans))
+    if max_length is not None and n > max_length:
+        if overlength == "drop":
+            return Rendered([], [], full_length=n, drop_reason="overlength", turns=len(spans))
+        result.input_ids, result.loss_mask, result.truncated = input_ids[:max_length], loss_mask[:max_length], True
+        if any(loss_mask) and not any(result.loss_mask):
+            return Rendered([], [], full_length=n, truncated=True,
+                            drop_reason="no_loss_tokens_after_truncation", turns=len(spans))
+    return result

@@ -1,0 +1,19 @@
+"""Shared fixtures: the tiny local target (built once per session; no model hub needed)."""
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory):
+    """A tiny random Llama + ChatML tokenizer saved as a normal Hugging Face model directory."""
+    from specforge.targets.tiny import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny_target"))
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_target_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_target_dir))

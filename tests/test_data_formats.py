@@ -1,0 +1,131 @@
+"""Raw rows and conversation formats."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specforge.data.formats import DataError, read_raw_rows, to_conversation
+
+
+def test_jsonl_rows_never_raise_and_keep_line_numbers(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(
+        b'{"messages": []}\n'
+        b"\n"
+        b'{"broken": \n'
+        b"[1, 2]\n"
+        b'{"ok": "\xff"}\n'
+        b'{"id": 7}\n'
+    )
+    rows = list(read_raw_rows(path))
+    assert [r.line for r in rows] == [1, 3, 4, 5, 6]
+    assert rows[0].data == {"messages": []} and rows[0].error is None and rows[0].file == str(path)
+    assert rows[1].data is None and rows[1].error.startswith("invalid JSON")
+    assert rows[2].data is None and "expected a JSON object, got list" in rows[2].error
+    assert rows[3].data is None and rows[3].error.startswith("invalid UTF-8")
+    assert rows[4].data == {"id": 7}
+
+
+def test_json_list_rows_carry_their_real_lines(tmp_path):
+    path = tmp_path / "d.json"
+    path.write_text('[\n  {"id": "a"},\n\n  {"id": "b",\n   "x": 1},\n  "oops"\n]\n')
+    rows = list(read_raw_rows(path))
+    assert [(r.line, r.data) for r in rows[:2]] == [(2, {"id": "a"}), (4, {"id": "b", "x": 1})]
+    assert rows[2].line == 6 and rows[2].data is None and "got str" in rows[2].error
+
+
+def test_json_file_that_is_not_a_list_or_breaks_midway(tmp_path):
+    (tmp_path / "a.json").write_text('{"id": 1}')
+    (rows,) = list(read_raw_rows(tmp_path / "a.json"))
+    assert rows.data is None and "list of objects" in rows.error
+    (tmp_path / "b.json").write_text('[{"id": 1},\n {"id": }]')
+    rows = list(read_raw_rows(tmp_path / "b.json"))
+    assert rows[0].data == {"id": 1}
+    assert rows[1].line == 2 and rows[1].error.startswith("invalid JSON")
+
+
+def test_missing_and_unsupported_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        list(read_raw_rows(tmp_path / "nope.jsonl"))
+    (tmp_path / "d.csv").write_text("a,b\n")
+    with pytest.raises(ValueError, match="d.csv.*unsupported"):
+        list(read_raw_rows(tmp_path / "d.csv"))
+
+
+def test_sharegpt():
+    conv = to_conversation({"id": 12, "conversations": [
+        {"from": "system", "value": "Be brief."},
+        {"from": "human", "value": "Oslo?"},
+        {"from": "gpt", "value": "rain"},
+    ]})
+    assert conv == {"id": "12", "messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Oslo?"},
+        {"role": "assistant", "content": "rain"},
+    ]}
+
+
+def test_openai_messages_with_text_parts_and_images():
+    conv = to_conversation({"uuid": "u-1", "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "Look:"}, {"type": "text", "text": "Oslo?"}]},
+        {"role": "assistant", "content": "rain"},
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "maps/oslo.png"}},
+                                     {"type": "text", "text": "And this?"}]},
+    ]})
+    assert conv["id"] == "u-1"
+    assert conv["messages"][0] == {"role": "user", "content": "Look:\nOslo?"}
+    assert conv["messages"][2]["content"] == [{"type": "image", "image": "maps/oslo.png"},
+                                              {"type": "text", "text": "And this?"}]
+
+
+def test_role_content_conversations_and_top_level_system():
+    conv = to_conversation({"system": "Answer in TOON.", "conversations": [
+        {"role": "user", "content": "Lima?"}, {"role": "assistant", "content": "sky: sunny"}]})
+    assert [m["role"] for m in conv["messages"]] == ["system", "user", "assistant"]
+    assert conv["messages"][0]["content"] == "Answer in TOON."
+
+
+def test_auto_detection_matches_explicit_formats():
+    sharegpt = {"conversations": [{"from": "human", "value": "a"}, {"from": "gpt", "value": "b"}]}
+    messages = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
+    plain = {"conversations": messages["messages"]}
+    assert to_conversation(sharegpt) == to_conversation(sharegpt, "sharegpt")
+    assert to_conversation(messages) == to_conversation(messages, "messages")
+    assert to_conversation(plain) == to_conversation(plain, "conversations")
+    assert to_conversation(sharegpt)["messages"] == to_conversation(messages)["messages"]
+
+
+def test_hash_id_is_stable_and_content_dependent():
+    row = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
+    other = json.loads(json.dumps(row))
+    other["messages"][1]["content"] = "c"
+    a, b = to_conversation(row)["id"], to_conversation(json.loads(json.dumps(row)))["id"]
+    assert a == b and a.startswith("sha-") and a != to_conversation(other)["id"]
+
+
+@pytest.mark.parametrize("row, fmt, field", [
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "user", "content": "x"},
+                   {"role": "bot", "content": "x"}]}, "auto", r"messages\[2\]\.role: unknown role 'bot'"),
+    ({"messages": [{"role": "user"}]}, "auto", r"messages\[0\]\.content: missing"),
+    ({"messages": [{"role": "user", "content": None}]}, "auto", r"messages\[0\]\.content: is null"),
+    ({"messages": [{"role": "user", "content": 3}]}, "auto", r"messages\[0\]\.content: expected a string"),
+    ({"messages": [{"role": "user", "content": [{"type": "audio"}]}]}, "auto", r"messages\[0\]\.content\[0\]\.type"),
+    ({"messages": "hello"}, "auto", "messages: expected a list"),
+    ({"messages": []}, "auto", "messages: empty"),
+    ({"messages": ["hi"]}, "auto", r"messages\[0\]: expected an object"),
+    ({"conversations": [{"from": "human"}]}, "auto", r"conversations\[0\]\.value: missing"),
+    ({"conversations": [{"from": 3, "value": "x"}]}, "sharegpt", r"conversations\[0\]\.from: unknown role 3"),
+    ({"text": "hi"}, "auto", "no 'messages' or 'conversations'"),
+    ({"conversations": []}, "messages", "messages: missing"),
+    ({"system": 5, "messages": [{"role": "user", "content": "x"}]}, "auto", "system: expected a string"),
+])
+def test_malformed_rows_name_the_field(row, fmt, field):
+    with pytest.raises(DataError, match=field):
+        to_conversation(row, fmt)
+
+
+def test_unknown_format_is_a_config_error_not_a_row_error():
+    with pytest.raises(ValueError, match="data.format") as e:
+        to_conversation({"messages": []}, "alpaca")
+    assert not isinstance(e.value, DataError)

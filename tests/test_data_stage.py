@@ -1,0 +1,211 @@
+"""The whole data stage on the tiny target: files, reconciled counts, quarantine, vocab cache."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import toon_format
+import torch
+from omegaconf import OmegaConf
+from safetensors.torch import load_file
+
+from data_prep.weather import generate
+from specforge.config import Config
+from specforge.data import stage
+from specforge.data.vocab import check_vocab_mapping
+from specforge.pipeline import run_pipeline
+from specforge.utils.io import read_json, read_jsonl, write_jsonl
+
+N_TRAIN, N_EVAL = 12, 4
+
+
+@pytest.fixture
+def raw(tmp_path):
+    """Generated weather data with one invalid JSON line (line 4) and one row without an
+    assistant turn (line 7) in the train file."""
+    rows = generate(N_TRAIN, seed=0, split="train")
+    lines = [json.dumps(r) for r in rows]
+    lines.insert(3, '{"messages": [{"role": "user", "content": "Oslo?"')
+    lines.insert(6, json.dumps({"id": "no-answer", "messages": [{"role": "user", "content": "Oslo tomorrow?"}]}))
+    train = tmp_path / "raw" / "train.jsonl"
+    train.parent.mkdir()
+    train.write_text("\n".join(lines) + "\n")
+    eval_ = tmp_path / "raw" / "eval.jsonl"
+    write_jsonl(eval_, generate(N_EVAL, seed=0, split="eval"))
+    return train, eval_
+
+
+def make_cfg(tmp_path, tiny_target_dir, train, eval_, **data):
+    cfg = OmegaConf.structured(Config)
+    cfg.run_name = "t"
+    cfg.output_dir = str(tmp_path / "out")
+    cfg.cache_dir = str(tmp_path / "cache")
+    cfg.stages = ["data"]
+    cfg.target.name = "tiny"
+    cfg.target.path = str(tiny_target_dir)
+    cfg.data.name = "weather"
+    cfg.data.train_files = [str(train)]
+    cfg.data.eval_files = [str(eval_)] if eval_ else []
+    cfg.draft.draft_vocab_size = 64
+    for k, v in data.items():
+        OmegaConf.update(cfg, f"data.{k}", v)
+    return cfg
+
+
+def assert_reconciles(counts):
+    accounted = counts["kept"] + counts["fixed"] + counts["quarantined"] + counts["skipped_max_samples"]
+    assert counts["input_rows"] == accounted
+    assert counts["samples"] == counts["kept"] + counts["fixed"]
+    assert counts["quarantined"] == sum(counts["by_reason"].values())
+
+
+def test_data_stage_end_to_end(tmp_path, tiny_target_dir, tiny_tokenizer, raw):
+    train_file, eval_file = raw
+    cfg = make_cfg(tmp_path, tiny_target_dir, train_file, eval_file)
+    run_dir = tmp_path / "out" / "t"
+    summary = stage.run(cfg, run_dir)
+    data = run_dir / "data"
+
+    train, ev = summary["train"], summary["eval"]
+    assert train["input_rows"] == N_TRAIN + 2 and ev["input_rows"] == N_EVAL
+    assert train["samples"] == N_TRAIN and ev["samples"] == N_EVAL
+    assert train["quarantined"] == 2 and ev["quarantined"] == 0
+    assert_reconciles(train)
+    assert_reconciles(ev)
+
+    quarantine = list(read_jsonl(data / "quarantine.jsonl"))
+    assert {(q["split"], q["file"], q["line"]) for q in quarantine} == {("train", str(train_file), 4),
+                                                                       ("train", str(train_file), 7)}
+    assert train["by_reason"] == {"invalid_json": 1, "no_assistant_turn": 1}
+    no_answer = next(q for q in quarantine if q["line"] == 7)
+    assert no_answer["reason"].startswith("no_assistant_turn") and no_answer["row"]["id"] == "no-answer"
+
+    samples = list(read_jsonl(data / "train.jsonl"))
+    convs = list(read_jsonl(data / "train.conversations.jsonl"))
+    assert [s["id"] for s in samples] == [c["id"] for c in convs] == [r["id"] for r in generate(N_TRAIN, 0)]
+    for s, c in zip(samples, convs):
+        assert set(s) == {"id", "input_ids", "loss_mask"} and set(c) == {"id", "messages"}
+        assert len(s["input_ids"]) == len(s["loss_mask"]) <= cfg.data.max_length
+        masked = tiny_tokenizer.decode([t for t, m in zip(s["input_ids"], s["loss_mask"]) if m])
+        answers = [m["content"] for m in c["messages"] if m["role"] == "assistant"]
+        assert masked == "".join(a + "<|im_end|>" for a in answers)
+        assert toon_format.decode(answers[0])["city"]
+    assert train["tokens"] == sum(len(s["input_ids"]) for s in samples)
+    assert train["loss_tokens"] == sum(sum(s["loss_mask"]) for s in samples)
+    assert len(list(read_jsonl(data / "eval.jsonl"))) == N_EVAL
+
+    vocab = load_file(str(data / "vocab.safetensors"))
+    assert vocab["d2t"].dtype == torch.int64 and vocab["t2d"].dtype == torch.bool
+    assert len(vocab["d2t"]) == 64 and len(vocab["t2d"]) == len(tiny_tokenizer)
+    check_vocab_mapping(vocab["d2t"], vocab["t2d"])
+    assert summary["vocab"]["cache_hit"] is False and 0 < summary["vocab"]["coverage"]["train"] <= 1
+
+    report = read_json(data / "report.json")
+    assert report["splits"]["train"] == train
+    md = (data / "report.md").read_text()
+    assert "| input_rows | 14 | 4 |" in md and "invalid_json" in md
+
+    again = stage.run(cfg, run_dir)
+    assert again["vocab"]["cache_hit"] is True
+    assert torch.equal(load_file(str(data / "vocab.safetensors"))["d2t"], vocab["d2t"])
+
+
+def test_without_fix_rows_are_parsed_and_quarantined_by_the_stage(tmp_path, tiny_target_dir, raw):
+    train_file, _ = raw
+    with open(train_file, "a") as f:
+        f.write(json.dumps({"messages": [{"role": "bot", "content": "hi"}]}) + "\n")
+    cfg = make_cfg(tmp_path, tiny_target_dir, train_file, None, **{"fix.enabled": False})
+    summary = stage.run(cfg, tmp_path / "run")
+    train = summary["train"]
+    assert "eval" not in summary and not (tmp_path / "run" / "data" / "eval.jsonl").exists()
+    assert train["by_reason"] == {"invalid_json": 1, "invalid_row": 1}
+    assert train["samples"] == N_TRAIN + 1  # the row without an answer is kept as is: nothing to fix it
+    assert_reconciles(train)
+    q = [q for q in read_jsonl(tmp_path / "run" / "data" / "quarantine.jsonl") if q["reason"].startswith("invalid_row")]
+    assert q[0]["line"] == N_TRAIN + 3 and "messages[0].role: unknown role 'bot'" in q[0]["reason"]
+
+
+def test_overlength_drop_and_max_samples(tmp_path, tiny_target_dir, raw):
+    train_file, eval_file = raw
+    # tiny-tokenizer lengths of the first eval rows: 425, 427, 661, 686 tokens
+    cfg = make_cfg(tmp_path, tiny_target_dir, train_file, eval_file, max_length=430, overlength="drop", max_samples=3)
+    summary = stage.run(cfg, tmp_path / "run")
+    for split in ("train", "eval"):
+        assert_reconciles(summary[split])
+        assert summary[split]["max_tokens"] <= 430 and summary[split]["truncated"] == 0
+    ev = summary["eval"]
+    assert ev["skipped_max_samples"] == 1 and ev["by_reason"] == {"overlength": 1} and ev["samples"] == 2
+    (dropped,) = [q for q in read_jsonl(tmp_path / "run" / "data" / "quarantine.jsonl") if q["split"] == "eval"]
+    assert dropped["file"] == str(eval_file) and dropped["line"] == 3
+    assert dropped["reason"] == "overlength: 661 tokens > max_length 430"
+
+
+def test_truncation_counts(tmp_path, tiny_target_dir, raw):
+    train_file, eval_file = raw
+    # first loss token of the eval rows (tiny tokenizer): 219, 227, 216, 239
+    cfg = make_cfg(tmp_path, tiny_target_dir, train_file, eval_file, max_length=225)
+    summary = stage.run(cfg, tmp_path / "run")
+    ev = summary["eval"]
+    assert_reconciles(ev)
+    assert ev["truncated"] == 2 and ev["max_tokens"] == 225 and ev["samples"] == 2
+    assert ev["by_reason"] == {"no_loss_tokens_after_truncation": 2}
+    assert ev["loss_tokens"] == (225 - 219) + (225 - 216)
+
+
+def test_missing_file_says_how_to_generate_it(tmp_path, tiny_target_dir):
+    cfg = make_cfg(tmp_path, tiny_target_dir, tmp_path / "data" / "weather" / "train.jsonl", None)
+    with pytest.raises(FileNotFoundError, match=r"train\.jsonl.*python data_prep/weather\.py --out data/weather"):
+        stage.extra_inputs(cfg)
+    with pytest.raises(FileNotFoundError, match="data_prep/weather.py"):
+        stage.run(cfg, tmp_path / "run")
+
+
+def test_extra_inputs_follow_file_contents(tmp_path, tiny_target_dir, raw):
+    train_file, eval_file = raw
+    cfg = make_cfg(tmp_path, tiny_target_dir, train_file, eval_file)
+    before = stage.extra_inputs(cfg)
+    assert set(before) == {"train", "eval"} and str(train_file) in before["train"]
+    with open(eval_file, "a") as f:
+        f.write("\n")
+        f.write(json.dumps(generate(1, seed=9, split="eval")[0]) + "\n")
+    after = stage.extra_inputs(cfg)
+    assert after["train"] == before["train"] and after["eval"] != before["eval"]
+
+
+def test_pipeline_runs_then_skips_the_data_stage(tmp_path, tiny_target_dir, raw, capsys):
+    train_file, eval_file = raw
+    cfg = make_cfg(tmp_path, tiny_target_dir, train_file, eval_file)
+    first = run_pipeline(cfg)["data"]
+    assert first["train"]["samples"] == N_TRAIN
+    second = run_pipeline(cfg)["data"]
+    assert "data: up to date" in capsys.readouterr().out
+    assert second["train"] == first["train"]
+
+
+def test_rows_the_template_cannot_render_are_quarantined(tmp_path, tiny_target_dir, raw):
+    from specforge.targets.tiny import build_tiny_tokenizer
+
+    train_file, _ = raw
+    tok = build_tiny_tokenizer(None)
+    tok.chat_template = (  # like templates that reject a system turn (every weather row has one)
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+        "{% endif %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+    )
+    cfg = make_cfg(tmp_path, tiny_target_dir, train_file, None)
+    result = stage.process_split(cfg, "train", [str(train_file)], tok)
+    counts = result["counts"]
+    assert_reconciles(counts)
+    assert counts["samples"] == 0 and counts["by_reason"]["template_error"] == N_TRAIN
+    q = next(q for q in result["quarantine"] if q["reason"].startswith("template_error"))
+    assert q["file"] == str(train_file) and q["line"] == 1 and "System role not supported" in q["reason"]
+
+
+def test_no_training_samples_left_is_an_error_with_a_report(tmp_path, tiny_target_dir):
+    train = tmp_path / "bad.jsonl"
+    train.write_text("not json\n" + json.dumps({"messages": [{"role": "user", "content": "Oslo?"}]}) + "\n")
+    cfg = make_cfg(tmp_path, tiny_target_dir, train, None)
+    with pytest.raises(ValueError, match="no training samples left out of 2 rows.*quarantine.jsonl"):
+        stage.run(cfg, tmp_path / "run")
+    report = read_json(tmp_path / "run" / "data" / "report.json")
+    assert report["splits"]["train"]["quarantined"] == 2 and report["vocab"] is None
+    assert len(list(read_jsonl(tmp_path / "run" / "data" / "quarantine.jsonl"))) == 2
