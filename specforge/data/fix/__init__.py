@@ -1,0 +1,148 @@
+"""Repairs and quarantine: every raw row ends up kept, fixed (with its fixes) or quarantined.
+
+`fix_dataset` is the one entry point the data stage calls. Nothing is dropped silently: each
+input row lands in exactly one of `kept` (with `fixes == []` it was kept as is, otherwise it was
+fixed) or `quarantined` (with file, line and reason), so the counts reconcile exactly:
+`input_rows == kept + fixed + quarantined`. Rows are processed in input order with no
+randomness, so the same input and config always give the same result.
+
+Per row, in this order (each step switched by FixConfig; `enabled=False` only parses):
+invalid JSON -> parse (to_conversation) -> role names -> images -> empty turns -> consecutive
+roles -> assistant present -> TOON answers (specforge.data.fix.toon) -> duplicates (judged on
+the cleaned messages, so a copy that differs only by a fixable defect is still a copy).
+
+A row records each fix name at most once, so `by_fix[name]` counts ROWS with that fix.
+Reasons read "<code>: <detail>"; `by_reason` counts codes (see `reason_code`).
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from specforge.config import FixConfig
+from specforge.data.fix.conversations import (
+    ImageChecker,
+    Quarantine,
+    dedupe_key,
+    drop_empty_turns,
+    image_refs,
+    merge_consecutive,
+    require_assistant,
+    role_name_fixes,
+)
+from specforge.data.fix.toon import ToonUnrepairable, repair_answers, repair_toon
+from specforge.data.formats import DataError, RawRow, to_conversation
+
+__all__ = ["FixResult", "Quarantine", "fix_dataset", "fix_row", "reason_code", "repair_toon"]
+
+_CHOICES = {
+    "empty_turns": ("drop_turn", "quarantine"),
+    "no_assistant": ("quarantine", "keep"),
+    "toon_where": ("message", "fenced"),
+}
+
+
+@dataclass
+class FixResult:
+    """`kept` holds every surviving conversation (fixed ones included); in `counts`, "kept"
+    is only those kept as is, so input_rows == kept + fixed + quarantined."""
+
+    kept: list[dict] = field(default_factory=list)  # {"id", "messages", "fixes", "file", "line"}
+    quarantined: list[dict] = field(default_factory=list)  # {"file", "line", "reason", "row"}
+    counts: dict = field(default_factory=dict)
+
+
+def fix_dataset(
+    rows: Iterable[RawRow], cfg: FixConfig, fmt: str = "auto", image_root: str | None = None
+) -> FixResult:
+    """Parse, repair and account for every row, in input order."""
+    check_config(cfg)
+    images = ImageChecker(image_root)
+    first_seen: dict[str, str] = {}  # dedupe key -> "file:line" of its first kept occurrence
+    result = FixResult()
+    n = 0
+    for raw in rows:
+        n += 1
+        try:
+            conv, fixes = fix_row(raw, cfg, fmt, images)
+            if cfg.enabled and cfg.dedupe:
+                _check_duplicate(conv, raw, first_seen)
+        except Quarantine as q:
+            row = raw.data if raw.data is not None else raw.error
+            result.quarantined.append({"file": raw.file, "line": raw.line, "reason": q.reason, "row": row})
+            continue
+        result.kept.append({"id": conv["id"], "messages": conv["messages"], "fixes": fixes,
+                            "file": raw.file, "line": raw.line})
+    result.counts = _counts(n, result)
+    return result
+
+
+def fix_row(
+    raw: RawRow, cfg: FixConfig, fmt: str = "auto", images: ImageChecker | None = None
+) -> tuple[dict, list[str]]:
+    """(conversation, fixes) for one row, or raise Quarantine. Duplicates need the whole
+    dataset, so they are judged by fix_dataset, not here."""
+    images = images or ImageChecker(None)
+    if raw.error is not None:
+        raise Quarantine(f"invalid_json: {raw.error}")
+    try:
+        conv = to_conversation(raw.data, fmt)
+    except DataError as e:
+        raise Quarantine(f"invalid_row: {e}") from None
+    if not cfg.enabled:
+        return conv, []
+    fixes = role_name_fixes(raw.data, fmt)
+    messages = conv["messages"]
+    images.check(image_refs(messages, raw.data), raw.file)
+    messages, dropped = drop_empty_turns(messages, cfg.empty_turns)
+    if not messages:
+        raise Quarantine("no_messages: every turn was empty")
+    merged: list[str] = []
+    if cfg.merge_consecutive_roles:
+        messages, merged = merge_consecutive(messages)
+    require_assistant(messages, cfg.no_assistant)
+    toon_fixes: list[str] = []
+    if cfg.toon:
+        try:
+            messages, toon_fixes = repair_answers(messages, cfg.toon_where)
+        except ToonUnrepairable as e:
+            raise Quarantine(f"toon_unrepairable: {e}") from None
+    return {"id": conv["id"], "messages": messages}, fixes + dropped + merged + toon_fixes
+
+
+def check_config(cfg: FixConfig) -> None:
+    """Fail before reading any data when a policy is misspelled (it would silently do nothing)."""
+    for name, allowed in _CHOICES.items():
+        if getattr(cfg, name) not in allowed:
+            raise ValueError(f"data.fix.{name}: {getattr(cfg, name)!r} is not one of {list(allowed)}")
+
+
+def _check_duplicate(conv: dict, raw: RawRow, first_seen: dict[str, str]) -> None:
+    key = dedupe_key(conv["messages"])
+    if key in first_seen:
+        raise Quarantine(f"duplicate: same messages as {first_seen[key]}")
+    first_seen[key] = f"{raw.file}:{raw.line}"
+
+
+def reason_code(reason: str) -> str:
+    """The part of a reason before ': ' ("image_missing: a.png" -> "image_missing").
+
+    Reasons carry details (path, decoder message, first occurrence) for a person to read;
+    `by_reason` counts codes so the report aggregates and can be compared to expectations.
+    """
+    return reason.split(": ", 1)[0]
+
+
+def _counts(n: int, result: FixResult) -> dict:
+    by_fix: Counter = Counter(f for k in result.kept for f in k["fixes"])
+    by_reason: Counter = Counter(reason_code(q["reason"]) for q in result.quarantined)
+    fixed = sum(1 for k in result.kept if k["fixes"])
+    return {
+        "input_rows": n,
+        "kept": len(result.kept) - fixed,
+        "fixed": fixed,
+        "quarantined": len(result.quarantined),
+        "by_fix": dict(sorted(by_fix.items())),
+        "by_reason": dict(sorted(by_reason.items())),
+    }

@@ -1,0 +1,146 @@
+"""Conversation-level repairs and checks, each switched by a FixConfig field.
+
+Every function either returns the (possibly changed) messages plus the fix names it applied,
+or raises `Quarantine(reason)`. Reasons start with a stable code (the part before ": ") that the
+report counts; the rest names the field, turn or path a person has to look at.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from PIL import Image, UnidentifiedImageError
+
+from specforge.data.formats import detect_format
+
+CANONICAL_ROLES = ("system", "user", "assistant")
+# ShareGPT's own spellings are its format, not a defect; anything else that was mapped is a fix.
+NATIVE_ROLES = {"sharegpt": ("system", "human", "gpt")}
+REMOTE_PREFIXES = ("http://", "https://", "data:")
+
+
+class Quarantine(Exception):
+    """A sample that must not be trained on; `reason` is what the quarantine file shows."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def role_name_fixes(data: dict, fmt: str) -> list[str]:
+    """["normalized_role_names"] when a turn's role was spelled other than its format's way."""
+    fmt = detect_format(data) if fmt == "auto" else fmt
+    field, key = ("messages", "role") if fmt == "messages" else (
+        "conversations", "from" if fmt == "sharegpt" else "role")
+    native = NATIVE_ROLES.get(fmt, CANONICAL_ROLES)
+    turns = data.get(field) or []
+    if any(isinstance(t, dict) and t.get(key) not in native for t in turns):
+        return ["normalized_role_names"]
+    return []
+
+
+def is_empty(content: str | list) -> bool:
+    if isinstance(content, str):
+        return not content.strip()
+    return all(p.get("type") == "text" and not p.get("text", "").strip() for p in content)
+
+
+def drop_empty_turns(messages: list[dict], policy: str) -> tuple[list[dict], list[str]]:
+    """Empty turns carry no signal and break role alternation: drop them or quarantine."""
+    empty = [i for i, m in enumerate(messages) if is_empty(m["content"])]
+    if not empty:
+        return messages, []
+    if policy == "quarantine":
+        i = empty[0]
+        raise Quarantine(f"empty_turn: messages[{i}] ({messages[i]['role']}) is empty")
+    return [m for i, m in enumerate(messages) if i not in empty], ["dropped_empty_turn"]
+
+
+def merge_consecutive(messages: list[dict]) -> tuple[list[dict], list[str]]:
+    """Chat templates expect alternating turns; join runs of one role (text with a blank line)."""
+    merged: list[dict] = []
+    fixes: list[str] = []
+    for m in messages:
+        if merged and merged[-1]["role"] == m["role"]:
+            merged[-1] = {"role": m["role"], "content": _join(merged[-1]["content"], m["content"])}
+            name = f"merged_consecutive_{m['role']}"
+            if name not in fixes:
+                fixes.append(name)
+        else:
+            merged.append(m)
+    return merged, fixes
+
+
+def _join(a: str | list, b: str | list) -> str | list:
+    if isinstance(a, str) and isinstance(b, str):
+        return f"{a}\n\n{b}"
+    return _parts(a) + _parts(b)
+
+
+def _parts(content: str | list) -> list[dict]:
+    return [{"type": "text", "text": content}] if isinstance(content, str) else list(content)
+
+
+def require_assistant(messages: list[dict], policy: str) -> None:
+    """Without an assistant turn the loss mask is empty: nothing to learn."""
+    if policy == "quarantine" and not any(m["role"] == "assistant" for m in messages):
+        raise Quarantine("no_assistant_turn: the conversation has no assistant turn")
+
+
+def dedupe_key(messages: list[dict]) -> str:
+    """Duplicates are judged on the cleaned messages, not the id: copies often get new ids."""
+    text = json.dumps(messages, sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+class ImageChecker:
+    """Checks local image references once per resolved path (datasets reuse images)."""
+
+    def __init__(self, image_root: str | None) -> None:
+        self.root = Path(image_root).resolve() if image_root else None
+        self._seen: dict[Path, str | None] = {}
+
+    def check(self, refs: list[str], data_file: str) -> None:
+        for ref in refs:
+            if ref.startswith(REMOTE_PREFIXES):
+                continue  # no network in the data stage: remote images are not checked here
+            problem = self._problem(ref, data_file)
+            if problem:
+                raise Quarantine(f"{problem}: {ref}")
+
+    def _problem(self, ref: str, data_file: str) -> str | None:
+        base = self.root or Path(data_file).resolve().parent
+        path = (base / ref).resolve()
+        if self.root is not None and not path.is_relative_to(self.root):
+            return "image_outside_root"
+        if path not in self._seen:
+            self._seen[path] = _open_problem(path)
+        return self._seen[path]
+
+
+def _open_problem(path: Path) -> str | None:
+    if not path.is_file():
+        return "image_missing"
+    if not os.access(path, os.R_OK):
+        return "image_unreadable"
+    try:
+        with Image.open(path) as img:
+            img.verify()
+    except (OSError, UnidentifiedImageError, SyntaxError, ValueError):
+        return "image_unreadable"
+    return None
+
+
+def image_refs(messages: list[dict], data: dict) -> list[str]:
+    """Image paths from image parts and from a row-level `images` field (str or list of str)."""
+    refs = [p["image"] for m in messages if isinstance(m["content"], list)
+            for p in m["content"] if p.get("type") == "image"]
+    images = data.get("images")
+    if images is None:
+        return refs
+    listed = [images] if isinstance(images, str) else images
+    if not isinstance(listed, list) or not all(isinstance(x, str) and x for x in listed):
+        raise Quarantine("invalid_row: images: expected a path or a list of paths")
+    return refs + [x for x in listed if x not in refs]

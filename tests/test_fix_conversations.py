@@ -1,0 +1,205 @@
+"""Conversation repairs and quarantine: every row kept, fixed or quarantined with a reason that
+names the file, line, field or path to look at."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from PIL import Image
+
+from specforge.config import FixConfig
+from specforge.data.fix import fix_dataset
+from specforge.data.formats import RawRow, read_raw_rows
+
+USER = {"role": "user", "content": "Weather in Oslo?"}
+ASSISTANT = {"role": "assistant", "content": "city: Oslo\ntemp_c: 3"}
+
+
+def _raw(messages: list[dict], line: int = 1, file: str = "d.jsonl", **extra) -> RawRow:
+    return RawRow(file, line, {"id": f"row{line}", "messages": messages, **extra}, None)
+
+
+def _one(raw: RawRow, **cfg) -> tuple[dict | None, dict | None]:
+    """(kept item, quarantine item) of a single row; exactly one is set."""
+    result = fix_dataset([raw], FixConfig(**cfg))
+    assert len(result.kept) + len(result.quarantined) == 1
+    return (result.kept or [None])[0], (result.quarantined or [None])[0]
+
+
+def _reconciles(counts: dict) -> bool:
+    return counts["input_rows"] == counts["kept"] + counts["fixed"] + counts["quarantined"]
+
+
+def test_clean_row_is_kept_as_is_with_its_provenance():
+    kept, _ = _one(_raw([USER, ASSISTANT], line=7))
+    assert kept == {"id": "row7", "messages": [USER, ASSISTANT], "fixes": [], "file": "d.jsonl", "line": 7}
+
+
+def test_invalid_json_line_is_quarantined_with_file_and_line(tmp_path):
+    path = tmp_path / "train.jsonl"
+    good = json.dumps({"messages": [USER, ASSISTANT]})
+    path.write_text(f"{good}\n{good[:-1]}\n")
+    result = fix_dataset(read_raw_rows(path), FixConfig(dedupe=False))
+    [q] = result.quarantined
+    assert (q["file"], q["line"]) == (str(path), 2)
+    assert q["reason"].startswith("invalid_json: ")
+    assert result.counts == {"input_rows": 2, "kept": 1, "fixed": 0, "quarantined": 1,
+                             "by_fix": {}, "by_reason": {"invalid_json": 1}}
+
+
+def test_malformed_row_reason_names_the_field():
+    _, q = _one(_raw([USER, {"role": "robot", "content": "hi"}]))
+    assert q["reason"] == "invalid_row: messages[1].role: unknown role 'robot'"
+    assert q["row"]["messages"][1]["role"] == "robot"  # the original row, for a person to inspect
+
+
+def test_non_canonical_role_names_are_a_fix():
+    kept, _ = _one(_raw([{"role": "human", "content": "Hi"}, {"role": "gpt", "content": "Hello"}]))
+    assert [m["role"] for m in kept["messages"]] == ["user", "assistant"]
+    assert kept["fixes"] == ["normalized_role_names"]
+
+
+def test_sharegpt_native_role_names_are_not_a_fix():
+    data = {"id": "s", "conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"}]}
+    kept, _ = _one(RawRow("d.jsonl", 1, data, None))
+    assert kept["fixes"] == [] and [m["role"] for m in kept["messages"]] == ["user", "assistant"]
+
+
+def test_consecutive_turns_of_one_role_are_merged():
+    kept, _ = _one(_raw([USER, {"role": "user", "content": "In Celsius."}, ASSISTANT]))
+    assert kept["messages"] == [{"role": "user", "content": "Weather in Oslo?\n\nIn Celsius."}, ASSISTANT]
+    assert kept["fixes"] == ["merged_consecutive_user"]
+
+
+def test_merging_can_be_switched_off():
+    messages = [USER, USER, ASSISTANT]
+    kept, _ = _one(_raw(messages), merge_consecutive_roles=False, dedupe=False)
+    assert kept["messages"] == messages and kept["fixes"] == []
+
+
+def test_empty_turn_is_dropped_then_neighbours_merged():
+    kept, _ = _one(_raw([USER, {"role": "assistant", "content": "  "}, USER, ASSISTANT]))
+    assert kept["messages"] == [{"role": "user", "content": "Weather in Oslo?\n\nWeather in Oslo?"}, ASSISTANT]
+    assert kept["fixes"] == ["dropped_empty_turn", "merged_consecutive_user"]
+
+
+def test_empty_turn_quarantined_when_configured():
+    _, q = _one(_raw([USER, {"role": "user", "content": ""}, ASSISTANT]), empty_turns="quarantine")
+    assert q["reason"] == "empty_turn: messages[1] (user) is empty"
+
+
+def test_no_assistant_turn_is_quarantined_or_kept_per_config():
+    _, q = _one(_raw([USER]))
+    assert q["reason"].startswith("no_assistant_turn")
+    kept, _ = _one(_raw([USER]), no_assistant="keep")
+    assert kept["messages"] == [USER] and kept["fixes"] == []
+
+
+def test_duplicates_are_quarantined_naming_the_first_occurrence():
+    rows = [_raw([USER, ASSISTANT], line=1, file="a.jsonl"), _raw([USER, ASSISTANT], line=5, file="b.jsonl")]
+    result = fix_dataset(rows, FixConfig())
+    assert [k["line"] for k in result.kept] == [1]
+    [q] = result.quarantined
+    assert (q["file"], q["line"], q["reason"]) == ("b.jsonl", 5, "duplicate: same messages as a.jsonl:1")
+    assert len(fix_dataset(rows, FixConfig(dedupe=False)).kept) == 2
+
+
+def test_a_copy_that_differs_only_by_a_fixable_defect_is_still_a_duplicate():
+    rows = [_raw([USER, ASSISTANT], line=1), _raw([USER, {"role": "user", "content": ""}, ASSISTANT], line=2)]
+    result = fix_dataset(rows, FixConfig())
+    assert [q["reason"] for q in result.quarantined] == ["duplicate: same messages as d.jsonl:1"]
+
+
+@pytest.fixture
+def image_root(tmp_path):
+    root = tmp_path / "images"
+    root.mkdir()
+    Image.new("RGB", (4, 4), "blue").save(root / "ok.png")
+    (root / "broken.png").write_bytes(b"not an image")
+    Image.new("RGB", (4, 4), "red").save(tmp_path / "outside.png")
+    return root
+
+
+def _with_image(path: str, line: int = 1) -> RawRow:
+    user = {"role": "user", "content": [{"type": "text", "text": "What is this map?"},
+                                        {"type": "image_url", "image_url": {"url": path}}]}
+    return _raw([user, ASSISTANT], line=line)
+
+
+@pytest.mark.parametrize(
+    "path, reason",
+    [
+        ("missing.png", "image_missing: missing.png"),
+        ("broken.png", "image_unreadable: broken.png"),
+        ("../outside.png", "image_outside_root: ../outside.png"),
+    ],
+)
+def test_bad_image_references_are_quarantined(image_root, path, reason):
+    result = fix_dataset([_with_image(path)], FixConfig(), image_root=str(image_root))
+    assert [q["reason"] for q in result.quarantined] == [reason]
+
+
+def test_readable_image_inside_root_is_kept(image_root):
+    result = fix_dataset([_with_image("ok.png")], FixConfig(), image_root=str(image_root))
+    assert result.counts["kept"] == 1
+    assert result.kept[0]["messages"][0]["content"][1] == {"type": "image", "image": "ok.png"}
+
+
+def test_row_level_images_field_is_checked(image_root):
+    rows = [_raw([USER, ASSISTANT], line=1, images=["ok.png"]),
+            _raw([USER, ASSISTANT], line=2, images="gone.png")]
+    result = fix_dataset(rows, FixConfig(dedupe=False), image_root=str(image_root))
+    assert [q["reason"] for q in result.quarantined] == ["image_missing: gone.png"]
+
+
+def test_without_image_root_paths_resolve_beside_the_data_file(image_root):
+    row = RawRow(str(image_root / "train.jsonl"), 1, _with_image("ok.png").data, None)
+    assert fix_dataset([row], FixConfig()).counts["kept"] == 1
+
+
+def test_every_row_is_accounted_for_and_fixes_count_rows():
+    rows = [
+        _raw([USER, ASSISTANT], line=1),
+        _raw([{"role": "human", "content": "a"}, {"role": "user", "content": "b"}, ASSISTANT], line=2),
+        _raw([{"role": "user", "content": "c"}, {"role": "user", "content": "d"},
+              {"role": "user", "content": "e"}, ASSISTANT], line=3),
+        _raw([USER], line=4),
+        RawRow("d.jsonl", 5, None, "invalid JSON: Expecting value (column 1)"),
+    ]
+    result = fix_dataset(rows, FixConfig())
+    assert result.counts == {
+        "input_rows": 5, "kept": 1, "fixed": 2, "quarantined": 2,
+        "by_fix": {"merged_consecutive_user": 2, "normalized_role_names": 1},
+        "by_reason": {"invalid_json": 1, "no_assistant_turn": 1},
+    }
+    assert _reconciles(result.counts)
+    assert result.quarantined[1]["row"] == "invalid JSON: Expecting value (column 1)"
+
+
+def test_same_input_gives_identical_output():
+    rows = [_raw([USER, USER, ASSISTANT], line=i) for i in range(1, 4)] + [_raw([USER], line=9)]
+    first, second = fix_dataset(rows, FixConfig()), fix_dataset(rows, FixConfig())
+    assert json.dumps(first.__dict__, sort_keys=True) == json.dumps(second.__dict__, sort_keys=True)
+
+
+def test_disabled_fixing_only_parses():
+    rows = [_raw([USER, USER], line=1), RawRow("d.jsonl", 2, None, "invalid JSON: x")]
+    result = fix_dataset(rows, FixConfig(enabled=False))
+    assert result.kept[0]["messages"] == [USER, USER] and result.kept[0]["fixes"] == []
+    assert [q["reason"] for q in result.quarantined] == ["invalid_json: invalid JSON: x"]
+
+
+@pytest.mark.parametrize("field, value", [("empty_turns", "drop"), ("no_assistant", "skip"), ("toon_where", "all")])
+def test_misspelled_policy_fails_before_reading_data(field, value):
+    with pytest.raises(ValueError, match=f"data.fix.{field}: '{value}'"):
+        fix_dataset([], FixConfig(**{field: value}))
+
+
+def test_row_whose_turns_are_all_empty_is_quarantined():
+    _, q = _one(_raw([{"role": "user", "content": " "}, {"role": "assistant", "content": ""}]))
+    assert q["reason"] == "no_messages: every turn was empty"
+
+
+def test_malformed_images_field_names_the_field():
+    _, q = _one(_raw([USER, ASSISTANT], images=[3]))
+    assert q["reason"] == "invalid_row: images: expected a path or a list of paths"
