@@ -1,0 +1,173 @@
+"""Regeneration through OpenAI-compatible servers (SGLang, vLLM): POST /v1/chat/completions.
+
+Standard library HTTP in a thread pool: `concurrency` conversations in flight, each replayed turn
+by turn; requests go round-robin over the URLs and a retry moves on to the next URL. Connection
+errors, timeouts, 429 and 5xx are retried with exponential backoff; other 4xx are not (asking
+again gives the same answer).
+"""
+from __future__ import annotations
+
+import http.client
+import itertools
+import json
+import socket
+import time
+import urllib.error
+import urllib.request
+import warnings
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from typing import Iterator
+
+from specforge.data.regen.replay import Answer, RegenFailure, Replay
+from specforge.utils.io import fingerprint
+
+RETRIES = 3  # after the first attempt; backoff 0.5 s, 1 s, 2 s
+BACKOFF_S = 0.5
+REQUEST_TIMEOUT_S = 600.0  # a long answer on a busy server takes minutes
+PROBE_TIMEOUT_S = 10.0
+TRANSPORT_ERRORS = (urllib.error.URLError, ConnectionError, TimeoutError, socket.timeout, http.client.HTTPException)
+
+
+def normalise_url(url: str) -> str:
+    """'http://host:30000', '.../' and '.../v1' all name the same server."""
+    url = str(url).strip().rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"data.regenerate.urls: {url!r} is not an http(s) URL")
+    return url[:-3] if url.endswith("/v1") else url
+
+
+def _excerpt(err: urllib.error.HTTPError) -> str:
+    try:
+        return err.read(300).decode("utf-8", "replace").strip()
+    except Exception:  # the body is only a hint for the message
+        return ""
+
+
+class OpenAIBackend:
+    name = "openai"
+
+    def __init__(self, cfg, seed: int = 0, retries: int = RETRIES, backoff_s: float = BACKOFF_S) -> None:
+        if not cfg.urls:
+            raise ValueError("data.regenerate.urls: empty; the openai backend needs at least one server URL "
+                             "(e.g. http://127.0.0.1:30000)")
+        self.cfg, self.seed, self.retries, self.backoff_s = cfg, seed, retries, backoff_s
+        self.concurrency = max(1, int(cfg.concurrency))
+        self.urls, served = self._probe([normalise_url(u) for u in cfg.urls])
+        self.model = cfg.model or (served[0] if served else None)
+        if self.model is None:
+            raise ValueError(f"data.regenerate.model: not set and {self.urls[0]}/v1/models lists no model")
+        if served and self.model not in served:
+            warnings.warn(f"data.regenerate.model={self.model!r} is not among the served models {served}", stacklevel=2)
+        self._turn = itertools.count()  # round-robin position (next() on a count is atomic in CPython)
+
+    def _probe(self, urls: list[str]) -> tuple[list[str], list[str]]:
+        """(URLs that answer, model ids they serve). Any HTTP answer counts as alive; if none
+        answers, fail now with every URL and its error rather than after thousands of retries."""
+        alive, served, dead = [], [], []
+        for url in urls:
+            try:
+                with urllib.request.urlopen(f"{url}/v1/models", timeout=PROBE_TIMEOUT_S) as resp:
+                    raw = resp.read()
+            except urllib.error.HTTPError:
+                alive.append(url)
+                continue
+            except TRANSPORT_ERRORS as e:
+                dead.append(f"{url} ({getattr(e, 'reason', None) or e})")
+                continue
+            alive.append(url)
+            try:
+                listed = json.loads(raw).get("data") or []
+            except (ValueError, AttributeError):
+                listed = []
+            served += [m["id"] for m in listed if isinstance(m, dict) and isinstance(m.get("id"), str)]
+        if not alive:
+            raise ConnectionError("data.regenerate.urls: no OpenAI-compatible server answers at " + ", ".join(dead))
+        for d in dead:
+            warnings.warn(f"data.regenerate.urls: {d} does not answer; using the others", stacklevel=3)
+        return alive, served
+
+    def run(self, replays: list[Replay]) -> Iterator[Replay]:
+        """Yield conversations as they finish. Stops with ConnectionError when the servers stop
+        answering (a streak of conversations failing transiently): what finished is kept."""
+        pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="regen")
+        todo = iter(replays)
+        running: set = set()
+        streak, give_up = 0, max(8, 2 * self.concurrency)
+        try:
+            while True:
+                while len(running) < self.concurrency and (r := next(todo, None)) is not None:
+                    running.add(pool.submit(self._replay, r))
+                if not running:
+                    return
+                finished, running = wait(running, return_when=FIRST_COMPLETED)
+                for fut in finished:
+                    r = fut.result()
+                    yield r
+                    streak = streak + 1 if r.failure is not None and r.failure.transient else 0
+                    if streak >= give_up:
+                        raise ConnectionError(
+                            f"data.regenerate: the last {streak} conversations all failed to reach "
+                            f"{', '.join(self.urls)}; last error: {r.failure.detail}. Finished results are "
+                            "kept; run again to resume")
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def _replay(self, r: Replay) -> Replay:
+        while (messages := r.prompt()) is not None:
+            try:
+                r.answer(self._ask(messages, r.key, r.turns))
+            except RegenFailure as e:
+                r.fail(e)
+        return r
+
+    def _ask(self, messages: list[dict], key: str, turn: int) -> Answer:
+        body = json.dumps({
+            "model": self.model,
+            "messages": [{"role": m["role"], "content": _openai_content(m["content"])} for m in messages],
+            "temperature": float(self.cfg.temperature),
+            "max_tokens": int(self.cfg.max_new_tokens),
+            "seed": int(fingerprint(self.seed, key, turn), 16) % (2**31),  # reproducible sampling
+            "chat_template_kwargs": {"enable_thinking": bool(self.cfg.thinking)},
+        }).encode()
+        last = ""
+        for attempt in range(self.retries + 1):
+            url = self.urls[next(self._turn) % len(self.urls)]
+            req = urllib.request.Request(f"{url}/v1/chat/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as resp:
+                    return _parse(resp.read(), url)
+            except urllib.error.HTTPError as e:
+                last = f"{url}/v1/chat/completions: HTTP {e.code} {_excerpt(e)}".rstrip()
+                if e.code != 429 and e.code < 500:
+                    raise RegenFailure("regen_request_rejected", last) from None
+            except TRANSPORT_ERRORS as e:
+                last = f"{url}/v1/chat/completions: {getattr(e, 'reason', None) or e!r}"
+            if attempt < self.retries:
+                time.sleep(self.backoff_s * 2**attempt)
+        raise RegenFailure("regen_server_error", f"{self.retries + 1} attempts failed; last: {last}", transient=True)
+
+
+def _openai_content(content: str | list) -> str | list:
+    """Our parts ({"type": "text"|"image"}) in the OpenAI spelling; image paths/URLs as given."""
+    if isinstance(content, str):
+        return content
+    return [p if p.get("type") == "text" else {"type": "image_url", "image_url": {"url": p["image"]}}
+            for p in content]
+
+
+def _parse(raw: bytes, url: str) -> Answer:
+    try:
+        data = json.loads(raw)
+        choice = data["choices"][0]
+        message = choice["message"]
+        content = message.get("content") or ""
+        reasoning = message.get("reasoning_content") or ""
+        finish = choice.get("finish_reason")
+        tokens = int((data.get("usage") or {}).get("completion_tokens") or 0)
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
+        raise RegenFailure("regen_bad_response",
+                           f"{url}/v1/chat/completions: not a chat completion ({type(e).__name__}: {e})") from None
+    if reasoning:  # servers with a reasoning parser split the thinking off; the target emitted both
+        content = f"<think>\n{reasoning}\n</think>\n\n{content}"
+    return Answer(text=content, tokens=tokens, truncated=finish == "length")

@@ -1,0 +1,214 @@
+"""Regenerate the assistant turns of a split with the target, resumably, then re-validate them.
+
+The draft must learn what the target actually says, not what a dataset author wrote (EAGLE-3
+and every major trainer do this). Files in `out_dir` (split = "train", "eval", ...):
+
+    regen_<split>.partial.jsonl   resume log: fingerprint header + one line per finished conversation
+    regen_<split>.jsonl           the output rows {"id", "messages", "fixes", "file", "line", ...}
+    regen_<split>.failures.jsonl  every conversation that could not be regenerated: id, reason, action
+    regen_<split>.skipped.jsonl   every input conversation NOT in the output, with its reason
+                                  (unusable answer, or quarantined by the fix step afterwards)
+    regen_<split>.report.json     the counts returned as `report` (without the quarantine list)
+
+What happens on each kind of failure is decided in specforge/data/regen/replay.py.
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specforge.config import FixConfig
+from specforge.data.fix import fix_dataset, reason_code
+from specforge.data.formats import RawRow
+from specforge.data.regen.journal import Journal
+from specforge.data.regen.replay import Replay, conversation_key
+from specforge.utils.io import fingerprint, write_json, write_jsonl
+from specforge.utils.progress import progress_bar
+
+BACKENDS = ("embedded", "openai")
+FORMAT_VERSION = 1  # bump when a code change alters the answers, to invalidate old resume logs
+
+
+def regenerate_conversations(
+    conversations: list[dict],
+    cfg,
+    target_cfg,
+    out_dir: str | Path,
+    split: str,
+    *,
+    fix: FixConfig | None = None,
+    image_root: str | None = None,
+    seed: int = 0,
+    progress=None,
+) -> tuple[list[dict], dict]:
+    """(rows, report): every assistant turn answered again by the target, then repaired or
+    quarantined by `fix_dataset` with `fix` (default: FixConfig()) like the input was.
+
+    `conversations` are {"id", "messages", ...} (the data stage's rows, with "fixes", "file",
+    "line"); other keys are kept. `cfg` is a RegenerateConfig, `target_cfg` a TargetConfig (may be
+    None with the openai backend; it then only fingerprints by model name). Every input row ends
+    in `rows` or in `report["quarantine"]` ({"file", "line", "reason", "row"}, the stage's
+    quarantine shape): pop that list before serialising the report. `progress`: a rich Progress
+    to add the task to (else one is shown)."""
+    check_config(cfg)
+    out_dir = Path(out_dir)
+    fix = fix if fix is not None else FixConfig()
+    files = {name: out_dir / f"regen_{split}.{name}.jsonl" for name in ("partial", "failures", "skipped")}
+    keys = [conversation_key(c) for c in conversations]
+
+    journal = Journal(files["partial"], regen_fingerprint(cfg, target_cfg, seed),
+                      {"split": split, "backend": cfg.backend, "model": cfg.model})
+    started = time.monotonic()
+    tokens = asked = 0
+    generating = 0.0  # seconds spent asking the target (model loading and probing excluded)
+    try:
+        done = journal.open()
+        todo = _todo(conversations, keys, done, cfg.max_new_tokens)
+        unique = len(set(keys))
+        if todo:
+            backend = make_backend(cfg, target_cfg, seed)  # loaded only when there is work
+            with nullcontext(progress) if progress is not None else progress_bar() as bar:
+                task = bar.add_task(f"regenerate {split}", total=unique, completed=unique - len(todo), info="")
+                t0 = time.monotonic()
+                for replay in backend.run(todo):
+                    record = replay.record()
+                    journal.append(record)
+                    done[record["key"]] = record
+                    tokens += record["tokens"]
+                    asked += 1
+                    generating = time.monotonic() - t0
+                    bar.update(task, advance=1, info=f"{tokens / max(generating, 1e-9):.0f} tok/s")
+    finally:
+        journal.close()
+    seconds = time.monotonic() - started
+
+    out = _assemble(conversations, keys, done, fix, image_root)
+    report = {
+        "split": split,
+        "backend": cfg.backend,
+        "requested": len(conversations),
+        "resumed": unique - len(todo),  # distinct conversations reused from the resume log
+        "asked": asked,  # distinct conversations sent to the target by this run
+        **{s: out.statuses.get(s, 0) for s in ("regenerated", "unchanged", "kept_original", "skipped")},
+        "failed": len(out.failures),
+        "failures_by_reason": dict(sorted(Counter(reason_code(f["reason"]) for f in out.failures).items())),
+        "turns_regenerated": out.turns,
+        "fix": out.fix_counts,  # the fix step on the regenerated rows (input_rows = rows not skipped)
+        "quarantined": out.fix_counts["quarantined"],
+        "output_rows": len(out.rows),
+        "seconds": round(seconds, 3),  # this call, model loading included; the rest: this run's generation
+        "generate_seconds": round(generating, 3),
+        "tokens_generated": tokens,
+        "tokens_per_s": round(tokens / generating, 1) if generating > 0 else 0.0,
+        "files": {"output": str(out_dir / f"regen_{split}.jsonl"), **{k: str(v) for k, v in files.items()},
+                  "report": str(out_dir / f"regen_{split}.report.json")},
+    }
+    if len(out.rows) + len(out.quarantine) != len(conversations):
+        raise RuntimeError(f"regenerate {split}: {len(conversations)} conversations but {len(out.rows)} kept + "
+                           f"{len(out.quarantine)} dropped; each must be accounted for exactly once")
+    write_jsonl(out_dir / f"regen_{split}.jsonl", out.rows)
+    write_jsonl(files["failures"], out.failures)
+    write_jsonl(files["skipped"], out.quarantine)
+    write_json(out_dir / f"regen_{split}.report.json", report)
+    return out.rows, {**report, "quarantine": out.quarantine}
+
+
+def check_config(cfg) -> None:
+    """Fail before loading anything when a setting cannot work."""
+    if cfg.backend not in BACKENDS:
+        raise ValueError(f"data.regenerate.backend: {cfg.backend!r} is not one of {list(BACKENDS)}")
+    if cfg.backend == "openai" and not cfg.urls:
+        raise ValueError("data.regenerate.urls: empty; the openai backend needs at least one server URL "
+                         "(e.g. http://127.0.0.1:30000)")
+    for name in ("batch_size", "concurrency", "max_new_tokens"):
+        if int(getattr(cfg, name)) < 1:
+            raise ValueError(f"data.regenerate.{name}: must be >= 1, got {getattr(cfg, name)}")
+    if cfg.temperature < 0:
+        raise ValueError(f"data.regenerate.temperature: must be >= 0, got {cfg.temperature}")
+
+
+def regen_fingerprint(cfg, target_cfg, seed: int) -> str:
+    """Everything that decides the answers; URLs, concurrency and batch size do not (they decide
+    how fast we get them), so changing them keeps the resume log."""
+    target = None
+    if target_cfg is not None:
+        from specforge.targets.loader import resolve_target_path, target_fingerprint
+
+        target = {"files": target_fingerprint(resolve_target_path(target_cfg)),
+                  "dtype": target_cfg.dtype if cfg.backend == "embedded" else None}
+    return fingerprint(FORMAT_VERSION, cfg.backend, cfg.model, float(cfg.temperature), int(cfg.max_new_tokens),
+                       bool(cfg.thinking), seed, target)
+
+
+def make_backend(cfg, target_cfg, seed: int):
+    if cfg.backend == "embedded":
+        from specforge.data.regen.embedded import EmbeddedBackend
+
+        return EmbeddedBackend(cfg, target_cfg, seed)
+    from specforge.data.regen.openai_api import OpenAIBackend
+
+    return OpenAIBackend(cfg, seed)
+
+
+def _todo(conversations: list[dict], keys: list[str], done: dict, max_new_tokens: int) -> list[Replay]:
+    """Conversations to ask, once each, in input order: not in the log, or failed transiently
+    (the server may be back)."""
+    todo, seen = [], set()
+    for i, (conv, key) in enumerate(zip(conversations, keys)):
+        rec = done.get(key)
+        retry = rec is not None and (rec.get("failure") or {}).get("transient", False)
+        if key not in seen and (rec is None or retry):
+            todo.append(Replay(key, i, conv, max_new_tokens))
+        seen.add(key)
+    return todo
+
+
+@dataclass
+class _Assembled:
+    rows: list[dict] = field(default_factory=list)
+    quarantine: list[dict] = field(default_factory=list)  # {"file", "line", "reason", "row"}
+    failures: list[dict] = field(default_factory=list)
+    statuses: Counter = field(default_factory=Counter)
+    turns: int = 0
+    fix_counts: dict = field(default_factory=dict)
+
+
+def _assemble(conversations, keys, done, fix, image_root) -> _Assembled:
+    """Input order, original keys kept; unusable answers are dropped, the rest go through the fix
+    step again so a regenerated answer that is broken is repaired or quarantined."""
+    out = _Assembled()
+    raws: list[RawRow] = []
+    by_place: dict[tuple[str, int], dict] = {}
+    for i, (conv, key) in enumerate(zip(conversations, keys)):
+        rec = done[key]
+        file, line = conv.get("file") or "<conversations>", conv.get("line") or i + 1
+        out.statuses[rec["status"]] += 1
+        if rec["status"] == "regenerated":
+            out.turns += rec["turns"]
+        if rec["failure"] is not None:
+            out.failures.append({"id": conv["id"], "file": file, "line": line, "reason": rec["failure"]["reason"],
+                                 "action": rec["status"], "transient": rec["failure"]["transient"],
+                                 "answer": rec["failure"].get("answer")})  # the unusable answer, if any
+        if rec["status"] == "skipped":
+            out.quarantine.append({"file": file, "line": line, "reason": rec["failure"]["reason"],
+                                   "row": {"id": conv["id"], "messages": conv["messages"]}})
+            continue
+        if (file, line) in by_place:
+            raise ValueError(f"{file}:{line}: two conversations claim this place ({conv['id']!r} and "
+                             f"{by_place[file, line]['id']!r}); give each a distinct file/line or none")
+        by_place[file, line] = conv
+        raws.append(RawRow(file, line, {"id": conv["id"], "messages": rec["messages"]}, None))
+
+    result = fix_dataset(raws, fix, "messages", image_root)
+    out.fix_counts = result.counts
+    for row in result.kept:
+        conv = by_place[row["file"], row["line"]]
+        fixes = list(conv.get("fixes") or [])
+        fixes += [f for f in row["fixes"] if f not in fixes]
+        out.rows.append({**conv, "messages": row["messages"], "fixes": fixes})
+    for q in result.quarantined:
+        out.quarantine.append({**q, "reason": f"{q['reason']} (after regeneration)"})
+    return out

@@ -1,0 +1,399 @@
+"""Regenerating assistant turns with the target: embedded (transformers) and OpenAI-compatible
+servers (a real HTTP server on 127.0.0.1 serving the tiny target), resume after a kill,
+failures, retries and concurrency. No mocks: the target is the tiny Llama, taught in a few
+seconds to answer weather questions in prose so that answers end and depend on the prompt."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+
+from specforge.config import FixConfig, RegenerateConfig, TargetConfig
+from specforge.data.regen import regenerate_conversations
+from specforge.data.regen.replay import Answer, Replay
+from specforge.utils.io import read_jsonl, write_jsonl
+
+ROOT = Path(__file__).resolve().parents[1]
+CITIES = ["Paris", "Oslo", "Lima", "Tokyo", "Cairo", "Quito", "Perth", "Bern"]
+SKIES = ["sunny", "rainy", "cloudy", "windy"]
+SYSTEM = "You are a helpful assistant."
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # where the embedded backend runs
+
+
+def chat(city: str, i: int, follow_up: bool, system: bool = False) -> list[dict]:
+    """A weather chat whose answers the taught target says (today, then tomorrow)."""
+    msgs = [{"role": "system", "content": SYSTEM}] if system else []
+    msgs += [{"role": "user", "content": f"What is the weather in {city}?"},
+             {"role": "assistant", "content": f"{city} is {SKIES[i % 4]} today."}]
+    if follow_up:
+        msgs += [{"role": "user", "content": "And tomorrow?"},
+                 {"role": "assistant", "content": f"{city} is {SKIES[(i + 1) % 4]} tomorrow."}]
+    return msgs
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The tiny model is fastest on one thread, and two busy cores make OpenMP spin."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def target(tiny_target_dir, tmp_path_factory, one_thread):
+    """The tiny random Llama taught the chats above (random weights only ever repeat one token)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_target_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_target_dir), dtype=torch.float32)
+    texts = [tok.apply_chat_template(chat(c, i, True, system=i % 2 == 0), tokenize=False)
+             for i, c in enumerate(CITIES)]
+    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    labels = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
+    torch.manual_seed(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model.train()
+    for _ in range(120):
+        model(**enc, labels=labels).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    out = tmp_path_factory.mktemp("chat_target")
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return TargetConfig(name="tiny-chat", path=str(out), dtype="float32")
+
+
+def dataset(n: int = 8, follow_up_every: int = 2) -> list[dict]:
+    """Stage-shaped rows whose original answers are TOON (what the target never says)."""
+    assert n <= 16
+    rows = []
+    for i in range(n):
+        city = CITIES[i % len(CITIES)]
+        system = i % 3 == 0 if i < 8 else (i - 8) % 3 != 0  # so that all 16 first rows differ
+        msgs = chat(city, i, follow_up=i % follow_up_every == 0, system=system)
+        for m in msgs:
+            if m["role"] == "assistant":
+                m["content"] = f"weather:\n  city: {city}\n  sky: {SKIES[(i + 2) % 4]}"
+        rows.append({"id": f"w{i}", "messages": msgs, "fixes": [], "file": "raw.jsonl", "line": i + 1,
+                     "source": "test"})
+    return rows
+
+
+def cfg(**kw) -> RegenerateConfig:
+    return RegenerateConfig(**{"enabled": True, "batch_size": 3, "max_new_tokens": 24, **kw})
+
+
+def assert_replaced(src: list[dict], out: list[dict]) -> None:
+    """Same turns and roles; system/user content unchanged; every assistant turn new."""
+    assert [m["role"] for m in out] == [m["role"] for m in src]
+    for a, b in zip(src, out):
+        if a["role"] == "assistant":
+            assert b["content"] != a["content"] and b["content"].strip()
+        else:
+            assert b == a
+
+
+# --------------------------------------------------------------------------- embedded backend
+
+
+def test_replay_conditions_on_regenerated_answers():
+    conv = {"id": "x", "messages": chat("Oslo", 0, True, system=True)}
+    r = Replay("k", 0, conv, max_new_tokens=8)
+    assert r.prompt() == conv["messages"][:2]
+    r.answer(Answer("NEW ANSWER", tokens=3, truncated=False))
+    prompt = r.prompt()
+    assert prompt[2] == {"role": "assistant", "content": "NEW ANSWER"} and prompt[3] == conv["messages"][3]
+    r.answer(Answer("second", tokens=2, truncated=False))
+    assert r.prompt() is None
+    rec = r.record()
+    assert rec["status"] == "regenerated" and rec["turns"] == 2 and rec["tokens"] == 5
+
+
+def test_embedded_regenerates_deterministically(target, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    convs = dataset(8)
+    rows, report = regenerate_conversations(convs, cfg(), target, tmp_path / "a", "train")
+    assert report.pop("quarantine") == []
+    assert [r["id"] for r in rows] == [c["id"] for c in convs]
+    for src, row in zip(convs, rows):
+        assert_replaced(src["messages"], row["messages"])
+        assert {k: row[k] for k in ("fixes", "file", "line", "source")} == \
+               {k: src[k] for k in ("fixes", "file", "line", "source")}
+    assert report["requested"] == report["regenerated"] == report["output_rows"] == 8
+    assert report["turns_regenerated"] == 8 + 4 and report["failed"] == 0
+    assert report["tokens_generated"] > 0 and report["tokens_per_s"] > 0
+    assert list(read_jsonl(tmp_path / "a" / "regen_train.jsonl")) == rows
+    # The follow-up was asked with the regenerated first answer: asking the model ourselves
+    # from that prompt (one at a time, no padding) gives the same second answer.
+    tok = AutoTokenizer.from_pretrained(target.path)
+    model = AutoModelForCausalLM.from_pretrained(target.path, dtype=torch.float32).to(DEVICE)
+    msgs = rows[0]["messages"]
+    prompt = tok.apply_chat_template(msgs[:-1], add_generation_prompt=True, return_tensors="pt",
+                                     return_dict=True).to(DEVICE)
+    gen = model.generate(**prompt, max_new_tokens=24, do_sample=False)[0, prompt["input_ids"].shape[1]:]
+    assert tok.decode(gen, skip_special_tokens=True) == msgs[-1]["content"]
+    assert msgs[-1]["content"].endswith("tomorrow.")  # the taught answer about the regenerated city
+    # Deterministic: a fresh run elsewhere gives the same rows; a rerun here reuses the log.
+    again, _ = regenerate_conversations(convs, cfg(), target, tmp_path / "b", "train")
+    assert again == rows
+    cached, rep = regenerate_conversations(convs, cfg(), target, tmp_path / "a", "train")
+    assert cached == rows and rep["resumed"] == 8 and rep["asked"] == 0
+
+
+def test_sampling_is_seeded(target, tmp_path):
+    """Same seed, same samples (the answers of skipped rows included); another seed, others."""
+    def answers(name: str, seed: int) -> list:
+        regenerate_conversations(dataset(6), cfg(temperature=2.0), target, tmp_path / name, "train", seed=seed)
+        return list(read_jsonl(tmp_path / name / "regen_train.partial.jsonl"))[1:]
+
+    state = torch.get_rng_state()
+    first = answers("a", 1)
+    assert torch.equal(torch.get_rng_state(), state)  # the caller's RNG is left alone
+    assert answers("b", 1) == first
+    assert answers("c", 2) != first
+
+
+def test_unusable_answers_are_skipped_and_fix_runs_on_the_output(target, tmp_path):
+    convs = dataset(4, follow_up_every=99)
+    # w4 asks what w0 asks: unique as input (other original answer), a duplicate once regenerated.
+    convs.append({**convs[0], "id": "w4", "line": 5, "messages": [dict(m) for m in convs[0]["messages"]]})
+    convs[4]["messages"][-1]["content"] = "weather:\n  city: Paris\n  sky: foggy"
+    rows, report = regenerate_conversations(convs, cfg(), target, tmp_path, "eval", fix=FixConfig(toon=True))
+    quarantine = report.pop("quarantine")
+    assert [r["id"] for r in rows] == ["w0", "w1", "w2", "w3"]
+    assert [(q["line"], q["reason"].split(":")[0]) for q in quarantine] == [(5, "duplicate")]
+    assert report["fix"]["quarantined"] == report["quarantined"] == 1 and report["fix"]["input_rows"] == 5
+    assert list(read_jsonl(tmp_path / "regen_eval.skipped.jsonl")) == quarantine
+
+    rows, report = regenerate_conversations(convs, cfg(max_new_tokens=2), target, tmp_path, "eval")
+    quarantine = report.pop("quarantine")
+    assert report["resumed"] == 0 and report["asked"] == 5  # another config: the old log is not reused
+    assert rows == [] and report["skipped"] == report["failed"] == 5 and report["output_rows"] == 0
+    assert report["failures_by_reason"] == {"regen_truncated": 5}
+    failures = list(read_jsonl(tmp_path / "regen_eval.failures.jsonl"))
+    assert {f["action"] for f in failures} == {"skipped"} and [f["id"] for f in failures] == [c["id"] for c in convs]
+    assert [q["row"]["messages"] for q in quarantine] == [c["messages"] for c in convs]
+    assert all("max_new_tokens=2" in q["reason"] for q in quarantine)
+
+
+def test_resume_after_kill_matches_uninterrupted_run(target, tmp_path):
+    """Kill the CLI (SIGKILL) mid-run, tear its last log line, rerun: same output, no duplicates."""
+    from data_prep.regenerate import main
+
+    rows = [{"id": c["id"], "messages": c["messages"]} for c in dataset(16, follow_up_every=3)]
+    write_jsonl(tmp_path / "in.jsonl", rows)
+    args = ["--target", target.path, "--dtype", "float32", "--batch-size", "2", "--max-new-tokens", "24"]
+    killed = tmp_path / "killed"
+    log = killed / "regen_train.partial.jsonl"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "data_prep" / "regenerate.py"), str(tmp_path / "in.jsonl"),
+                             "--out", str(killed / "train.jsonl"), *args],
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while not (log.is_file() and log.read_text().count("\n") >= 5):  # header + 2 groups of 2
+            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+            assert time.monotonic() < deadline, "the regeneration never got going"
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait()
+        proc.stderr.close()
+    assert not (killed / "train.jsonl").exists()
+    done_before = log.read_text().count("\n") - 1
+    assert 4 <= done_before < 16
+    with open(log, "a") as f:
+        f.write('{"key": "torn-by-a-crash", "id": "w')  # as if killed mid-write
+
+    assert main([str(tmp_path / "in.jsonl"), "--out", str(killed / "train.jsonl"), *args]) == 0
+    assert main([str(tmp_path / "in.jsonl"), "--out", str(tmp_path / "clean" / "train.jsonl"), *args]) == 0
+    resumed = list(read_jsonl(killed / "train.jsonl"))
+    assert resumed == list(read_jsonl(tmp_path / "clean" / "train.jsonl"))
+    skipped = {q["row"]["id"] for q in read_jsonl(killed / "regen_train.skipped.jsonl")}
+    assert len(skipped) <= 2  # the odd answer of the tiny model that runs past max_new_tokens
+    kept = [r for r in rows if r["id"] not in skipped]
+    assert [r["id"] for r in resumed] == [r["id"] for r in kept]
+    for src, row in zip(kept, resumed):
+        assert_replaced(src["messages"], row["messages"])
+    report = json.loads((killed / "regen_train.report.json").read_text())
+    assert report["resumed"] >= done_before and report["resumed"] + report["asked"] == 16
+    records = [json.loads(line) for line in log.read_text().splitlines()[1:]]
+    assert len(records) == len({r["key"] for r in records}) == 16
+
+
+# --------------------------------------------------------------------------- openai backend
+
+
+class TargetServer(ThreadingHTTPServer):
+    """A minimal OpenAI-compatible server: /v1/models and /v1/chat/completions, greedy decoding
+    of the tiny target one request at a time. It records every request and the most requests
+    it ever had in flight; `fail_markers`: requests mentioning one answer 500; `flaky` makes
+    the first attempt of every distinct request answer 500."""
+
+    daemon_threads = True
+
+    def __init__(self, target_cfg):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        self.tok = AutoTokenizer.from_pretrained(target_cfg.path)
+        self.model = AutoModelForCausalLM.from_pretrained(target_cfg.path, dtype=torch.float32).to(DEVICE).eval()
+        self.lock, self.gpu = threading.Lock(), threading.Lock()
+        self.requests: list[dict] = []
+        self.in_flight = self.max_in_flight = 0
+        self.fail_markers: tuple[str, ...] = ()
+        self.flaky = False
+        self.seen: set[str] = set()
+        self.url = f"http://127.0.0.1:{self.server_address[1]}"
+
+    def complete(self, body: dict) -> dict:
+        with self.gpu:
+            ids = self.tok.apply_chat_template(body["messages"], add_generation_prompt=True, return_tensors="pt",
+                                               return_dict=True, **body.get("chat_template_kwargs", {})).to(DEVICE)
+            with torch.inference_mode():
+                out = self.model.generate(**ids, max_new_tokens=body["max_tokens"], do_sample=False)
+        new = out[0, ids["input_ids"].shape[1]:].tolist()
+        eos = self.tok.eos_token_id
+        finished = eos in new
+        new = new[: new.index(eos) + 1] if finished else new
+        text = self.tok.decode(new, skip_special_tokens=True)
+        return {"choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                             "finish_reason": "stop" if finished else "length"}],
+                "usage": {"completion_tokens": len(new)}}
+
+
+class Handler(BaseHTTPRequestHandler):
+    server: TargetServer
+
+    def log_message(self, *args):  # keep pytest output clean
+        pass
+
+    def _send(self, code: int, obj: dict) -> None:
+        data = json.dumps(obj).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        if self.path == "/v1/models":
+            self._send(200, {"object": "list", "data": [{"id": "tiny-chat", "object": "model"}]})
+        else:
+            self._send(404, {"error": "not found"})
+
+    def do_POST(self):
+        srv = self.server
+        raw = self.rfile.read(int(self.headers["Content-Length"]))
+        body = json.loads(raw)
+        with srv.lock:
+            srv.requests.append(body)
+            srv.in_flight += 1
+            srv.max_in_flight = max(srv.max_in_flight, srv.in_flight)
+            first_try = raw not in srv.seen
+            srv.seen.add(raw)
+        try:
+            time.sleep(0.05)  # a server takes a while to answer; let the client's requests overlap
+            if self.path != "/v1/chat/completions":
+                return self._send(404, {"error": f"no route {self.path}"})
+            if any(m in json.dumps(body["messages"]) for m in srv.fail_markers):
+                return self._send(500, {"error": "internal error (test)"})
+            if srv.flaky and first_try:
+                return self._send(503, {"error": "overloaded (test)"})
+            self._send(200, srv.complete(body))
+        finally:
+            with srv.lock:
+                srv.in_flight -= 1
+
+
+@pytest.fixture(scope="module")
+def server(target):
+    srv = TargetServer(target)
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+
+
+@pytest.fixture
+def fresh(server):
+    server.requests.clear()
+    server.seen.clear()
+    server.max_in_flight, server.fail_markers, server.flaky = 0, (), False
+    return server
+
+
+def test_openai_backend_matches_embedded_and_overlaps(fresh, target, tmp_path):
+    convs = dataset(8)
+    c = cfg(backend="openai", urls=[fresh.url, fresh.url + "/v1/"], concurrency=4, thinking=True)
+    rows, report = regenerate_conversations(convs, c, target, tmp_path, "train")
+    assert report.pop("quarantine") == [] and report["regenerated"] == 8 and report["failed"] == 0
+    assert report["tokens_generated"] > 0
+    for src, row in zip(convs, rows):
+        assert_replaced(src["messages"], row["messages"])
+    assert fresh.max_in_flight >= 2, "requests were not concurrent"
+    assert len(fresh.requests) == 12  # 8 first turns + 4 follow-ups, no retries
+    req = fresh.requests[0]
+    assert req["model"] == "tiny-chat" and req["max_tokens"] == 24 and req["temperature"] == 0.0
+    assert req["chat_template_kwargs"] == {"enable_thinking": True}
+    # Follow-ups were sent with the regenerated first answer (assert_replaced: not the original).
+    sent = [r["messages"] for r in fresh.requests]
+    follow_ups = [row["messages"][:-1] for row in rows if row["messages"][-2]["content"] == "And tomorrow?"]
+    assert len(follow_ups) == 4 and all(f in sent for f in follow_ups)
+    # The same prompts, one at a time in-process, give the same answers.
+    embedded, _ = regenerate_conversations(convs, cfg(batch_size=1), target, tmp_path / "embedded", "train")
+    assert [r["messages"] for r in embedded] == [r["messages"] for r in rows]
+
+
+def test_openai_failures_retries_and_rerun(fresh, target, tmp_path):
+    convs = dataset(6, follow_up_every=99)  # w1 asks about Oslo, w4 about Cairo
+    c = cfg(backend="openai", urls=[fresh.url], concurrency=3)
+
+    fresh.flaky = True  # every request fails once: the retries recover all of them
+    rows, report = regenerate_conversations(convs, c, target, tmp_path / "flaky", "train")
+    assert report["regenerated"] == 6 and report["failed"] == 0
+    assert len(fresh.requests) == 2 * 7  # 6 first turns + 1 follow-up, each tried twice
+
+    fresh.requests.clear()
+    fresh.flaky, fresh.fail_markers = False, ("Oslo", "Cairo")
+    rows, report = regenerate_conversations(convs, c, target, tmp_path, "train")
+    assert report.pop("quarantine") == []
+    assert report["regenerated"] == 4 and report["kept_original"] == report["failed"] == 2
+    assert report["failures_by_reason"] == {"regen_server_error": 2}
+    failures = list(read_jsonl(tmp_path / "regen_train.failures.jsonl"))
+    assert [(f["id"], f["action"], f["transient"]) for f in failures] == \
+           [("w1", "kept_original", True), ("w4", "kept_original", True)]
+    assert "HTTP 500" in failures[0]["reason"] and fresh.url in failures[0]["reason"]
+    assert sum(any(c in json.dumps(r["messages"]) for c in ("Oslo", "Cairo")) for r in fresh.requests) == 2 * 4
+    assert [r["messages"] for r in rows if r["id"] in ("w1", "w4")] == [convs[1]["messages"], convs[4]["messages"]]
+
+    fresh.fail_markers, n = (), len(fresh.requests)  # the server is fixed: only the failures are asked again
+    rows, report = regenerate_conversations(convs, c, target, tmp_path, "train")
+    assert report["asked"] == 2 and report["regenerated"] == 6 and report["failed"] == 0
+    assert len(fresh.requests) == n + 2
+    assert list(read_jsonl(tmp_path / "regen_train.failures.jsonl")) == []
+
+
+def test_openai_nothing_answers_names_the_url(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    with pytest.raises(ConnectionError, match=url.replace(".", r"\.")):
+        regenerate_conversations(dataset(2), cfg(backend="openai", urls=[url]), None, tmp_path, "train")
+    with pytest.raises(ValueError, match="data.regenerate.urls"):
+        regenerate_conversations(dataset(2), cfg(backend="openai"), None, tmp_path, "train")
+    with pytest.raises(ValueError, match="data.regenerate.backend"):
+        regenerate_conversations(dataset(2), cfg(backend="vllm"), None, tmp_path, "train")
