@@ -397,3 +397,25 @@ def test_openai_nothing_answers_names_the_url(tmp_path):
         regenerate_conversations(dataset(2), cfg(backend="openai"), None, tmp_path, "train")
     with pytest.raises(ValueError, match="data.regenerate.backend"):
         regenerate_conversations(dataset(2), cfg(backend="vllm"), None, tmp_path, "train")
+
+
+def test_data_stage_trains_on_the_regenerated_answers(target, tmp_path):
+    """`data.regenerate.enabled=true`: the stage's conversations and loss-masked tokens are the
+    target's own answers, and every input row is still accounted for."""
+    from specforge.data import stage
+    from tests.test_data_stage import assert_reconciles, make_cfg
+
+    src = dataset(6)
+    write_jsonl(tmp_path / "train.jsonl", src)
+    cfg = make_cfg(tmp_path, target.path, tmp_path / "train.jsonl", None,
+                   **{"regenerate.enabled": True, "regenerate.max_new_tokens": 24, "regenerate.batch_size": 3})
+    cfg.target.dtype = "float32"
+    summary = stage.run(cfg, tmp_path / "run")
+    counts = summary["train"]
+    assert_reconciles(counts)
+    assert counts["regenerate"]["requested"] == 6
+    out = list(read_jsonl(tmp_path / "run" / "data" / "train.conversations.jsonl"))
+    assert out, "regeneration left no training sample"
+    by_id = {r["id"]: r for r in src}
+    for row in out:
+        assert_replaced(by_id[row["id"]]["messages"], row["messages"])

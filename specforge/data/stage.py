@@ -99,8 +99,8 @@ def _normalise(cfg, rows: list[RawRow]) -> tuple[list[dict], list[dict]]:
     return result.kept, result.quarantined
 
 
-def process_split(cfg, split: str, files: list[str], tokenizer, progress=None) -> dict:
-    """Read, normalise, limit and render one split.
+def process_split(cfg, split: str, files: list[str], tokenizer, progress=None, run_dir=None) -> dict:
+    """Read, normalise, limit, (regenerate) and render one split.
 
     Returns {"samples", "conversations", "quarantine", "counts"}; samples that cannot be used
     after rendering (over-length, template errors) move from kept/fixed to quarantined."""
@@ -112,6 +112,18 @@ def process_split(cfg, split: str, files: list[str], tokenizer, progress=None) -
     if cfg.data.max_samples is not None and len(convs) > cfg.data.max_samples:
         skipped = len(convs) - cfg.data.max_samples
         convs = convs[: cfg.data.max_samples]
+
+    regenerated = None
+    if cfg.data.regenerate.enabled:
+        # The draft must learn what the target says: its own answers replace the dataset's.
+        from specforge.data.regen import regenerate_conversations
+
+        if run_dir is None:
+            raise ValueError("data.regenerate: needs the run directory for its resume journal")
+        convs, regenerated = regenerate_conversations(
+            convs, cfg.data.regenerate, cfg.target, Path(run_dir) / "data", split,
+            fix=cfg.data.fix, image_root=cfg.data.image_root, seed=cfg.seed, progress=progress)
+        quarantine += [{"split": split, **q} for q in regenerated.pop("quarantine")]
 
     samples, conversations = [], []
     fixes: Counter = Counter()
@@ -155,6 +167,8 @@ def process_split(cfg, split: str, files: list[str], tokenizer, progress=None) -
         "loss_tokens": sum(sum(s["loss_mask"]) for s in samples),
         "max_tokens": max(lengths, default=0),
     }
+    if regenerated is not None:
+        counts["regenerate"] = regenerated
     accounted = kept + fixed + len(quarantine) + skipped
     if accounted != len(rows):
         raise RuntimeError(
@@ -193,7 +207,7 @@ def run(cfg, run_dir) -> dict:
     results = {}
     with progress_bar() as progress:
         for split, files in splits.items():
-            results[split] = process_split(cfg, split, files, tokenizer, progress)
+            results[split] = process_split(cfg, split, files, tokenizer, progress, run_dir)
 
     for split in ("train", "eval"):
         if split not in results:  # no eval files configured: leave no stale eval data behind
