@@ -1,0 +1,320 @@
+"""EAGLE3 speculative decoding with SGLang's semantics (contract §3, §5, §6), batch size 1.
+
+Per round: T draft forwards (the first is the catch-up over the tokens accepted last round, whose
+last row gives the level-1 top-K; then T-1 decode steps over K lanes), one tree-masked target
+forward over the N nodes, a greedy or sampling walk, and compaction of both KV caches to the
+accepted path. The draft at position p consumes (token p+1, target feature of position p), so
+the draft's cache always covers exactly the target's committed prefix.
+
+`generate_base` runs the plain target on the same cache machinery, so the two are comparable.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from specforge.engine.target import TargetRunner
+from specforge.engine.tree import Tree, TreeSpec, build_tree, first_level, lane_attention_mask, next_level
+from specforge.engine.verify import greedy_verify, sampling_verify, target_probs
+
+
+@dataclass
+class GenerationStats:
+    """Per-request figures, named as SGLang names them (contract §6). Times in seconds."""
+
+    prompt_tokens: int
+    num_draft_tokens: int = 0  # N of the tree (0 for the base model)
+    completion_tokens: int = 0
+    spec_verify_ct: int = 0  # verify rounds
+    accepted_drafts: list = field(default_factory=list)  # per round, drafts accepted (bonus excluded)
+    prefill_s: float = 0.0  # target prefill + draft prefill
+    ttft_s: float = 0.0
+    e2e_s: float = 0.0
+    token_times_s: list = field(default_factory=list)  # since start, one per completion token
+
+    @property
+    def accept_length(self) -> float:
+        """completion_tokens / spec_verify_ct: counts the bonus and the prefill's first token."""
+        return self.completion_tokens / self.spec_verify_ct if self.spec_verify_ct else math.nan
+
+    @property
+    def round_accept_length(self) -> float:
+        """Mean over rounds of accepted drafts + 1 (the server-wide figure of SGLang)."""
+        n = len(self.accepted_drafts)
+        return (sum(self.accepted_drafts) + n) / n if n else math.nan
+
+    @property
+    def accept_rate(self) -> float:
+        """Correct drafts / (rounds * (N-1))."""
+        slots = self.spec_verify_ct * (self.num_draft_tokens - 1)
+        return sum(self.accepted_drafts) / slots if slots > 0 else math.nan
+
+    def accept_histogram(self, steps: int) -> list[int]:
+        """How many rounds accepted 0, 1, ..., T drafts."""
+        counts = [0] * (steps + 1)
+        for a in self.accepted_drafts:
+            counts[a] += 1
+        return counts
+
+    @property
+    def tpot_s(self) -> float:
+        """(e2e - ttft) / (completion_tokens - 1), as bench_serving computes it."""
+        n = self.completion_tokens
+        return (self.e2e_s - self.ttft_s) / (n - 1) if n > 1 else math.nan
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(accept_length=self.accept_length, round_accept_length=self.round_accept_length,
+                 accept_rate=self.accept_rate, tpot_s=self.tpot_s)
+        return d
+
+
+class DraftState(NamedTuple):
+    """What the next round's draft starts from: level-1 top-K (probs, target ids) and the
+    draft's output at the last committed position (the feature of the first decode step)."""
+
+    probs: torch.Tensor
+    ids: torch.Tensor
+    feat: torch.Tensor
+
+
+class DraftKV:
+    """The draft's keys/values [1, kv_heads, capacity, head_dim]; entries past `length` are scratch
+    for the current round's draft steps."""
+
+    def __init__(self, kv_heads: int, head_dim: int, dtype, device):
+        self.kv_heads, self.head_dim = kv_heads, head_dim
+        self.dtype, self.device = dtype, device
+        self.length = 0
+
+    def reset(self, capacity: int):
+        shape = (1, self.kv_heads, capacity, self.head_dim)
+        self.k = torch.empty(shape, dtype=self.dtype, device=self.device)
+        self.v = torch.empty(shape, dtype=self.dtype, device=self.device)
+        self.length = 0
+
+    def past(self, extra: int = 0):
+        end = self.length + extra
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+    def write(self, at: int, k: torch.Tensor, v: torch.Tensor):
+        end = at + k.shape[2]
+        if end > self.k.shape[2]:
+            for name in ("k", "v"):
+                old = getattr(self, name)
+                new = old.new_empty((*old.shape[:2], max(end, 2 * old.shape[2]), old.shape[3]))
+                new[:, :, :at] = old[:, :, :at]
+                setattr(self, name, new)
+        self.k[:, :, at:end] = k
+        self.v[:, :, at:end] = v
+
+
+def _as_prompt(input_ids, device) -> torch.Tensor:
+    ids = torch.as_tensor(input_ids, dtype=torch.long)
+    if ids.dim() == 2:
+        if ids.shape[0] != 1:
+            raise ValueError(f"generate: batch size 1 only, got input_ids of shape {tuple(ids.shape)}")
+        ids = ids[0]
+    if ids.dim() != 1 or ids.numel() == 0:
+        raise ValueError("generate: input_ids must be a non-empty sequence of token ids")
+    return ids.to(device)
+
+
+def _sample(logits: torch.Tensor, temperature: float, generator) -> torch.Tensor:
+    if temperature <= 0:
+        return logits.argmax(dim=-1)
+    probs = target_probs(logits, temperature)
+    return torch.multinomial(probs, 1, generator=generator)[0]
+
+
+class _Request:
+    """Output tokens, stop conditions and timing of one generate call."""
+
+    def __init__(self, prompt_len, max_new_tokens, eos_token_id, num_draft_tokens):
+        if max_new_tokens < 1:
+            raise ValueError(f"generate: max_new_tokens must be >= 1, got {max_new_tokens}")
+        self.t0 = time.perf_counter()
+        self.max_new = max_new_tokens
+        self.eos = set() if eos_token_id is None else set(
+            [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
+        )
+        self.tokens: list[int] = []
+        self.done = False
+        self.stats = GenerationStats(prompt_tokens=prompt_len, num_draft_tokens=num_draft_tokens)
+
+    def emit(self, tokens: list[int]) -> None:
+        """Append tokens up to eos / max_new_tokens (never past them)."""
+        for t in tokens[: self.max_new - len(self.tokens)]:
+            self.tokens.append(t)
+            if t in self.eos:
+                break
+        self.done = len(self.tokens) >= self.max_new or self.tokens[-1] in self.eos
+        now = time.perf_counter() - self.t0
+        self.stats.token_times_s += [now] * (len(self.tokens) - len(self.stats.token_times_s))
+
+    def first_token_done(self):
+        """TTFT covers the whole prefill stage (target and draft), as the server streams it."""
+        now = time.perf_counter() - self.t0
+        self.stats.prefill_s = self.stats.ttft_s = self.stats.token_times_s[0] = now
+
+    def finish(self, device):
+        self.stats.completion_tokens = len(self.tokens)
+        self.stats.e2e_s = time.perf_counter() - self.t0
+        return torch.tensor(self.tokens, dtype=torch.long, device=device), self.stats
+
+
+class SpeculativeEngine:
+    """Speculative decoding of `target` (a transformers causal LM) with an `Eagle3Draft`.
+
+    `exact_ancestor_attention=False` reproduces SGLang's draft lanes (a lane keeps its own keys of
+    the earlier draft steps even after beams are reordered); True makes each beam attend to its
+    real ancestors. With `draft=None` only `generate_base` is available.
+    """
+
+    def __init__(self, target, draft, tree: TreeSpec | str = "1_1_2",
+                 exact_ancestor_attention: bool = False, aux_layer_ids=None):
+        self.spec = TreeSpec.parse(tree) if isinstance(tree, str) else tree
+        self.exact = exact_ancestor_attention
+        self.draft = draft.eval() if draft is not None else None
+        if aux_layer_ids is None:
+            aux_layer_ids = draft.config.aux_layer_ids if draft is not None else []
+        self.runner = TargetRunner(target, list(aux_layer_ids))
+        if draft is not None:
+            if self.spec.topk > draft.config.draft_vocab_size:
+                raise ValueError(
+                    f"tree {self.spec}: topk exceeds the draft vocab ({draft.config.draft_vocab_size})"
+                )
+            param = next(draft.parameters())
+            self.draft_dtype = param.dtype
+            cfg = draft.config
+            self.draft_kv = DraftKV(cfg.num_key_value_heads, cfg.head_dim, param.dtype, param.device)
+
+    @property
+    def device(self):
+        return self.runner.device
+
+    # ---- draft side -------------------------------------------------------------------------
+
+    def _draft_topk(self, logits: torch.Tensor):
+        """Top-K of the draft distribution (plain softmax, as SGLang), as target ids."""
+        probs, ids = torch.topk(torch.softmax(logits.float(), dim=-1), self.spec.topk, dim=-1)
+        return probs, self.draft.to_target_ids(ids)
+
+    @torch.inference_mode()
+    def draft_extend(self, tokens: torch.Tensor, aux: torch.Tensor) -> DraftState:
+        """Catch up over newly committed positions, pairing (token p+1, target feature p), causal.
+
+        The last row is the draft's first step of the next round: its top-K is level 1.
+        """
+        start, n = self.draft_kv.length, tokens.shape[0]
+        feat = self.draft.project(aux.to(self.draft_dtype))[None]
+        pos = torch.arange(start, start + n, device=tokens.device)[None]
+        out, logits, (k, v) = self.draft.step(tokens[None], feat, pos, self.draft_kv.past())
+        self.draft_kv.write(start, k, v)
+        self.draft_kv.length = start + n
+        probs, ids = self._draft_topk(logits[0, -1])
+        return DraftState(probs, ids, out[0, -1])
+
+    @torch.inference_mode()
+    def draft_tree(self, root: torch.Tensor, state: DraftState) -> Tree:
+        """T-1 decode steps over K lanes from the level-1 top-K, then the global top-(N-1).
+
+        All lanes run as one sequence of K tokens at the same position; the mask gives each lane
+        the committed prefix, the earlier-step keys it may see (lane_attention_mask) and itself.
+        """
+        k, steps = self.spec.topk, self.spec.steps
+        scores, s0, t0, p0 = first_level(state.probs, state.ids)
+        score_list, token_list, parents_list = [s0], [t0], [p0]
+        lane_tok, lane_feat = state.ids, state.feat.expand(k, -1)
+        lane_mask = lane_attention_mask(None, None, k, self.exact)
+        length, device = self.draft_kv.length, state.ids.device
+        prefix = torch.ones((k, length), dtype=torch.bool, device=device)
+        self_mask = torch.eye(k, dtype=torch.bool, device=device)
+        for i in range(1, steps):
+            written = (i - 1) * k
+            mask = torch.cat([prefix, lane_mask.to(device), self_mask], dim=1)[None]
+            pos = torch.full((1, k), length + i - 1, device=device)
+            out, logits, (kk, vv) = self.draft.step(
+                lane_tok[None], lane_feat[None], pos, self.draft_kv.past(written), mask
+            )
+            probs, child = self._draft_topk(logits[0])
+            flat, flat_tok, scores, sel, parents = next_level(scores, probs, child, i)
+            score_list.append(flat)
+            token_list.append(flat_tok)
+            parents_list.append(parents)
+            if i < steps - 1:  # the next step reads this step's keys and beams
+                self.draft_kv.write(length + written, kk, vv)
+                parent_lane = sel // k
+                lane_tok, lane_feat = flat_tok[sel], out[0][parent_lane]
+                lane_mask = lane_attention_mask(lane_mask, parent_lane, k, self.exact)
+        return build_tree(root, score_list, token_list, parents_list, self.spec)
+
+    # ---- generation ---------------------------------------------------------------------------
+
+    def _start(self, input_ids, max_new_tokens, eos_token_id, num_draft_tokens):
+        prompt = _as_prompt(input_ids, self.device)
+        req = _Request(prompt.shape[0], max_new_tokens, eos_token_id, num_draft_tokens)
+        self.reset(prompt.shape[0] + max_new_tokens)
+        return prompt, req
+
+    def reset(self, max_len: int):
+        """Empty both caches, sized for `max_len` committed tokens plus one round's scratch."""
+        capacity = max_len + self.spec.num_draft_tokens + self.spec.steps * self.spec.topk
+        self.runner.reset(capacity)
+        if self.draft is not None:
+            self.draft_kv.reset(capacity)
+
+    @torch.inference_mode()
+    def prefill(self, prompt: torch.Tensor, temperature: float = 0.0, generator=None):
+        """Target prefill (first token sampled there), then the draft over the prompt pairing
+        (token p+1, feature p). Returns the first token [1] and the draft state of round 1."""
+        logits, aux = self.runner.prefill(prompt)
+        token = _sample(logits, temperature, generator).reshape(1)
+        return token, self.draft_extend(torch.cat([prompt[1:], token]), aux)
+
+    @torch.inference_mode()
+    def generate(self, input_ids, max_new_tokens: int, temperature: float = 0.0,
+                 eos_token_id=None, generator: torch.Generator | None = None):
+        """Speculative generation. Returns (completion token ids [n], GenerationStats)."""
+        if self.draft is None:
+            raise ValueError("generate: this engine has no draft; use generate_base")
+        prompt, req = self._start(input_ids, max_new_tokens, eos_token_id, self.spec.num_draft_tokens)
+        token, state = self.prefill(prompt, temperature, generator)
+        req.emit(token.tolist())
+        req.first_token_done()
+        while not req.done:
+            tree = self.draft_tree(token, state)
+            start = self.runner.length
+            logits, aux = self.runner.tree(tree.tokens, tree.depth, tree.mask)
+            if temperature <= 0:
+                path, emitted = greedy_verify(tree, logits)
+            else:
+                path, emitted = sampling_verify(tree, target_probs(logits, temperature), generator)
+            req.stats.spec_verify_ct += 1
+            req.stats.accepted_drafts.append(path.shape[0] - 1)
+            req.emit(emitted.tolist())
+            if req.done:
+                break
+            self.runner.keep(start, path)
+            state = self.draft_extend(emitted, aux[path])
+            token = emitted[-1:]
+        return req.finish(self.device)
+
+    @torch.inference_mode()
+    def generate_base(self, input_ids, max_new_tokens: int, temperature: float = 0.0,
+                      eos_token_id=None, generator: torch.Generator | None = None):
+        """Plain autoregressive decoding of the target on the same cache machinery."""
+        prompt, req = self._start(input_ids, max_new_tokens, eos_token_id, 0)
+        logits, _ = self.runner.prefill(prompt, need_aux=False)
+        token = _sample(logits, temperature, generator)
+        req.emit([int(token)])
+        req.first_token_done()
+        while not req.done:
+            logits, _ = self.runner.decode(token)
+            token = _sample(logits, temperature, generator)
+            req.emit([int(token)])
+        return req.finish(self.device)
