@@ -81,8 +81,8 @@ def write_run_report(run_dir: str | Path) -> Path:
     plots = plot_training(metrics, run_dir / "plots") if metrics else []
     parts += [f"![{Path(p).stem}]({p})" for p in plots]
     eval_md = run_dir / "eval" / "report.md"
-    if eval_md.exists():
-        parts += ["", eval_md.read_text()]
+    if eval_md.exists():  # its plot links are relative to eval/
+        parts += ["", eval_md.read_text().replace("](plots/", "](eval/plots/")]
     out = run_dir / "report.md"
     write_text(out, "\n".join(parts) + "\n")
     return out

@@ -50,7 +50,9 @@ class TreeSpec:
     def parse(cls, text: str) -> "TreeSpec":
         m = re.fullmatch(r"\s*(\d+)_(\d+)_(\d+)\s*", str(text))
         if not m:
-            raise ValueError(f"tree {text!r}: expected 'T_K_N' (steps_topk_numdrafttokens), e.g. '8_2_16'")
+            hint = (" (YAML and Hydra read an unquoted 5_1_6 as the number 516: quote it)"
+                    if str(text).isdigit() else "")
+            raise ValueError(f"tree {text!r}: expected 'T_K_N' (steps_topk_numdrafttokens), e.g. '8_2_16'{hint}")
         return cls(*(int(g) for g in m.groups()))
 
     @property

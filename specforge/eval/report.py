@@ -1,0 +1,112 @@
+"""Evaluation outputs: results.json / results.csv, report.md with one table per run, and plots of
+accept length and speed-up per epoch and over tree configurations."""
+from __future__ import annotations
+
+import csv
+import io
+import math
+from pathlib import Path
+
+from specforge.utils.io import write_json, write_text
+
+COLUMNS = [("epoch", "epoch"), ("tree", "tree"), ("prefill_s", "prefill s"), ("accept_rate", "accept rate"),
+           ("accept_length", "accept length"), ("e2e_s", "e2e s"), ("tok_s", "tok/s"),
+           ("speedup", "speed-up"), ("tpot_ms_mean", "TPOT ms"), ("tpot_ms_p99", "TPOT p99 ms"),
+           ("lossless", "lossless")]
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return "nan" if math.isnan(v) else f"{v:.3f}"
+    return str(v)
+
+
+def best_config(results: dict) -> dict | None:
+    """The configuration to ship: the highest speed-up among the fully lossless ones."""
+    ok = [r for r in results["configs"] if r["lossless"] in (None, 1.0)] or results["configs"]
+    return max(ok, key=lambda r: r["speedup"]) if ok else None
+
+
+def markdown(results: dict) -> str:
+    base, meta = results["base"], results["meta"]
+    lines = ["## Evaluation: speculative decoding vs the base model", "",
+             f"{meta['prompts']} held-out prompts, max {meta['max_new_tokens']} new tokens, temperature "
+             f"{meta['temperature']}, batch 1, {meta['dtype']} on {meta['device']} ({meta['threads']} threads). "
+             "Accept length = completion tokens / verify rounds (SGLang's definition); speed-up = tok/s over "
+             "the base model's tok/s measured in the same run (mean of a pass before and after).", "",
+             f"Base model: {base['tok_s']:.2f} tok/s (passes: {base['tok_s_first_pass']:.2f}, "
+             f"{base['tok_s_second_pass']:.2f}), prefill {base['prefill_s']:.3f} s, TPOT "
+             f"{base['tpot_ms_mean']:.1f} ms (p99 {base['tpot_ms_p99']:.1f}), e2e {base['e2e_s']:.2f} s.", "",
+             "| " + " | ".join(h for _, h in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for r in results["configs"]:
+        lines.append("| " + " | ".join(_fmt(r.get(k)) for k, _ in COLUMNS) + " |")
+    best = best_config(results)
+    if best:
+        lines += ["", f"**Ship `epoch_{best['epoch']}` with tree `{best['tree']}`**: speed-up "
+                      f"{best['speedup']:.2f}x, accept length {best['accept_length']:.2f}, lossless "
+                      f"{_fmt(best['lossless'])} (best speed-up among lossless configurations).", "",
+                  "Accepted drafts per round (0, 1, ... T) for that configuration: "
+                  f"{best['accept_histogram']}."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, plots_dir: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plots_dir.mkdir(parents=True, exist_ok=True)
+    configs = results["configs"]
+    trees = list(dict.fromkeys(r["tree"] for r in configs))
+    epochs = sorted({r["epoch"] for r in configs if r["epoch"] is not None})
+    made = []
+    if epochs:
+        fig, ax = plt.subplots(1, 2, figsize=(10, 3.5))
+        for tree in trees:
+            rows = sorted((r for r in configs if r["tree"] == tree and r["epoch"] is not None),
+                          key=lambda r: r["epoch"])
+            ax[0].plot([r["epoch"] for r in rows], [r["accept_length"] for r in rows], "o-", label=tree)
+            ax[1].plot([r["epoch"] for r in rows], [r["speedup"] for r in rows], "o-", label=tree)
+        ax[0].set(xlabel="epoch", ylabel="accept length", title="accept length per epoch")
+        ax[1].axhline(1.0, color="grey", lw=0.8)
+        ax[1].set(xlabel="epoch", ylabel="speed-up vs base", title="speed-up per epoch")
+        for a in ax:
+            a.set_xticks(epochs)
+            a.legend()
+        fig.tight_layout()
+        fig.savefig(plots_dir / "per_epoch.png", dpi=100)
+        plt.close(fig)
+        made.append("plots/per_epoch.png")
+    last = max(epochs) if epochs else None
+    rows = [r for r in configs if r["epoch"] == last]
+    if rows:
+        fig, ax = plt.subplots(figsize=(max(5, 0.9 * len(rows)), 3.5))
+        ax.bar([r["tree"] for r in rows], [r["accept_length"] for r in rows])
+        ax.set(xlabel="tree (steps_topk_drafttokens)", ylabel="accept length",
+               title=f"accept length over trees ({'epoch_%s' % last if last else 'checkpoint'})")
+        fig.tight_layout()
+        fig.savefig(plots_dir / "per_tree.png", dpi=100)
+        plt.close(fig)
+        made.append("plots/per_tree.png")
+    return made
+
+
+def write_results(results: dict, out_dir: str | Path) -> Path:
+    out_dir = Path(out_dir)
+    write_json(out_dir / "results.json", results)
+    buf = io.StringIO()
+    keys = [k for k, _ in COLUMNS] + ["round_accept_length", "decode_tok_s", "decode_speedup", "ttft_s",
+                                       "completion_tokens", "verify_rounds", "checkpoint"]
+    writer = csv.DictWriter(buf, fieldnames=keys, extrasaction="ignore")
+    writer.writeheader()
+    writer.writerow({"tree": "base", **results["base"]})
+    for r in results["configs"]:
+        writer.writerow(r)
+    write_text(out_dir / "results.csv", buf.getvalue())
+    plots = plot(results, out_dir / "plots")
+    md = markdown(results) + "\n" + "\n".join(f"![{Path(p).stem}]({p})" for p in plots) + "\n"
+    write_text(out_dir / "report.md", md)
+    return out_dir / "report.md"

@@ -1,0 +1,143 @@
+"""Evaluate checkpoints x trees against the base model on the same prompts, with the embedded
+engine: accept length, accept rate, throughput, latency, and whether the output is lossless.
+
+The base model runs before AND after the speculative configurations; its throughput is the mean
+of both passes, so a machine that slows down mid-run does not flatter or punish the draft.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+import statistics
+from pathlib import Path
+
+import torch
+
+from specforge.checkpoint import load_draft
+from specforge.engine.speculative import GenerationStats, SpeculativeEngine
+from specforge.engine.tree import TreeSpec
+from specforge.eval.prompts import heldout_prompts
+from specforge.targets.loader import load_target, load_tokenizer, torch_dtype
+from specforge.utils.progress import progress_bar
+
+
+def epoch_of(ckpt: Path) -> int | None:
+    m = re.fullmatch(r"epoch_(\d+)", ckpt.name)
+    return int(m.group(1)) if m else None
+
+
+def find_checkpoints(path: str | Path) -> tuple[Path, list[Path]]:
+    """(run directory, checkpoints): a checkpoint directory itself, or every epoch_* of a run."""
+    path = Path(path)
+    if (path / "config.json").exists():
+        return path.parent, [path]
+    ckpts = sorted((p for p in path.glob("epoch_*") if epoch_of(p) is not None), key=epoch_of)
+    if not ckpts:
+        raise FileNotFoundError(f"ckpt={path}: neither a checkpoint (config.json) nor a run with epoch_* dirs")
+    return path, ckpts
+
+
+def _p99(values: list[float]) -> float:
+    values = sorted(v for v in values if not math.isnan(v))
+    if not values:
+        return math.nan
+    return values[min(len(values) - 1, math.ceil(0.99 * len(values)) - 1)]
+
+
+def aggregate(stats: list[GenerationStats], steps: int = 0) -> dict:
+    """Figures of one configuration over all its requests (contract §6 definitions)."""
+    completion = sum(s.completion_tokens for s in stats)
+    rounds = sum(s.spec_verify_ct for s in stats)
+    accepted = [a for s in stats for a in s.accepted_drafts]
+    slots = sum(s.spec_verify_ct * max(s.num_draft_tokens - 1, 0) for s in stats)
+    decode_tokens = sum(max(s.completion_tokens - 1, 0) for s in stats)
+    decode_s = sum(s.e2e_s - s.ttft_s for s in stats)
+    hist = [0] * (steps + 1)
+    for a in accepted:
+        hist[a] += 1
+    tpots = [s.tpot_s * 1000 for s in stats if not math.isnan(s.tpot_s)]
+    return {
+        "requests": len(stats),
+        "completion_tokens": completion,
+        "verify_rounds": rounds,
+        "accept_length": completion / rounds if rounds else math.nan,
+        "round_accept_length": (sum(accepted) + len(accepted)) / len(accepted) if accepted else math.nan,
+        "accept_rate": sum(accepted) / slots if slots else math.nan,
+        "accept_histogram": hist if accepted else [],
+        "prefill_s": statistics.mean(s.prefill_s for s in stats),
+        "ttft_s": statistics.mean(s.ttft_s for s in stats),
+        "tpot_ms_mean": statistics.mean(tpots) if tpots else math.nan,
+        "tpot_ms_p99": _p99(tpots),
+        "e2e_s": statistics.mean(s.e2e_s for s in stats),
+        "tok_s": completion / sum(s.e2e_s for s in stats),
+        "decode_tok_s": decode_tokens / decode_s if decode_s > 0 else math.nan,
+    }
+
+
+def _run_pass(engine, prompts, eval_cfg, eos, speculative: bool, bar, task):
+    outputs, stats = [], []
+    generator = torch.Generator(device=engine.device)
+    for i, p in enumerate(prompts):
+        generator.manual_seed(eval_cfg.seed + i)
+        run = engine.generate if speculative else engine.generate_base
+        ids, st = run(p["input_ids"], eval_cfg.max_new_tokens, temperature=eval_cfg.temperature,
+                      eos_token_id=eos, generator=generator)
+        outputs.append([int(t) for t in ids])
+        stats.append(st)
+        bar.advance(task)
+    return outputs, stats
+
+
+def evaluate_checkpoints(run_cfg, ckpts: list[Path], eval_cfg) -> dict:
+    """Run base + every checkpoint x tree; returns {"base": ..., "configs": [...], "meta": ...}."""
+    trees = [TreeSpec.parse(t) for t in eval_cfg.trees]  # refuse bad trees before loading anything
+    if eval_cfg.engine != "embedded":
+        raise ValueError(f"eval.engine={eval_cfg.engine!r}: this function runs the embedded engine")
+    torch.set_num_threads(os.cpu_count())
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype_name = eval_cfg.dtype or run_cfg.target.dtype
+    target_cfg = run_cfg.target.copy() if hasattr(run_cfg.target, "copy") else run_cfg.target
+    target_cfg.dtype = dtype_name
+    tokenizer = load_tokenizer(run_cfg.target)
+    target = load_target(target_cfg, device)
+    eos = tokenizer.eos_token_id
+    run_dir = Path(run_cfg.output_dir) / run_cfg.run_name
+    prompts = heldout_prompts(run_dir / "data" / "eval.conversations.jsonl", tokenizer, eval_cfg.num_prompts)
+
+    base_engine = SpeculativeEngine(target, None)
+    warm = prompts[0]["input_ids"]
+    base_engine.generate_base(warm, 8, eos_token_id=eos)
+    n_passes = 2 + len(ckpts) * len(trees)
+    results = {"configs": [], "meta": {
+        "prompts": len(prompts), "max_new_tokens": eval_cfg.max_new_tokens,
+        "temperature": eval_cfg.temperature, "dtype": dtype_name, "device": device,
+        "threads": torch.get_num_threads(), "exact_ancestor_attention": eval_cfg.exact_ancestor_attention}}
+    with progress_bar() as bar:
+        task = bar.add_task("eval", total=n_passes * len(prompts), info="base")
+        base_outputs, base_stats = _run_pass(base_engine, prompts, eval_cfg, eos, False, bar, task)
+        for ckpt in ckpts:
+            draft = load_draft(ckpt, device=device, dtype=torch_dtype(dtype_name))
+            for tree in trees:
+                bar.update(task, info=f"{ckpt.name} {tree}")
+                engine = SpeculativeEngine(target, draft, tree, eval_cfg.exact_ancestor_attention)
+                engine.generate(warm, 8, eos_token_id=eos)
+                outputs, stats = _run_pass(engine, prompts, eval_cfg, eos, True, bar, task)
+                row = {"checkpoint": str(ckpt), "epoch": epoch_of(ckpt), "tree": str(tree),
+                       **aggregate(stats, tree.steps),
+                       # Identical output is only expected at temperature 0 (greedy).
+                       "lossless": (sum(o == b for o, b in zip(outputs, base_outputs)) / len(prompts)
+                                    if eval_cfg.temperature <= 0 else None),
+                       "requests_detail": [s.to_dict() | {"id": p["id"]} for s, p in zip(stats, prompts)]}
+                results["configs"].append(row)
+        bar.update(task, info="base (again)")
+        _, base_again = _run_pass(base_engine, prompts, eval_cfg, eos, False, bar, task)
+
+    first, second = aggregate(base_stats), aggregate(base_again)
+    base = {k: (first[k] + second[k]) / 2 if isinstance(first[k], float) else first[k] for k in first}
+    base["tok_s_first_pass"], base["tok_s_second_pass"] = first["tok_s"], second["tok_s"]
+    results["base"] = base
+    for row in results["configs"]:
+        row["speedup"] = row["tok_s"] / base["tok_s"]
+        row["decode_speedup"] = row["decode_tok_s"] / base["decode_tok_s"]
+    return results

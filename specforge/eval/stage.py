@@ -1,0 +1,28 @@
+"""Pipeline stage `eval` (and the body of evaluate.py): every epoch checkpoint x every tree."""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def evaluate(run_cfg, ckpt: str | Path, eval_cfg, out_dir: str | Path | None = None) -> dict:
+    from specforge.eval.report import best_config, write_results
+    from specforge.eval.run import evaluate_checkpoints, find_checkpoints
+    from specforge.report import write_run_report
+
+    run_dir, ckpts = find_checkpoints(ckpt)
+    if eval_cfg.engine != "embedded":
+        raise ValueError(f"eval.engine={eval_cfg.engine!r}: only 'embedded' is available in this build")
+    results = evaluate_checkpoints(run_cfg, ckpts, eval_cfg)
+    out_dir = Path(out_dir) if out_dir else run_dir / "eval"
+    report = write_results(results, out_dir)
+    if out_dir == run_dir / "eval":
+        write_run_report(run_dir)
+    print(report.read_text(), flush=True)
+    best = best_config(results)
+    return {"report": str(report), "configs": len(results["configs"]),
+            **({"best_epoch": best["epoch"], "best_tree": best["tree"], "best_speedup": best["speedup"],
+                "best_accept_length": best["accept_length"]} if best else {})}
+
+
+def run(cfg, run_dir: Path) -> dict:
+    return evaluate(cfg, run_dir, cfg.eval)
