@@ -41,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperature", type=float, default=d.temperature, help="0: greedy")
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
     p.add_argument("--thinking", action="store_true", help="enable_thinking=True in the chat template")
+    p.add_argument("--keep-truncated", action="store_true",
+                   help="keep answers cut off at --max-new-tokens as the last turn instead of skipping")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--format", choices=FORMATS, default="auto", help="input row format")
     p.add_argument("--toon", action="store_true", help="repair/quarantine TOON answers (data.fix.toon)")
@@ -54,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     split = out.stem
     cfg = RegenerateConfig(enabled=True, backend=args.backend, urls=args.url, model=args.model,
                            concurrency=args.concurrency, batch_size=args.batch_size, temperature=args.temperature,
-                           max_new_tokens=args.max_new_tokens, thinking=args.thinking)
+                           max_new_tokens=args.max_new_tokens, thinking=args.thinking,
+                           keep_truncated=args.keep_truncated)
     target = TargetConfig(name=Path(args.target).name, path=args.target, dtype=args.dtype) if args.target else None
     fix = FixConfig(enabled=not args.no_fix, toon=args.toon)
 

@@ -51,6 +51,10 @@ class RegenerateConfig:
     temperature: float = 0.0
     max_new_tokens: int = 256
     thinking: bool = False
+    # An answer cut off at max_new_tokens: skip the sample (False), or keep it as the last turn
+    # (True: what the target really says, loops included; its end-of-turn token is then trained
+    # once where the target would have gone on).
+    keep_truncated: bool = False
 
 
 @dataclass
@@ -103,11 +107,12 @@ class TrainConfig:
     step_weight: float = 0.8  # loss weight of TTT step k is step_weight**k
     attention: str = "sdpa"  # sdpa | eager | flex
     precision: str = "bf16"  # bf16 (fp32 master weights) | fp32
-    strategy: str = "single"  # single | ddp | fsdp | deepspeed
+    strategy: str = "single"  # single | ddp | fsdp | deepspeed (launch >1 process for the last three)
+    zero_stage: int = 2  # DeepSpeed ZeRO stage (1, 2 or 3) for strategy=deepspeed
     log_every: int = 10
     save_state_every: int = 0  # steps; 0: only at epoch ends
     resume: str = "never"  # never | auto | <path to a state dir>
-    num_threads: Optional[int] = None
+    num_threads: Optional[int] = None  # CPU threads per process; None: the CPUs / processes per node
 
 
 @dataclass
@@ -118,8 +123,22 @@ class EvalConfig:
     max_new_tokens: int = 128
     temperature: float = 0.0
     exact_ancestor_attention: bool = False
+    dtype: Optional[str] = None  # engine dtype of target and draft; None: target.dtype
+    seed: int = 0  # sampling seed (temperature > 0)
     url: Optional[str] = None
-    scenario: Optional[str] = None
+    scenario: Optional[str] = None  # serving benchmark preset: code | chat | completion (None: num_prompts x max_new_tokens, one at a time)
+    # Serving benchmark (engine=server | sglang), see specforge/serving/runner.py
+    baseline_url: Optional[str] = None  # engine=server: a base-model server to compare eval.url with
+    prompts: str = "conversations"  # conversations (data/eval.conversations.jsonl) | random (scenario input_len)
+    bench_backend: str = "sglang"  # sglang (POST /generate) | openai (POST /v1/completions)
+    bench_num_prompts: Optional[int] = None  # overrides of the scenario's values (scale presets down for CPU)
+    bench_input_len: Optional[int] = None
+    bench_output_len: Optional[int] = None
+    bench_request_rate: Optional[float] = None  # req/s; null keeps the scenario's (inf = all at once)
+    bench_max_concurrency: Optional[int] = None
+    sglang_version: Optional[str] = None  # flag spellings for this SGLang version (default: the installed one)
+    sglang_args: List[str] = field(default_factory=list)  # extra launch_server flags, verbatim
+    server_startup_timeout_s: float = 900.0
 
 
 @dataclass
@@ -127,6 +146,25 @@ class LoggingConfig:
     wandb: bool = False
     wandb_mode: str = "offline"
     project: str = "specforge"
+
+
+@dataclass
+class LaunchConfig:
+    """Where and how many processes run: read by conf/hydra/launcher/slurm.yaml (Hydra submitit
+    launcher) and by every process when it joins the process group."""
+
+    nodes: int = 1
+    gpus_per_node: int = 8  # one task (process) per GPU
+    cpus_per_gpu: int = 8
+    mem_gb: Optional[int] = None  # per node; None: the partition's default
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    constraint: Optional[str] = None
+    time_minutes: int = 240
+    signal_delay_s: int = 180  # the stop signal comes this long before the time limit: save + requeue
+    max_requeues: int = 5  # times a timed-out job is requeued (it resumes with train.resume=auto)
+    dist_timeout_minutes: float = 120.0  # collective timeout (the other ranks wait this long for rank 0's data stage)
 
 
 @dataclass
@@ -143,7 +181,18 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+
+
+@dataclass
+class EvaluateConfig:
+    """`python evaluate.py ckpt=outputs/<run>[/epoch_<k>]`: the run's own config plus `eval`."""
+
+    ckpt: str = MISSING  # one checkpoint directory, or a run directory (every epoch_*)
+    out_dir: Optional[str] = None  # default: <run>/eval
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
 
 def register_configs() -> None:
     ConfigStore.instance().store(name="base_config", node=Config)
+    ConfigStore.instance().store(name="evaluate_base", node=EvaluateConfig)

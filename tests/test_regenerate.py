@@ -419,3 +419,17 @@ def test_data_stage_trains_on_the_regenerated_answers(target, tmp_path):
     by_id = {r["id"]: r for r in src}
     for row in out:
         assert_replaced(by_id[row["id"]]["messages"], row["messages"])
+
+
+def test_truncated_answers_are_kept_as_last_turn_when_configured(target, tmp_path):
+    """keep_truncated: a cut-off answer is what the target says; it ends the conversation there."""
+    src = dataset(4, follow_up_every=1)
+    skip, rep_skip = regenerate_conversations(src, cfg(max_new_tokens=2), target, tmp_path / "a", "train")
+    keep, rep_keep = regenerate_conversations(src, cfg(max_new_tokens=2, keep_truncated=True), target,
+                                              tmp_path / "b", "train")
+    assert rep_skip["skipped"] == 4 and not skip
+    assert len(keep) == 4
+    for row, original in zip(keep, src):
+        first_answer = next(i for i, m in enumerate(original["messages"]) if m["role"] == "assistant")
+        assert [m["role"] for m in row["messages"]] == [m["role"] for m in original["messages"][: first_answer + 1]]
+        assert row["messages"][-1]["content"].strip()

@@ -60,10 +60,12 @@ def conversation_key(conv: dict) -> str:
 class Replay:
     """Walks one conversation turn by turn; backends call `prompt()` then `answer()` or `fail()`."""
 
-    def __init__(self, key: str, index: int, conv: dict, max_new_tokens: int) -> None:
+    def __init__(self, key: str, index: int, conv: dict, max_new_tokens: int,
+                 keep_truncated: bool = False) -> None:
         self.key, self.index, self.id = key, index, conv["id"]
         self.source: list[dict] = conv["messages"]
         self.max_new_tokens = max_new_tokens
+        self.keep_truncated = keep_truncated
         self.messages: list[dict] = []  # the new conversation so far
         self.pos = 0  # next source message to copy or answer
         self.turns = 0  # assistant turns regenerated
@@ -89,6 +91,12 @@ class Replay:
     def answer(self, answer: Answer) -> None:
         turn = self.turns + 1
         self.tokens += answer.tokens
+        if answer.truncated and self.keep_truncated and answer.text.strip():
+            # Kept as the last turn: later turns would build on an answer the target never finished.
+            self.messages.append({"role": "assistant", "content": answer.text})
+            self.pos = len(self.source)
+            self.turns += 1
+            return
         if not answer.text.strip() or answer.truncated:
             self.unusable = answer.text
         if not answer.text.strip():

@@ -66,7 +66,7 @@ def regenerate_conversations(
     generating = 0.0  # seconds spent asking the target (model loading and probing excluded)
     try:
         done = journal.open()
-        todo = _todo(conversations, keys, done, cfg.max_new_tokens)
+        todo = _todo(conversations, keys, done, cfg.max_new_tokens, cfg.keep_truncated)
         unique = len(set(keys))
         if todo:
             backend = make_backend(cfg, target_cfg, seed)  # loaded only when there is work
@@ -140,7 +140,7 @@ def regen_fingerprint(cfg, target_cfg, seed: int) -> str:
         target = {"files": target_fingerprint(resolve_target_path(target_cfg)),
                   "dtype": target_cfg.dtype if cfg.backend == "embedded" else None}
     return fingerprint(FORMAT_VERSION, cfg.backend, cfg.model, float(cfg.temperature), int(cfg.max_new_tokens),
-                       bool(cfg.thinking), seed, target)
+                       bool(cfg.thinking), seed, target, bool(cfg.keep_truncated))
 
 
 def make_backend(cfg, target_cfg, seed: int):
@@ -153,7 +153,8 @@ def make_backend(cfg, target_cfg, seed: int):
     return OpenAIBackend(cfg, seed)
 
 
-def _todo(conversations: list[dict], keys: list[str], done: dict, max_new_tokens: int) -> list[Replay]:
+def _todo(conversations: list[dict], keys: list[str], done: dict, max_new_tokens: int,
+          keep_truncated: bool = False) -> list[Replay]:
     """Conversations to ask, once each, in input order: not in the log, or failed transiently
     (the server may be back)."""
     todo, seen = [], set()
@@ -161,7 +162,7 @@ def _todo(conversations: list[dict], keys: list[str], done: dict, max_new_tokens
         rec = done.get(key)
         retry = rec is not None and (rec.get("failure") or {}).get("transient", False)
         if key not in seen and (rec is None or retry):
-            todo.append(Replay(key, i, conv, max_new_tokens))
+            todo.append(Replay(key, i, conv, max_new_tokens, keep_truncated))
         seen.add(key)
     return todo
 
