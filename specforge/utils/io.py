@@ -12,6 +12,12 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 @contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temp path beside `path`; rename it onto `path` only if the block succeeds."""
@@ -22,6 +28,8 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     tmp = Path(tmp)
     try:
         yield tmp
+        if tmp.exists():  # mkstemp makes 0600 files; give them the permissions of a normal write
+            os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     finally:
         if tmp.exists():
@@ -36,6 +44,7 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
         yield tmp
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700 directories
         if path.exists():
             old = path.with_name(f".{path.name}.old")
             shutil.rmtree(old, ignore_errors=True)
