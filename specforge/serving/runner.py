@@ -1,0 +1,171 @@
+"""Evaluation through servers: bench a running server, or launch base + each checkpoint x tree.
+
+- `run_server_benchmark(server, requests, ...)`: `server` is a base URL (any running server) or a
+  `Launch` (a command to start: wait for /health, bench, always stop; log in the run dir).
+- `evaluate_serving(run_cfg, checkpoints, eval_cfg, run_dir)`: what `eval.engine=server` and
+  `eval.engine=sglang` do. `server`: bench `eval.url` (and `eval.baseline_url` when given).
+  `sglang`: launch the base target, then every checkpoint x tree, one server at a time (the
+  server-wide accept length is cumulative since start, so one server per configuration).
+  Writes `<label>.json`, `summary.json`, `report.md` and the server logs `logs/<label>.log` in
+  the output dir (default `run_dir/eval/serving`).
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Callable, Sequence
+
+from specforge.serving.bench_client import (
+    BenchRequest, BenchResult, comparison, comparison_table, conversation_requests,
+    random_token_requests, run_benchmark,
+)
+from specforge.serving.scenarios import Scenario, get_scenario
+from specforge.serving.server_process import ServerProcess, free_port
+
+# (target_path, draft_path | None, tree | None, port) -> command
+CommandBuilder = Callable[..., list]
+
+
+@dataclass
+class Launch:
+    """A server to start for one benchmark."""
+
+    command: list[str]
+    port: int
+    log_path: Path
+    env: dict | None = None
+    startup_timeout_s: float = 900.0
+    host: str = "127.0.0.1"
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+def run_server_benchmark(server: str | Launch, requests: Sequence[BenchRequest], *,
+                         scenario: Scenario | None = None, label: str = "", **bench_kwargs) -> BenchResult:
+    """Bench `server` (a base URL, or a Launch started and always stopped around the benchmark).
+    `scenario` sets request_rate and max_concurrency; other keywords go to run_benchmark."""
+    if scenario is not None:
+        bench_kwargs.setdefault("request_rate", scenario.request_rate)
+        bench_kwargs.setdefault("max_concurrency", scenario.max_concurrency)
+    if isinstance(server, str):
+        result = run_benchmark(server, requests, label=label, **bench_kwargs)
+    else:
+        with ServerProcess(server.command, server.port, server.log_path, host=server.host, env=server.env,
+                           startup_timeout_s=server.startup_timeout_s) as proc:
+            result = run_benchmark(proc.base_url, requests, label=label, **bench_kwargs)
+        result.config["launch"] = {"command": server.command, "log": str(server.log_path)}
+    if scenario is not None:
+        result.config["scenario"] = scenario.to_dict()
+    return result
+
+
+# ---- evaluation over checkpoints x trees -----------------------------------------------------------
+
+
+def eval_scenario(eval_cfg) -> Scenario:
+    """The preset `eval.scenario`, or (None) eval.num_prompts x eval.max_new_tokens one request at a
+    time; the `eval.bench_*` fields override single values (e.g. to scale a preset down for CPU)."""
+    if eval_cfg.scenario:
+        base = get_scenario(eval_cfg.scenario)
+    else:
+        base = Scenario("eval", num_prompts=eval_cfg.num_prompts, input_len=512,
+                        output_len=eval_cfg.max_new_tokens, request_rate=math.inf, max_concurrency=1)
+    rate = getattr(eval_cfg, "bench_request_rate", None)
+    return base.scaled(num_prompts=getattr(eval_cfg, "bench_num_prompts", None),
+                       input_len=getattr(eval_cfg, "bench_input_len", None),
+                       output_len=getattr(eval_cfg, "bench_output_len", None),
+                       request_rate=None if rate is None else float(rate),
+                       max_concurrency=getattr(eval_cfg, "bench_max_concurrency", None))
+
+
+def eval_requests(eval_cfg, scenario: Scenario, tokenizer, run_dir, seed: int = 0) -> list[BenchRequest]:
+    prompts = getattr(eval_cfg, "prompts", "conversations")
+    if prompts == "conversations":
+        return conversation_requests(run_dir, tokenizer, scenario.num_prompts, scenario.output_len)
+    if prompts == "random":
+        return random_token_requests(scenario.num_prompts, scenario.input_len, scenario.output_len,
+                                     len(tokenizer), exclude_ids=tokenizer.all_special_ids, seed=seed)
+    raise ValueError(f"eval.prompts={prompts!r}: one of conversations, random")
+
+
+def checkpoint_label(checkpoint: Path, tree: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", f"{Path(checkpoint).name}_{tree}")
+
+
+def sglang_command_builder(run_cfg, eval_cfg) -> CommandBuilder:
+    """build_server_command with eval.dtype (else target.dtype), eval.sglang_args, eval.sglang_version."""
+    from specforge.serving.sglang_launch import build_server_command
+
+    dtype = getattr(eval_cfg, "dtype", None) or run_cfg.target.dtype
+    options = {"dtype": dtype, "trust_remote_code": bool(run_cfg.target.trust_remote_code)}
+    return partial(build_server_command, options=options, version=getattr(eval_cfg, "sglang_version", None),
+                   extra_args=list(getattr(eval_cfg, "sglang_args", None) or []))
+
+
+def evaluate_serving(run_cfg, checkpoints: Sequence[Path], eval_cfg, run_dir, out_dir=None, *,
+                     tokenizer=None, command_builder: CommandBuilder | None = None) -> dict:
+    """Serving benchmark for eval_cfg.engine = server | sglang (see the module doc). `run_cfg` gives
+    the target (and the seed of random prompts / Poisson arrivals), `run_dir` the held-out
+    prompts; results go to `out_dir` (default run_dir/eval/serving). Returns the summary (also in
+    summary.json): scenario, metrics per label, and every label compared with the baseline."""
+    from specforge.targets.loader import load_tokenizer, resolve_target_path
+
+    ev = eval_cfg
+    run_dir = Path(run_dir)
+    out_dir = Path(out_dir) if out_dir is not None else run_dir / "eval" / "serving"
+    tokenizer = tokenizer or load_tokenizer(run_cfg.target)
+    scenario = eval_scenario(ev)
+    seed = int(getattr(run_cfg, "seed", 0) or 0)
+    requests = eval_requests(ev, scenario, tokenizer, run_dir, seed=seed)
+    timeout = float(getattr(ev, "server_startup_timeout_s", 900.0))
+
+    runs: list[tuple[str, str | Launch]] = []
+    if ev.engine == "server":
+        if not ev.url:
+            raise ValueError("eval.engine=server needs eval.url (the base URL of a running server)")
+        if getattr(ev, "baseline_url", None):
+            runs.append(("baseline", ev.baseline_url))
+        runs.append(("server", ev.url))
+    elif ev.engine == "sglang":
+        build = command_builder or sglang_command_builder(run_cfg, ev)
+        target = resolve_target_path(run_cfg.target)
+        configs = [("baseline", None, None)] + [
+            (checkpoint_label(c, str(t)), Path(c), str(t)) for c in checkpoints for t in ev.trees]
+        for label, ckpt, tree in configs:
+            port = free_port()
+            runs.append((label, Launch(build(target, ckpt, tree, port), port, out_dir / "logs" / f"{label}.log",
+                                       startup_timeout_s=timeout)))
+    else:
+        raise ValueError(f"evaluate_serving: eval.engine={ev.engine!r} is not a server engine (server | sglang)")
+
+    results: dict[str, BenchResult] = {}
+    for label, server in runs:
+        results[label] = run_server_benchmark(
+            server, requests, scenario=scenario, label=label, temperature=ev.temperature,
+            backend=getattr(ev, "bench_backend", "sglang"), seed=seed)
+        results[label].save(out_dir / f"{label}.json")
+
+    summary = {"engine": ev.engine, "scenario": scenario.to_dict(), "prompts": getattr(ev, "prompts", "conversations"),
+               "metrics": {k: r.metrics for k, r in results.items()}, "comparisons": {}}
+    report = [f"# Serving benchmark ({ev.engine}, scenario {scenario.name})", "",
+              f"`{json.dumps(scenario.to_dict())}`", ""]
+    base = results.get("baseline")
+    for label, r in results.items():
+        if label == "baseline":
+            continue
+        if base is not None:
+            summary["comparisons"][label] = comparison(base.metrics, r.metrics)
+            report += [f"## {label}", "", comparison_table(base.metrics, r.metrics, eagle_label=label)]
+        else:
+            report += [f"## {label}", "", *(f"- {k}: {v}" for k, v in r.metrics.items() if k != "errors"), ""]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (out_dir / "report.md").write_text("\n".join(report) + "\n")
+    summary["report"] = str(out_dir / "report.md")
+    return summary

@@ -1,0 +1,224 @@
+"""SGLang command lines, built in one place with the flag spellings of the installed version.
+
+SGLang renames flags between releases (contract §7), so every flag we pass goes through a small
+table: canonical name -> spelling, per range of versions. The version is read from the installed
+distribution's metadata (`importlib.metadata`, no import of sglang, which needs CUDA), or given
+explicitly to build commands for another machine.
+
+Supported: SGLang 0.5.20 to 0.5.23 (flags read from the 0.5.20 and 0.5.23 wheels). Older versions
+are refused; newer ones get the newest spellings with a warning (a renamed flag then fails at
+launch with SGLang's own "unrecognized arguments" error, in the server log).
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import sys
+import warnings
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from packaging.version import InvalidVersion, Version
+
+# Canonical option name -> flag, as spelled by SGLang 0.5.20 (read from its server_args fields).
+_FLAGS_0_5_20 = {
+    "model_path": "--model-path",
+    "host": "--host",
+    "port": "--port",
+    "speculative_algorithm": "--speculative-algorithm",
+    "speculative_draft_model_path": "--speculative-draft-model-path",
+    "speculative_num_steps": "--speculative-num-steps",
+    "speculative_eagle_topk": "--speculative-eagle-topk",
+    "speculative_num_draft_tokens": "--speculative-num-draft-tokens",
+    "disable_radix_cache": "--disable-radix-cache",
+    "chunked_prefill_size": "--chunked-prefill-size",
+    "dtype": "--dtype",
+    "trust_remote_code": "--trust-remote-code",
+    "tp_size": "--tp-size",
+    "mem_fraction_static": "--mem-fraction-static",
+    "context_length": "--context-length",
+    "max_running_requests": "--max-running-requests",
+    "cuda_graph_max_bs": "--cuda-graph-max-bs-decode",  # --cuda-graph-max-bs in older releases
+    "served_model_name": "--served-model-name",
+    "random_seed": "--random-seed",
+    "log_level": "--log-level",
+    "skip_server_warmup": "--skip-server-warmup",
+    "enable_return_hidden_states": "--enable-return-hidden-states",
+}
+# 0.5.23 adds aux hidden-state capture (contract §7).
+_FLAGS_0_5_23 = {
+    **_FLAGS_0_5_20,
+    "enable_return_aux_hidden_states": "--enable-return-aux-hidden-states",
+    "return_aux_hidden_state_layer_ids": "--return-aux-hidden-state-layer-ids",
+}
+
+
+@dataclass(frozen=True)
+class FlagTable:
+    """Flag spellings valid from `since` (inclusive); `checked` is the release we read them from."""
+
+    since: str
+    checked: str
+    flags: Mapping[str, str]
+
+
+FLAG_TABLES = (
+    FlagTable("0.5.20", "0.5.20", _FLAGS_0_5_20),
+    FlagTable("0.5.23", "0.5.23", _FLAGS_0_5_23),
+)
+MIN_VERSION = FLAG_TABLES[0].since
+NEWEST_CHECKED = FLAG_TABLES[-1].checked
+AUX_HIDDEN_STATES_MIN_VERSION = "0.5.23"
+
+
+class SGLangVersionError(RuntimeError):
+    """SGLang is missing, too old, or lacks a feature we need."""
+
+
+def installed_sglang_version() -> str | None:
+    """The installed SGLang version from package metadata (sglang itself is not imported)."""
+    try:
+        return importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def supported_versions() -> str:
+    return f"SGLang >= {MIN_VERSION} (flags checked against {', '.join(t.checked for t in FLAG_TABLES)})"
+
+
+def resolve_version(version: str | None = None) -> str:
+    """`version` if given, else the installed one; raise a clear error when there is none."""
+    if version is None:
+        version = installed_sglang_version()
+        if version is None:
+            raise SGLangVersionError(
+                "SGLang is not installed here (it needs CUDA: pip install 'specforge-eagle3[sglang]' "
+                "on a GPU machine); pass the version explicitly to build commands for another machine. "
+                f"Supported: {supported_versions()}."
+            )
+    return str(version)
+
+
+def flag_table(version: str | None = None) -> FlagTable:
+    """The spellings for `version` (default: installed). Older than supported: error; newer than
+    the newest checked: the newest spellings, with a warning."""
+    version = resolve_version(version)
+    try:
+        v = Version(version)
+    except InvalidVersion:
+        raise SGLangVersionError(f"SGLang version {version!r} is not a version number") from None
+    if v.release[:3] < Version(MIN_VERSION).release:
+        raise SGLangVersionError(
+            f"SGLang {version} is not supported: its launch flags were never checked. "
+            f"Supported: {supported_versions()}; upgrade SGLang."
+        )
+    if v.release[:3] > Version(NEWEST_CHECKED).release:
+        warnings.warn(
+            f"SGLang {version} is newer than the newest version whose flags were checked "
+            f"({NEWEST_CHECKED}); using those spellings. If the server refuses a flag, see "
+            "`python -m sglang.launch_server --help` and add a row to FLAG_TABLES.",
+            stacklevel=3,
+        )
+    return [t for t in FLAG_TABLES if v.release[:3] >= Version(t.since).release][-1]
+
+
+def render_options(options: Mapping[str, Any], version: str | None = None) -> list[str]:
+    """Canonical options -> flags of that version. True: the bare flag; False/None: omitted;
+    a list: the flag followed by its values."""
+    table = flag_table(version)
+    args: list[str] = []
+    for name, value in options.items():
+        if value is None or value is False:
+            continue
+        flag = table.flags.get(name)
+        if flag is None:
+            if name in _FLAGS_0_5_23:
+                raise SGLangVersionError(
+                    f"SGLang {resolve_version(version)} has no flag for {name!r} "
+                    f"(needs SGLang >= {AUX_HIDDEN_STATES_MIN_VERSION})"
+                )
+            raise ValueError(f"unknown SGLang option {name!r}; known: {sorted(table.flags)}")
+        args.append(flag)
+        if value is True:
+            continue
+        if isinstance(value, (list, tuple)):
+            args += [str(x) for x in value]
+        else:
+            args.append(str(value))
+    return args
+
+
+def build_server_command(
+    target_path,
+    draft_path=None,
+    tree=None,
+    port: int = 30000,
+    *,
+    host: str = "127.0.0.1",
+    version: str | None = None,
+    options: Mapping[str, Any] | None = None,
+    extra_args: Sequence[str] = (),
+    python: str | None = None,
+) -> list[str]:
+    """`python -m sglang.launch_server` for the target alone (draft_path=None) or with an EAGLE3
+    draft and its tree (a TreeSpec or "T_K_N", checked by TreeSpec). The radix cache is disabled
+    in both modes so base and EAGLE3 are measured alike. `options` are further canonical options
+    (e.g. {"dtype": "bfloat16", "mem_fraction_static": 0.8, "cuda_graph_max_bs": 8});
+    `extra_args` are appended verbatim."""
+    if (draft_path is None) != (tree is None):
+        raise ValueError("build_server_command: give both draft_path and tree (EAGLE3) or neither (base)")
+    opts: dict[str, Any] = {"model_path": str(target_path)}
+    if draft_path is not None:
+        from specforge.engine.tree import TreeSpec  # imports torch: only when a tree is needed
+
+        spec = TreeSpec.parse(tree) if isinstance(tree, str) else tree
+        opts.update(
+            speculative_algorithm="EAGLE3",
+            speculative_draft_model_path=str(draft_path),
+            speculative_num_steps=spec.steps,
+            speculative_eagle_topk=spec.topk,
+            speculative_num_draft_tokens=spec.num_draft_tokens,
+        )
+    opts.update(disable_radix_cache=True, host=host, port=int(port))
+    for name, value in (options or {}).items():
+        if name in opts:
+            raise ValueError(f"build_server_command: option {name!r} is set by the builder itself")
+        opts[name] = value
+    return [python or sys.executable, "-m", "sglang.launch_server",
+            *render_options(opts, version), *map(str, extra_args)]
+
+
+def _check_aux_support(version: str | None) -> None:
+    v = resolve_version(version)
+    if "enable_return_aux_hidden_states" not in flag_table(v).flags:
+        raise SGLangVersionError(
+            f"SGLang {v} cannot return aux hidden states; extraction through SGLang needs "
+            f"SGLang >= {AUX_HIDDEN_STATES_MIN_VERSION} (or use extract.backend=embedded)"
+        )
+
+
+def _check_layer_ids(layer_ids: Sequence[int]) -> list[int]:
+    ids = [int(i) for i in layer_ids]
+    if len(ids) != 3 or ids != sorted(set(ids)) or ids[0] < 0:
+        raise ValueError(f"aux layer ids must be 3 distinct ascending layer ids >= 0, got {list(layer_ids)}")
+    return ids
+
+
+def extraction_server_args(layer_ids: Sequence[int], version: str | None = None) -> list[str]:
+    """Flags of a target-only SGLang server that returns the EAGLE3 aux hidden states of
+    decoder-layer outputs `layer_ids` (our convention and SGLang's agree: id L = output of layer L).
+    For extraction, send `max_new_tokens=1` and `return_hidden_states=True` (contract §7)."""
+    _check_aux_support(version)
+    return render_options(extraction_engine_kwargs(layer_ids, version), version)
+
+
+def extraction_engine_kwargs(layer_ids: Sequence[int], version: str | None = None) -> dict[str, Any]:
+    """The same settings as keyword arguments of `sglang.Engine(**kwargs)` (ServerArgs fields)."""
+    _check_aux_support(version)
+    return {
+        "speculative_algorithm": "EAGLE3",  # names the capture convention; no draft is loaded
+        "enable_return_aux_hidden_states": True,
+        "return_aux_hidden_state_layer_ids": _check_layer_ids(layer_ids),
+        "disable_radix_cache": True,
+        "chunked_prefill_size": -1,
+    }

@@ -1,0 +1,199 @@
+"""The streaming benchmark client against a real HTTP server with KNOWN delays: the first token
+after 200 ms, then two tokens every 100 ms (50 ms per token, as a speculative server commits
+several tokens per round). TTFT, ITL, TPOT, e2e and the accept length must come out as designed."""
+import json
+import math
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from specforge.serving import bench_client as bc
+from specforge.serving.scenarios import SCENARIOS, get_scenario
+
+TTFT, PER_TOKEN, PER_CHUNK, OUTPUT_LEN, VERIFY_CT = 0.200, 0.050, 2, 9, 4
+
+
+class DelayHandler(BaseHTTPRequestHandler):
+    """SGLang-style streams: 1 token at TTFT, then PER_CHUNK tokens every PER_CHUNK * PER_TOKEN."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args):
+        pass
+
+    def _sse(self, obj):
+        data = b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n\n"
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        self.wfile.flush()
+
+    def do_GET(self):
+        body = json.dumps({"internal_states": [{"avg_spec_accept_length": 2.0}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self):
+        req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        with self.server.lock:
+            self.server.in_flight += 1
+            self.server.max_in_flight = max(self.server.max_in_flight, self.server.in_flight)
+            self.server.bodies.append(req)
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        openai = self.path == "/v1/completions"
+        n, t0 = 0, time.perf_counter()
+        schedule = [(TTFT, 1)] + [(TTFT + PER_TOKEN * PER_CHUNK * (i + 1), PER_CHUNK)
+                                  for i in range((OUTPUT_LEN - 1) // PER_CHUNK)]
+        for at, k in schedule:
+            time.sleep(max(0.0, at - (time.perf_counter() - t0)))
+            n += k
+            if openai:
+                self._sse({"choices": [{"index": 0, "text": "ab"[: k], "finish_reason": None}],
+                           "usage": {"prompt_tokens": 5, "completion_tokens": n}})
+            else:
+                meta = {"prompt_tokens": 5, "completion_tokens": n}
+                if n == OUTPUT_LEN:
+                    meta.update(spec_verify_ct=VERIFY_CT, spec_accept_length=OUTPUT_LEN / VERIFY_CT)
+                self._sse({"text": "x" * n, "output_ids": list(range(n)), "meta_info": meta})
+        if openai:
+            self._sse({"choices": [], "sglext": {"spec_tokens_details": {"spec_verify_ct": VERIFY_CT}}})
+        self._sse(b"[DONE]")
+        self.wfile.write(b"0\r\n\r\n")
+        self.wfile.flush()
+        with self.server.lock:
+            self.server.in_flight -= 1
+
+
+@pytest.fixture(scope="module")
+def delay_server():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), DelayHandler)
+    server.daemon_threads = True
+    server.lock, server.in_flight, server.max_in_flight, server.bodies = threading.Lock(), 0, 0, []
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def url(server):
+    return f"http://127.0.0.1:{server.server_address[1]}"
+
+
+def check_timings(result, n_requests):
+    m = result.metrics
+    assert m["completed"] == n_requests and m["failed"] == 0, m["errors"]
+    for r in result.requests:
+        assert r.output_len == OUTPUT_LEN
+        assert TTFT - 0.005 <= r.ttft <= TTFT + 0.08, r.ttft
+        assert len(r.itl) == OUTPUT_LEN - 1
+        assert all(PER_TOKEN - 0.005 <= x <= PER_TOKEN + 0.04 for x in r.itl), r.itl
+        assert PER_TOKEN - 0.005 <= r.tpot <= PER_TOKEN + 0.03, r.tpot
+        assert r.latency == pytest.approx(r.ttft + r.tpot * (OUTPUT_LEN - 1))
+        assert r.accept_length == OUTPUT_LEN / VERIFY_CT
+    assert m["mean_ttft_ms"] == pytest.approx(1000 * TTFT, abs=60)
+    assert m["median_itl_ms"] == pytest.approx(1000 * PER_TOKEN, abs=20)
+    assert m["mean_tpot_ms"] == pytest.approx(1000 * PER_TOKEN, abs=20)
+    e2e = TTFT + PER_TOKEN * (OUTPUT_LEN - 1)
+    assert m["mean_e2e_latency_ms"] == pytest.approx(1000 * e2e, abs=80)
+    assert m["accept_length"] == OUTPUT_LEN / VERIFY_CT
+    assert m["server_avg_spec_accept_length"] == 2.0
+    assert m["total_output_tokens"] == n_requests * OUTPUT_LEN
+    assert m["output_throughput"] == pytest.approx(m["total_output_tokens"] / m["duration"])
+
+
+def test_native_streaming_timings_and_concurrency_cap(delay_server):
+    requests = bc.random_token_requests(4, 5, OUTPUT_LEN, 100, seed=0)
+    result = bc.run_benchmark(url(delay_server), requests, max_concurrency=2, warmup=0)
+    check_timings(result, 4)
+    assert delay_server.max_in_flight == 2
+    # Two waves of two: the benchmark lasts about two requests' e2e.
+    assert result.metrics["duration"] == pytest.approx(2 * (TTFT + PER_TOKEN * (OUTPUT_LEN - 1)), abs=0.25)
+    body = delay_server.bodies[-1]
+    assert body["stream"] is True and body["sampling_params"] == {
+        "max_new_tokens": OUTPUT_LEN, "temperature": 0.0, "ignore_eos": True}
+    assert body["input_ids"] in [r.prompt for r in requests]
+
+
+def test_openai_streaming_timings(delay_server):
+    result = bc.run_benchmark(url(delay_server), bc.random_token_requests(2, 5, OUTPUT_LEN, 100),
+                              backend="openai", model="m", warmup=0)
+    check_timings(result, 2)
+    body = delay_server.bodies[-1]
+    assert body["return_spec_tokens_details"] and body["stream_options"]["continuous_usage_stats"]
+
+
+def test_failures_are_counted_not_fatal():
+    requests = bc.random_token_requests(2, 4, 4, 50)
+    result = bc.run_benchmark("http://127.0.0.1:9", requests, warmup=0)
+    assert result.metrics["completed"] == 0 and result.metrics["failed"] == 2
+    assert result.metrics["errors"] and result.metrics["mean_ttft_ms"] is None
+    with pytest.raises(RuntimeError, match="warmup request to http://127.0.0.1:9 failed"):
+        bc.run_benchmark("http://127.0.0.1:9", requests)
+
+
+def test_metrics_and_comparison_table():
+    def req(ttft, latency, n, ct):
+        return bc.RequestResult(success=True, prompt_len=10, output_len=n, ttft=ttft, latency=latency,
+                                itl=[(latency - ttft) / (n - 1)] * (n - 1), spec_verify_ct=ct)
+
+    results = [req(0.1, 1.1, 11, 4), req(0.3, 2.3, 21, 6), bc.RequestResult(error="boom")]
+    m = bc.compute_metrics(results, duration_s=2.0)
+    assert m["completed"] == 2 and m["failed"] == 1 and m["errors"] == ["boom"]
+    assert m["mean_tpot_ms"] == pytest.approx(100.0)  # (1.1-0.1)/10 and (2.3-0.3)/20
+    assert m["median_ttft_ms"] == pytest.approx(200.0) and m["p99_ttft_ms"] == pytest.approx(298.0)
+    assert m["output_throughput"] == 16.0 and m["total_throughput"] == 26.0 and m["request_throughput"] == 1.0
+    assert m["accept_length"] == 32 / 10  # pooled: sum(completion_tokens) / sum(spec_verify_ct)
+
+    base = {"output_throughput": 10.0, "mean_tpot_ms": 100.0, "accept_length": None}
+    eagle = {"output_throughput": 25.0, "mean_tpot_ms": 40.0, "accept_length": 3.2}
+    table = bc.comparison_table(base, eagle)
+    assert table.startswith("| metric | baseline | EAGLE3 | change |\n|---|")
+    assert "| output_throughput (tok/s) | 10.00 | 25.00 | 2.50x |" in table
+    assert "| mean_tpot_ms (ms) | 100.00 | 40.00 | -60.0% |" in table
+    assert "| accept_length | - | 3.20 | - |" in table
+    assert bc.comparison(base, eagle)["output_throughput"]["ratio"] == 2.5
+
+
+def test_poisson_arrivals(monkeypatch):
+    import asyncio
+
+    sleeps = []
+
+    async def record(s):
+        sleeps.append(s)
+
+    monkeypatch.setattr(asyncio, "sleep", record)
+
+    async def drain(rate):
+        return [i async for i in bc._arrivals(2001, rate, seed=0)]
+
+    assert asyncio.run(drain(math.inf)) == list(range(2001)) and sleeps == []
+    asyncio.run(drain(8.0))
+    assert len(sleeps) == 2000 and sum(sleeps) / 2000 == pytest.approx(1 / 8.0, rel=0.08)
+
+
+def test_scenarios_and_conversation_prompts(tmp_path, tiny_tokenizer):
+    assert (SCENARIOS["code"].num_prompts, SCENARIOS["code"].input_len, SCENARIOS["code"].output_len,
+            SCENARIOS["code"].max_concurrency) == (128, 512, 1024, 64)
+    assert SCENARIOS["chat"].request_rate == 8.0 and math.isinf(SCENARIOS["completion"].request_rate)
+    small = get_scenario("chat").scaled(num_prompts=4, output_len=16)
+    assert (small.num_prompts, small.input_len, small.output_len, small.request_rate) == (4, 256, 16, 8.0)
+    with pytest.raises(ValueError, match="known"):
+        get_scenario("nope")
+
+    conv = [{"id": "a", "messages": [{"role": "user", "content": "weather in Oslo?"},
+                                     {"role": "assistant", "content": "sunny"}]},
+            {"id": "b", "messages": [{"role": "system", "content": "be brief"},
+                                     {"role": "user", "content": "Lima?"}]}]
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "eval.conversations.jsonl").write_text("\n".join(json.dumps(c) for c in conv) + "\n")
+    reqs = bc.conversation_requests(tmp_path, tiny_tokenizer, 3, 32)
+    assert [r.output_len for r in reqs] == [32] * 3 and reqs[2].prompt == reqs[0].prompt
+    text = tiny_tokenizer.decode(reqs[0].prompt)
+    assert text.endswith("<|im_start|>assistant\n") and "sunny" not in text
+    assert reqs[1].prompt_len == len(reqs[1].prompt)

@@ -1,0 +1,324 @@
+"""The embedded server on 127.0.0.1 (tiny target, lightly trained draft, fp32, temperature 0),
+measured by the streaming benchmark client against the in-process engine; and server processes
+that are always stopped."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import urllib.error
+import urllib.request
+from functools import partial
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from specforge.checkpoint import load_draft, save_checkpoint
+from specforge.config import Config
+from specforge.engine.speculative import SpeculativeEngine
+from specforge.models.draft import Eagle3Config, Eagle3Draft
+from specforge.serving import bench_client as bc
+from specforge.serving.runner import evaluate_serving
+from specforge.serving.server import EmbeddedServer, build_serve_command, load_model
+from specforge.serving.server_process import ServerProcess, ServerStartError, free_port, http_status
+
+TREE = "4_2_8"
+MAX_NEW = 24
+AUX = [0, 1, 2]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tiny_target_dir, tmp_path_factory):
+    """The tiny target (weights redrawn at std 0.2: varied greedy text) and a draft lightly trained
+    (one-step cross-entropy, ~100 Adam steps) on the target's own continuations of the test prompts,
+    so it is accepted often (accept length ~2) and the measured figures mean something."""
+    root = tmp_path_factory.mktemp("served")
+    target = AutoModelForCausalLM.from_pretrained(str(tiny_target_dir), dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in target.named_parameters():
+            if "norm" not in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    target.save_pretrained(root / "target")
+    AutoTokenizer.from_pretrained(str(tiny_target_dir)).save_pretrained(root / "target")
+    vocab = target.config.vocab_size
+    prompts = [torch.randint(3, vocab, (12,), generator=torch.Generator().manual_seed(s)).tolist() for s in range(4)]
+    base = SpeculativeEngine(target, None)
+    seqs = [torch.tensor(p + base.generate_base(p, MAX_NEW)[0].tolist()) for p in prompts]
+    torch.manual_seed(0)
+    draft = Eagle3Draft(Eagle3Config.from_target(target.config, AUX))
+    with torch.no_grad():
+        draft.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
+        feats = [torch.cat([h[0] for h in target(s[None], output_hidden_states=True).hidden_states[1:4]], -1)
+                 for s in seqs]  # outputs of layers AUX = 0, 1, 2
+    params = [p for n, p in draft.named_parameters() if n != "embed_tokens.weight"]
+    opt = torch.optim.Adam(params, lr=3e-3)
+    for _ in range(100):  # the draft at position p reads (token p+1, feature p) and predicts token p+2
+        loss = sum(torch.nn.functional.cross_entropy(
+            draft.step(s[None, 1:-1], draft.project(f[None, :-2]), torch.arange(len(s) - 2)[None])[1][0], s[2:])
+            for s, f in zip(seqs, feats))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    save_checkpoint(draft.eval(), root / "ckpt", dtype=torch.float32)
+    return root / "target", root / "ckpt", prompts
+
+
+@pytest.fixture(scope="module")
+def reference(model_dirs):
+    """The in-process engine on the same files and prompts: [(output ids, GenerationStats)] for
+    speculative and for base decoding."""
+    target_dir, ckpt, prompts = model_dirs
+    target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+    engine = SpeculativeEngine(target, load_draft(ckpt, dtype=torch.float32), TREE)
+    return [engine.generate(p, MAX_NEW) for p in prompts], [engine.generate_base(p, MAX_NEW) for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def servers(model_dirs):
+    """An EAGLE3 server and a base server, in this process (threads), on free ports."""
+    target, ckpt, _ = model_dirs
+    eagle = EmbeddedServer(lambda: load_model(target, ckpt, TREE, dtype="float32")).start()
+    base = EmbeddedServer(lambda: load_model(target, dtype="float32")).start()
+    eagle.wait_ready(120), base.wait_ready(120)
+    yield eagle, base
+    eagle.close(), base.close()
+
+
+DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # no proxy for 127.0.0.1
+
+
+def post(url, body, timeout=30):
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with DIRECT.open(req, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def get_json(url):
+    with DIRECT.open(url, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def test_bench_client_measures_the_engines_accept_length(model_dirs, servers, reference):
+    prompts = model_dirs[2]
+    eagle, base = servers
+    spec_runs, base_runs = reference
+    requests = [bc.BenchRequest(p, len(p), MAX_NEW) for p in prompts]
+
+    result = bc.run_benchmark(eagle.url, requests, max_concurrency=2, warmup=0)  # server avg: these rounds only
+    assert result.metrics["completed"] == 4, result.metrics["errors"]
+    for r, (out, stats) in zip(result.requests, spec_runs):
+        assert r.output_ids == out.tolist()
+        assert (r.output_len, r.spec_verify_ct) == (stats.completion_tokens, stats.spec_verify_ct)
+        assert r.accept_length == stats.accept_length
+        assert r.ttft < r.latency
+    pooled = sum(s.completion_tokens for _, s in spec_runs) / sum(s.spec_verify_ct for _, s in spec_runs)
+    assert result.metrics["accept_length"] == pooled > 1.5
+    rounds = [a for _, s in spec_runs for a in s.accepted_drafts]
+    assert result.metrics["server_avg_spec_accept_length"] == pytest.approx(sum(a + 1 for a in rounds) / len(rounds))
+    # Tokens were streamed as committed, in several chunks (groups that queued up while the server
+    # was writing are merged, so a busy machine may give fewer chunks than rounds).
+    assert all(0 < len(r.itl) <= r.output_len - 1 for r in result.requests)
+
+    openai = bc.run_benchmark(eagle.url, requests, backend="openai", max_concurrency=4)
+    assert [r.spec_verify_ct for r in openai.requests] == [s.spec_verify_ct for _, s in spec_runs]
+    assert openai.metrics["accept_length"] == pooled
+
+    baseline = bc.run_benchmark(base.url, requests, max_concurrency=4)
+    assert [r.output_ids for r in baseline.requests] == [o.tolist() for o, _ in base_runs]
+    assert [o.tolist() for o, _ in base_runs] == [o.tolist() for o, _ in spec_runs]  # lossless
+    assert baseline.metrics["accept_length"] is None and baseline.metrics["server_avg_spec_accept_length"] is None
+    assert "| accept_length | - |" in bc.comparison_table(baseline.metrics, result.metrics)
+
+
+def test_generate_and_completions_protocol(servers, tiny_tokenizer):
+    eagle, base = servers
+    status, body = post(eagle.url + "/generate", {"text": "What is the weather in Oslo?",
+                                                  "sampling_params": {"max_new_tokens": 6, "temperature": 0}})
+    assert status == 200
+    out = json.loads(body)
+    meta = out["meta_info"]
+    assert len(out["output_ids"]) == meta["completion_tokens"] == 6 and isinstance(out["text"], str)
+    assert meta["prompt_tokens"] == len(tiny_tokenizer("What is the weather in Oslo?")["input_ids"])
+    assert meta["finish_reason"] == {"type": "length", "length": 6} and meta["e2e_latency"] > 0
+    assert meta["spec_accept_length"] == 6 / meta["spec_verify_ct"]
+    assert 0 <= meta["spec_accept_rate"] <= 1 and len(meta["spec_correct_drafts_histogram"]) == 5
+
+    status, body = post(base.url + "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 5, "temperature": 0,
+                                                       "ignore_eos": True})
+    resp = json.loads(body)
+    assert status == 200 and resp["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
+    assert resp["choices"][0]["finish_reason"] == "length" and "sglext" not in resp
+    status, body = post(base.url + "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 5, "stream": True,
+                                                       "stream_options": {"include_usage": True}})
+    events = [line[6:] for line in body.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["usage"]["completion_tokens"] == 5
+
+    info = get_json(eagle.url + "/server_info")
+    assert info["speculative_algorithm"] == "EAGLE3" and info["speculative_num_draft_tokens"] == 8
+    assert get_json(base.url + "/server_info")["speculative_algorithm"] is None
+    assert get_json(base.url + "/v1/models")["data"][0]["object"] == "model"
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"input_ids": [[1, 2], [3]]}, "batch requests are not supported"),
+    ({"text": "hi", "sampling_params": {"top_p": 0.5}}, "top_p=0.5 is not supported"),
+    ({"text": "hi", "sampling_params": {"max_new_tokens": 0}}, "max_new_tokens must be an integer >= 1"),
+    ({"text": "hi", "sampling_params": {"max_new_tokens": 5000}}, "exceeds the model's context length"),
+    ({"input_ids": [1, 10**6]}, "token ids must be in"),
+    ({"text": "hi", "return_logprob": True}, "return_logprob is not supported"),
+    ({"sampling_params": {}}, "give `text` or `input_ids`"),
+])
+def test_bad_requests_get_400(servers, body, message):
+    status, text = post(servers[0].url + "/generate", body)
+    assert status == 400 and message in json.loads(text)["error"]["message"]
+
+
+def test_health_is_503_while_loading(model_dirs):
+    target, _, _ = model_dirs
+    release = threading.Event()
+
+    def slow_loader():
+        release.wait(30)
+        return load_model(target, dtype="float32")
+
+    with EmbeddedServer(slow_loader) as server:
+        assert http_status(server.url + "/health") == 503
+        assert post(server.url + "/generate", {"input_ids": [1, 2]})[0] == 503
+        release.set()
+        server.wait_ready(60)
+        assert http_status(server.url + "/health") == 200
+    with EmbeddedServer(lambda: load_model(target / "missing")) as broken:
+        with pytest.raises(RuntimeError, match="failed to load"):
+            broken.wait_ready(30)
+        assert http_status(broken.url + "/health") == 503
+
+
+def test_evaluate_serving_against_running_servers(model_dirs, servers, tmp_path):
+    target, _, _ = model_dirs
+    eagle, base = servers
+    convs = [{"id": str(i), "messages": [{"role": "user", "content": f"weather in {c}?"}]}
+             for i, c in enumerate(["Oslo", "Lima", "Perth"])]
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "eval.conversations.jsonl").write_text("".join(json.dumps(c) + "\n" for c in convs))
+    cfg = OmegaConf.structured(Config)
+    cfg.run_name, cfg.target.name, cfg.target.path = "t", "tiny", str(target)
+    cfg.eval.engine, cfg.eval.url, cfg.eval.baseline_url = "server", eagle.url, base.url
+    cfg.eval.num_prompts, cfg.eval.max_new_tokens = 3, 12
+    summary = evaluate_serving(cfg, [], cfg.eval, tmp_path)
+    assert summary["scenario"]["max_concurrency"] == 1 and summary["metrics"]["server"]["completed"] == 3
+    assert summary["comparisons"]["server"]["accept_length"]["eagle3"] > 1
+    report = (tmp_path / "eval" / "serving" / "report.md").read_text()
+    assert "| metric | baseline | server | change |" in report
+    assert json.loads((tmp_path / "eval" / "serving" / "baseline.json").read_text())["metrics"]["completed"] == 3
+
+
+# ---- server processes ------------------------------------------------------------------------------
+
+
+def alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_evaluate_serving_launches_and_stops_every_server(model_dirs, tmp_path):
+    """eval.engine=sglang's orchestration with our own server as the launched process: base, then
+    checkpoint x tree, each started, waited for (/health), benchmarked and stopped."""
+    target, ckpt, _ = model_dirs
+    cfg = OmegaConf.structured(Config)
+    cfg.run_name, cfg.target.name, cfg.target.path = "t", "tiny", str(target)
+    cfg.eval.engine, cfg.eval.trees, cfg.eval.prompts = "sglang", [TREE], "random"
+    cfg.eval.num_prompts, cfg.eval.max_new_tokens, cfg.eval.bench_input_len = 2, 16, 12
+    builder = partial(build_serve_command, dtype="float32", threads=1)
+    summary = evaluate_serving(cfg, [ckpt], cfg.eval, tmp_path, command_builder=builder)
+    out = tmp_path / "eval" / "serving"
+    runs = {label: json.loads((out / f"{label}.json").read_text()) for label in ("baseline", f"ckpt_{TREE}")}
+    assert summary["metrics"][f"ckpt_{TREE}"]["accept_length"] > 1.0
+    assert [r["output_ids"] for r in runs["baseline"]["requests"]] == \
+           [r["output_ids"] for r in runs[f"ckpt_{TREE}"]["requests"]]  # lossless, across two processes
+    for run in runs.values():
+        cmd = run["config"]["launch"]["command"]
+        port = cmd[cmd.index("--port") + 1]
+        assert "serving" in open(run["config"]["launch"]["log"]).read()
+        assert http_status(f"http://127.0.0.1:{port}/health", timeout=1) is None
+        assert not any(f"--port\0{port}\0".encode() in _cmdline(p) for p in os.listdir("/proc") if p.isdigit())
+
+
+def _cmdline(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def http_server_command(port, child_pid_file):
+    """A trivial server whose shell first starts a child in the same process group."""
+    return ["sh", "-c", f"sleep 300 & echo $! > {child_pid_file}; "
+                        f"exec {sys.executable} -m http.server --bind 127.0.0.1 {port}"]
+
+
+def test_server_is_stopped_when_the_benchmark_raises(tmp_path):
+    port = free_port()
+    with pytest.raises(RuntimeError, match="benchmark failed"):
+        with ServerProcess(http_server_command(port, tmp_path / "child"), port, tmp_path / "server.log",
+                           health_path="/", startup_timeout_s=30) as server:
+            pid = server.pid
+            assert alive(pid) and http_status(server.base_url + "/") == 200
+            raise RuntimeError("benchmark failed")
+    child = int((tmp_path / "child").read_text())
+    assert not alive(pid) and not alive(child)  # the whole process group is gone
+
+    with pytest.raises(ServerStartError, match="exited with code 3"):
+        with ServerProcess(["sh", "-c", "echo cannot start; exit 3"], free_port(), tmp_path / "bad.log"):
+            pass
+    assert "cannot start" in (tmp_path / "bad.log").read_text()
+
+
+PARENT = textwrap.dedent("""
+    import sys, time
+    from specforge.serving.server_process import ServerProcess
+    port, log, child = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    cmd = ["sh", "-c", f"sleep 300 & echo $! > {child}; exec {sys.executable} -m http.server --bind 127.0.0.1 {port}"]
+    with ServerProcess(cmd, port, log, health_path="/", startup_timeout_s=30) as server:
+        print(server.pid, flush=True)
+        time.sleep(60)
+""")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_server_is_stopped_when_the_parent_is_interrupted(tmp_path, sig):
+    port = free_port()
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(port), str(tmp_path / "log"), str(tmp_path / "child")],
+                              stdout=subprocess.PIPE, text=True, cwd=os.getcwd())
+    try:
+        pid = int(parent.stdout.readline())
+        assert alive(pid)
+        parent.send_signal(sig)
+        assert parent.wait(timeout=30) != 0
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+    deadline = time.monotonic() + 5
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(pid) and not alive(int((tmp_path / "child").read_text()))

@@ -1,0 +1,85 @@
+"""SGLang launch commands: golden command lines per version, version policy, extraction flags.
+SGLang is not installed here (CUDA only): the version is given explicitly, as for another machine."""
+import sys
+import warnings
+
+import pytest
+
+from specforge.engine.tree import TreeSpec
+from specforge.serving import sglang_launch as sl
+
+TARGET = "/models/Qwen3-8B"
+DRAFT = "/runs/qwen3/epoch_3"
+
+
+def test_golden_eagle3_command():
+    cmd = sl.build_server_command(TARGET, DRAFT, "8_2_16", 30001, version="0.5.23", python="python")
+    assert " ".join(cmd) == (
+        "python -m sglang.launch_server --model-path /models/Qwen3-8B "
+        "--speculative-algorithm EAGLE3 --speculative-draft-model-path /runs/qwen3/epoch_3 "
+        "--speculative-num-steps 8 --speculative-eagle-topk 2 --speculative-num-draft-tokens 16 "
+        "--disable-radix-cache --host 127.0.0.1 --port 30001"
+    )
+    chain = sl.build_server_command(TARGET, DRAFT, TreeSpec.parse("5_1_6"), 30002, version="0.5.20",
+                                    python="python")
+    assert chain[chain.index("--speculative-num-steps"):chain.index("--disable-radix-cache")] == [
+        "--speculative-num-steps", "5", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "6"]
+
+
+def test_golden_base_command_with_options():
+    cmd = sl.build_server_command(
+        TARGET, port=30000, version="0.5.20", python="python",
+        options={"dtype": "bfloat16", "mem_fraction_static": 0.8, "cuda_graph_max_bs": 8,
+                 "trust_remote_code": True, "tp_size": None},
+        extra_args=["--attention-backend", "fa3"])
+    assert " ".join(cmd) == (
+        "python -m sglang.launch_server --model-path /models/Qwen3-8B --disable-radix-cache "
+        "--host 127.0.0.1 --port 30000 --dtype bfloat16 --mem-fraction-static 0.8 "
+        "--cuda-graph-max-bs-decode 8 --trust-remote-code --attention-backend fa3"
+    )
+    assert "--speculative-algorithm" not in cmd
+    assert sl.build_server_command(TARGET, version="0.5.23")[0] == sys.executable
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="both draft_path and tree"):
+        sl.build_server_command(TARGET, DRAFT, None, version="0.5.23")
+    with pytest.raises(ValueError, match="candidates exist"):
+        sl.build_server_command(TARGET, DRAFT, "2_2_8", version="0.5.23")
+    with pytest.raises(ValueError, match="unknown SGLang option 'speculative_magic'"):
+        sl.build_server_command(TARGET, version="0.5.23", options={"speculative_magic": 1})
+    with pytest.raises(ValueError, match="set by the builder"):
+        sl.build_server_command(TARGET, version="0.5.23", options={"port": 1})
+
+
+def test_version_policy():
+    with pytest.raises(sl.SGLangVersionError, match=r"0\.5\.19 is not supported.*>= 0\.5\.20"):
+        sl.build_server_command(TARGET, version="0.5.19")
+    with pytest.warns(UserWarning, match="newer than the newest version whose flags were checked"):
+        cmd = sl.build_server_command(TARGET, DRAFT, "4_2_8", version="0.6.1")
+    assert "--speculative-num-draft-tokens" in cmd
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sl.flag_table("0.5.23rc1")  # a pre-release of a checked version: no warning
+        assert sl.flag_table("0.5.22").since == "0.5.20"
+    with pytest.raises(sl.SGLangVersionError, match="not a version number"):
+        sl.flag_table("latest")
+
+
+def test_sglang_is_never_imported():
+    assert sl.installed_sglang_version() is None  # CPU machine: the extra is not installed
+    with pytest.raises(sl.SGLangVersionError, match="not installed"):
+        sl.build_server_command(TARGET)
+    assert "sglang" not in sys.modules
+
+
+def test_extraction_flags():
+    assert sl.extraction_server_args([1, 15, 28], version="0.5.23") == [
+        "--speculative-algorithm", "EAGLE3", "--enable-return-aux-hidden-states",
+        "--return-aux-hidden-state-layer-ids", "1", "15", "28",
+        "--disable-radix-cache", "--chunked-prefill-size", "-1"]
+    assert sl.extraction_engine_kwargs([1, 15, 28], version="0.5.23")["return_aux_hidden_state_layer_ids"] == [1, 15, 28]
+    with pytest.raises(sl.SGLangVersionError, match=r"SGLang >= 0\.5\.23"):
+        sl.extraction_server_args([1, 15, 28], version="0.5.22")
+    with pytest.raises(ValueError, match="3 distinct ascending"):
+        sl.extraction_server_args([15, 1, 28], version="0.5.23")
