@@ -10,8 +10,15 @@ def evaluate(run_cfg, ckpt: str | Path, eval_cfg, out_dir: str | Path | None = N
     from specforge.report import write_run_report
 
     run_dir, ckpts = find_checkpoints(ckpt)
+    if eval_cfg.engine in ("server", "sglang"):  # a serving benchmark over HTTP (specforge/serving)
+        from specforge.serving.runner import evaluate_serving
+
+        summary = evaluate_serving(run_cfg, ckpts, eval_cfg, run_dir,
+                                   Path(out_dir) / "serving" if out_dir else None)
+        print(Path(summary["report"]).read_text(), flush=True)
+        return {"report": summary["report"], "engine": eval_cfg.engine}
     if eval_cfg.engine != "embedded":
-        raise ValueError(f"eval.engine={eval_cfg.engine!r}: only 'embedded' is available in this build")
+        raise ValueError(f"eval.engine={eval_cfg.engine!r} is not one of embedded, server, sglang")
     results = evaluate_checkpoints(run_cfg, ckpts, eval_cfg)
     out_dir = Path(out_dir) if out_dir else run_dir / "eval"
     report = write_results(results, out_dir)

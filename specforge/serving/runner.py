@@ -19,6 +19,7 @@ from functools import partial
 from pathlib import Path
 from typing import Callable, Sequence
 
+from specforge.utils.io import write_json, write_text
 from specforge.serving.bench_client import (
     BenchRequest, BenchResult, comparison, comparison_table, conversation_requests,
     random_token_requests, run_benchmark,
@@ -164,8 +165,7 @@ def evaluate_serving(run_cfg, checkpoints: Sequence[Path], eval_cfg, run_dir, ou
             report += [f"## {label}", "", comparison_table(base.metrics, r.metrics, eagle_label=label)]
         else:
             report += [f"## {label}", "", *(f"- {k}: {v}" for k, v in r.metrics.items() if k != "errors"), ""]
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    (out_dir / "report.md").write_text("\n".join(report) + "\n")
+    write_json(out_dir / "summary.json", summary)
+    write_text(out_dir / "report.md", "\n".join(report) + "\n")
     summary["report"] = str(out_dir / "report.md")
     return summary
