@@ -134,7 +134,7 @@ def _sample(logits: torch.Tensor, temperature: float, generator) -> torch.Tensor
 class _Request:
     """Output tokens, stop conditions and timing of one generate call."""
 
-    def __init__(self, prompt_len, max_new_tokens, eos_token_id, num_draft_tokens):
+    def __init__(self, prompt_len, max_new_tokens, eos_token_id, num_draft_tokens, on_tokens=None):
         if max_new_tokens < 1:
             raise ValueError(f"generate: max_new_tokens must be >= 1, got {max_new_tokens}")
         self.t0 = time.perf_counter()
@@ -143,11 +143,14 @@ class _Request:
             [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
         )
         self.tokens: list[int] = []
+        self.on_tokens = on_tokens  # streaming: called with each batch of committed tokens
         self.done = False
         self.stats = GenerationStats(prompt_tokens=prompt_len, num_draft_tokens=num_draft_tokens)
 
     def emit(self, tokens: list[int]) -> None:
-        """Append tokens up to eos / max_new_tokens (never past them)."""
+        """Append tokens up to eos / max_new_tokens (never past them); an exception raised by
+        `on_tokens` aborts the request (a client that went away)."""
+        before = len(self.tokens)
         for t in tokens[: self.max_new - len(self.tokens)]:
             self.tokens.append(t)
             if t in self.eos:
@@ -155,6 +158,8 @@ class _Request:
         self.done = len(self.tokens) >= self.max_new or self.tokens[-1] in self.eos
         now = time.perf_counter() - self.t0
         self.stats.token_times_s += [now] * (len(self.tokens) - len(self.stats.token_times_s))
+        if self.on_tokens is not None:
+            self.on_tokens(self.tokens[before:])
 
     def first_token_done(self):
         """TTFT covers the whole prefill stage (target and draft), as the server streams it."""
@@ -255,9 +260,9 @@ class SpeculativeEngine:
 
     # ---- generation ---------------------------------------------------------------------------
 
-    def _start(self, input_ids, max_new_tokens, eos_token_id, num_draft_tokens):
+    def _start(self, input_ids, max_new_tokens, eos_token_id, num_draft_tokens, on_tokens=None):
         prompt = _as_prompt(input_ids, self.device)
-        req = _Request(prompt.shape[0], max_new_tokens, eos_token_id, num_draft_tokens)
+        req = _Request(prompt.shape[0], max_new_tokens, eos_token_id, num_draft_tokens, on_tokens)
         self.reset(prompt.shape[0] + max_new_tokens)
         return prompt, req
 
@@ -278,11 +283,13 @@ class SpeculativeEngine:
 
     @torch.inference_mode()
     def generate(self, input_ids, max_new_tokens: int, temperature: float = 0.0,
-                 eos_token_id=None, generator: torch.Generator | None = None):
-        """Speculative generation. Returns (completion token ids [n], GenerationStats)."""
+                 eos_token_id=None, generator: torch.Generator | None = None, on_tokens=None):
+        """Speculative generation. Returns (completion token ids [n], GenerationStats);
+        `on_tokens(ids)` streams the tokens committed by each round."""
         if self.draft is None:
             raise ValueError("generate: this engine has no draft; use generate_base")
-        prompt, req = self._start(input_ids, max_new_tokens, eos_token_id, self.spec.num_draft_tokens)
+        prompt, req = self._start(input_ids, max_new_tokens, eos_token_id, self.spec.num_draft_tokens,
+                                  on_tokens)
         token, state = self.prefill(prompt, temperature, generator)
         req.emit(token.tolist())
         req.first_token_done()
@@ -306,9 +313,9 @@ class SpeculativeEngine:
 
     @torch.inference_mode()
     def generate_base(self, input_ids, max_new_tokens: int, temperature: float = 0.0,
-                      eos_token_id=None, generator: torch.Generator | None = None):
+                      eos_token_id=None, generator: torch.Generator | None = None, on_tokens=None):
         """Plain autoregressive decoding of the target on the same cache machinery."""
-        prompt, req = self._start(input_ids, max_new_tokens, eos_token_id, 0)
+        prompt, req = self._start(input_ids, max_new_tokens, eos_token_id, 0, on_tokens)
         logits, _ = self.runner.prefill(prompt, need_aux=False)
         token = _sample(logits, temperature, generator)
         req.emit([int(token)])

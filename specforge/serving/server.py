@@ -51,39 +51,12 @@ class RequestError(ValueError):
 # ---- the engine ------------------------------------------------------------------------------------
 
 
-def streaming_engine_class():
-    """SpeculativeEngine reporting committed tokens as they come (`engine.on_tokens(ids)`).
-
-    The engine has no public streaming hook yet, so this wraps its per-request bookkeeping
-    (`_start` returns the request whose `emit` commits tokens). An exception raised by
-    `on_tokens` aborts the generation (used when a client disconnects).
-    """
-    from specforge.engine.speculative import SpeculativeEngine
-
-    class StreamingEngine(SpeculativeEngine):
-        on_tokens: Callable[[list[int]], None] | None = None
-
-        def _start(self, *args, **kwargs):
-            prompt, req = super()._start(*args, **kwargs)
-            callback, emit = self.on_tokens, req.emit
-            if callback is not None:
-                def emit_and_report(tokens):
-                    before = len(req.tokens)
-                    emit(tokens)
-                    callback(req.tokens[before:])
-
-                req.emit = emit_and_report
-            return prompt, req
-
-    return StreamingEngine
-
-
 _LOAD_LOCK = threading.Lock()
 
 
 @dataclass
 class LoadedModel:
-    engine: object  # StreamingEngine
+    engine: object  # SpeculativeEngine
     tokenizer: object
     info: dict  # server_info fields: model_path, speculative_*, dtype, ...
     eos_token_ids: list[int]
@@ -113,8 +86,9 @@ def load_model(target_path, draft_path=None, tree: str | None = None, *, dtype: 
     if draft_path is not None:
         draft = load_draft(draft_path, device=device, dtype=torch_type,
                            embed_tokens=target.get_input_embeddings().weight.detach())
-    engine_cls = streaming_engine_class()
-    engine = engine_cls(target, draft, spec or "1_1_2", exact_ancestor_attention=exact_ancestor_attention)
+    from specforge.engine.speculative import SpeculativeEngine
+
+    engine = SpeculativeEngine(target, draft, spec or "1_1_2", exact_ancestor_attention=exact_ancestor_attention)
 
     eos: list[int] = []
     for ids in (getattr(target.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
@@ -219,12 +193,8 @@ class EngineWorker:
         if job.temperature > 0 and job.seed is not None:
             generator = torch.Generator(device=engine.device).manual_seed(int(job.seed))
         generate = engine.generate if engine.draft is not None else engine.generate_base
-        engine.on_tokens = on_tokens
-        try:
-            _, stats = generate(job.input_ids, job.max_new_tokens, temperature=job.temperature,
-                                eos_token_id=job.stop_token_ids, generator=generator)
-        finally:
-            engine.on_tokens = None
+        _, stats = generate(job.input_ids, job.max_new_tokens, temperature=job.temperature,
+                            eos_token_id=job.stop_token_ids, generator=generator, on_tokens=on_tokens)
         with self.lock:
             self.num_requests += 1
             self.spec_rounds += stats.spec_verify_ct
