@@ -63,7 +63,27 @@ def aux_layer_ids(target_cfg, model_config) -> list[int]:
     n = text_config(model_config).num_hidden_layers
     ids = list(target_cfg.aux_layer_ids) if target_cfg.aux_layer_ids else default_aux_layer_ids(n)
     if len(ids) != 3 or sorted(ids) != ids or len(set(ids)) != 3 or not all(0 <= i < n for i in ids):
+        hint = "" if target_cfg.aux_layer_ids else (
+            f" (the default [1, N//2-1, N-4] needs N >= 8 layers; this target has {n}: set them)")
         raise ValueError(
-            f"target.aux_layer_ids: {ids} must be 3 distinct ascending layer ids in [0, {n})"
+            f"target.aux_layer_ids: {ids} must be 3 distinct ascending layer ids in [0, {n}){hint}"
         )
     return ids
+
+
+def target_fingerprint(path: str | Path) -> str:
+    """A cheap identity of a target directory: the bytes of its small files (config, tokenizer,
+    template) and the names + sizes of its large (weight) files, so fingerprinting a multi-GB
+    target takes milliseconds. Stores record it to tell states of different targets apart."""
+    import hashlib
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"target.path: {path}/config.json not found")
+    h = hashlib.sha256()
+    for p in sorted(q for q in path.rglob("*") if q.is_file()):
+        size = p.stat().st_size
+        h.update(f"{p.relative_to(path)}\0{size}\0".encode())
+        if size <= (16 << 20):
+            h.update(p.read_bytes())
+    return h.hexdigest()[:16]

@@ -1,0 +1,147 @@
+"""Hidden states from the target through plain transformers (the `embedded` extract backend).
+
+Contract §2: aux layer id L is the OUTPUT of decoder layer L (0-based), the un-normed residual
+stream; `last` is the FINAL POST-NORM hidden state (the teacher logits are lm_head(last)).
+
+Why the decoder stack and selected hidden states: calling the base model (`get_decoder()`) skips
+the 49152-wide lm_head, and asking `output_hidden_states` for the three indices L+1 only keeps
+three [B, S, H] tensors instead of N+1.
+
+Why `tie_last_hidden_states = False`: transformers 5.x overwrites `hidden_states[N]` with the
+post-norm `last_hidden_state`, so for L = N-1 the index L+1 would silently return the normed
+state. tests/test_extract.py checks every index against forward hooks on the decoder layers and
+the final norm.
+"""
+from __future__ import annotations
+
+import time
+from typing import Iterable, Iterator, Sequence
+
+import torch
+
+
+def plan_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
+    """Indices grouped into batches whose padded size (rows x longest row) fits `batch_tokens`.
+
+    Samples are taken longest first (ties by index, so the plan is deterministic) to limit
+    padding; a sample longer than the budget gets a batch of its own.
+    """
+    if batch_tokens < 1:
+        raise ValueError(f"extract.batch_tokens: must be >= 1, got {batch_tokens}")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches: list[list[int]] = []
+    for i in order:
+        # longest first: the first row of a batch is its longest
+        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= batch_tokens:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
+def decoder_of(model):
+    """The decoder stack (embeddings, layers, final norm) of a causal LM, without its lm_head."""
+    base = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    if base is None or not hasattr(base, "layers") or not hasattr(base, "norm"):
+        raise TypeError(
+            f"{type(model).__name__}: cannot find the decoder stack (expected .get_decoder() with "
+            ".layers and .norm, as Llama-like causal LMs have)"
+        )
+    return base
+
+
+class EmbeddedExtractor:
+    """Runs the target over token sequences and returns (aux [S, 3H], last [S, H]) per sample.
+
+    `stats` counts real tokens, padded tokens and forward seconds since construction.
+    """
+
+    def __init__(
+        self,
+        model,
+        aux_layer_ids: Sequence[int],
+        batch_tokens: int,
+        storage_dtype: torch.dtype = torch.bfloat16,
+        pad_token_id: int | None = None,
+    ):
+        self.model = model
+        self.base = decoder_of(model)
+        n = self.base.config.num_hidden_layers
+        self.aux_layer_ids = list(aux_layer_ids)
+        if sorted(set(self.aux_layer_ids)) != self.aux_layer_ids or not all(0 <= i < n for i in self.aux_layer_ids):
+            raise ValueError(f"aux_layer_ids: {self.aux_layer_ids} must be distinct ascending ids in [0, {n})")
+        self.batch_tokens = batch_tokens
+        self.storage_dtype = storage_dtype
+        pad = pad_token_id if pad_token_id is not None else getattr(self.base.config, "pad_token_id", None)
+        self.pad_token_id = 0 if pad is None else int(pad)
+        self.vocab_size = getattr(self.base.config, "vocab_size", None)
+        self.device = next(model.parameters()).device
+        self.stats = {"tokens": 0, "padded_tokens": 0, "seconds": 0.0}
+
+    @torch.inference_mode()
+    def forward(self, sequences: Sequence[Sequence[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One right-padded forward over `sequences`; padding is stripped from the results."""
+        t0 = time.perf_counter()
+        lens = [len(s) for s in sequences]
+        if not sequences or min(lens) == 0:
+            raise ValueError("forward: every sequence needs at least one token")
+        width = max(lens)
+        ids = torch.full((len(sequences), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(sequences), width), dtype=torch.long)
+        for r, s in enumerate(sequences):
+            ids[r, : lens[r]] = torch.as_tensor(s, dtype=torch.long)
+            mask[r, : lens[r]] = 1
+        if self.vocab_size is not None and (ids.min() < 0 or ids.max() >= self.vocab_size):
+            raise ValueError(f"input_ids: token ids must be in [0, {self.vocab_size}) for this target")
+        # hidden_states[N] must stay the output of the last decoder layer (see module docstring);
+        # set for this call only, the model may be shared with code that expects the default
+        config = self.base.config
+        had, old = hasattr(config, "tie_last_hidden_states"), getattr(config, "tie_last_hidden_states", None)
+        config.tie_last_hidden_states = False
+        try:
+            out = self.base(
+                input_ids=ids.to(self.device),
+                attention_mask=mask.to(self.device),
+                output_hidden_states=[layer + 1 for layer in self.aux_layer_ids],
+                use_cache=False,
+            )
+        finally:
+            if had:
+                config.tie_last_hidden_states = old
+            else:
+                delattr(config, "tie_last_hidden_states")
+        hs = out.hidden_states
+        aux = torch.cat([hs[layer + 1] for layer in self.aux_layer_ids], dim=-1).to("cpu", self.storage_dtype)
+        last = out.last_hidden_state.to("cpu", self.storage_dtype)
+        # clone: a view would keep the whole padded batch alive in the writer's buffer
+        result = [(aux[r, :n].clone(), last[r, :n].clone()) for r, n in enumerate(lens)]
+        self.stats["tokens"] += sum(lens)
+        self.stats["padded_tokens"] += width * len(sequences)
+        self.stats["seconds"] += time.perf_counter() - t0
+        return result
+
+    def run(
+        self, samples: Sequence[dict], chunk: int | None = None
+    ) -> Iterator[tuple[dict, torch.Tensor, torch.Tensor]]:
+        """Yield (sample, aux, last) for samples with `input_ids`, longest first.
+
+        With `chunk`, samples are planned in consecutive chunks of that many (of the length-sorted
+        order), so batches never cross a shard boundary when chunk == shard size: a resumed run
+        then does exactly the forwards an uninterrupted run would have done.
+        """
+        order = sorted(range(len(samples)), key=lambda i: (-len(samples[i]["input_ids"]), i))
+        step = chunk or max(len(order), 1)
+        for c in range(0, len(order), step):
+            part = [samples[i] for i in order[c : c + step]]
+            for batch in plan_batches([len(s["input_ids"]) for s in part], self.batch_tokens):
+                rows = [part[i] for i in batch]
+                for sample, (aux, last) in zip(rows, self.forward([s["input_ids"] for s in rows])):
+                    yield sample, aux, last
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.stats["tokens"] / self.stats["seconds"] if self.stats["seconds"] else 0.0
+
+
+def total_tokens(samples: Iterable[dict]) -> int:
+    return sum(len(s["input_ids"]) for s in samples)
