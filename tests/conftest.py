@@ -2,6 +2,17 @@
 from __future__ import annotations
 
 import pytest
+import torch
+
+
+@pytest.fixture(autouse=True, scope="session")
+def one_thread():
+    """Tests use tiny tensors: one intra-op thread is faster, and immune to OpenMP threads spinning
+    against each other on a busy 2-core machine (stages that set their own thread count still do)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

@@ -12,14 +12,6 @@ from specforge.models.draft import Eagle3Config, Eagle3Draft
 AUX = [0, 1, 2]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: one intra-op thread is faster, and immune to OpenMP thrashing on a busy box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def load_target(path, std, seed=0):
     """The tiny Llama with weights redrawn at `std`: 0.2 gives varied greedy text, 0.1 long runs

@@ -41,15 +41,6 @@ def chat(city: str, i: int, follow_up: bool, system: bool = False) -> list[dict]
     return msgs
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny model is fastest on one thread, and two busy cores make OpenMP spin."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def target(tiny_target_dir, tmp_path_factory, one_thread):
     """The tiny random Llama taught the chats above (random weights only ever repeat one token)."""

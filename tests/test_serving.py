@@ -32,13 +32,6 @@ MAX_NEW = 24
 AUX = [0, 1, 2]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 @pytest.fixture(scope="module")
 def model_dirs(tiny_target_dir, tmp_path_factory):

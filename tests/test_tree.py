@@ -12,14 +12,6 @@ from specforge.engine.tree import (
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: one intra-op thread is faster, and immune to OpenMP thrashing on a busy box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def t(*xs, dtype=torch.float32):
     return torch.tensor(xs, dtype=dtype)

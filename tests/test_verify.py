@@ -8,14 +8,6 @@ from specforge.engine.verify import greedy_verify, sampling_verify
 V = 100
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: one intra-op thread is faster, and immune to OpenMP thrashing on a busy box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def make_tree(spec, level1, levels, root=5):
     scores, s0, tok0, par0 = first_level(*level1)

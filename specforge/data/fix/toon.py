@@ -201,17 +201,9 @@ def _quoted_end(text: str, start: int = 0) -> int:
 
 
 def _find_unquoted(text: str, char: str) -> int:
-    in_quotes, i = False, 0
-    while i < len(text):
-        c = text[i]
-        if in_quotes and c == "\\":
-            i += 1
-        elif c == '"':
-            in_quotes = not in_quotes
-        elif c == char and not in_quotes:
-            return i
-        i += 1
-    return -1
+    """Index of the first `char` outside double quotes, or -1."""
+    first, *rest = _split_cells(text, char)
+    return len(first) if rest else -1
 
 
 def _split_cells(text: str, delim: str) -> list[str]:
