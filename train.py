@@ -1,16 +1,33 @@
-"""Entry point: `python train.py +exp=smollm2_weather [stages=[data,extract]] [key=value ...]`."""
+"""Entry point: `python train.py +exp=smollm2_weather [stages=[data,extract]] [key=value ...]`.
+
+Also the entry of every process of a distributed run: `torchrun --nproc_per_node N train.py ...`,
+`srun python train.py ...` or `python train.py -m ... hydra/launcher=slurm` (docs/multinode.md).
+A run stopped by SIGTERM/SIGUSR1 saves a training state and exits with code 75; run the same
+command with train.resume=auto to continue it.
+"""
+import os
+import sys
+
 import hydra
 
+from specforge.cli_args import quote_trees
 from specforge.config import register_configs
 
 register_configs()
+sys.argv = quote_trees(sys.argv)  # T_K_N trees stay text (see cli_args)
 
 
 @hydra.main(version_base=None, config_path="conf", config_name="config")
 def main(cfg) -> None:
+    from specforge.dist.preemption import TrainingInterrupted
     from specforge.pipeline import run_pipeline
 
-    run_pipeline(cfg)
+    try:
+        run_pipeline(cfg)
+    except TrainingInterrupted as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"[train] {e}", file=sys.stderr, flush=True)
+        sys.exit(e.exit_code)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,13 @@
 
 A stage's fingerprint covers its config sections, its own extra inputs (e.g. raw data files) and
 the fingerprints of the stages it reads from, so a change anywhere upstream re-runs everything
-downstream and nothing else.
+downstream and nothing else. Keys that only say how a stage runs, not what it computes (train.resume,
+train.strategy, ...), are left out: resuming or changing the number of processes is the same run.
+
+Under torchrun / Slurm (more than one process): rank 0 decides what runs and writes the markers;
+a stage runs on rank 0 alone (data, eval; the others wait) or on every rank (extract shards its
+inputs, train is data-parallel). A failure on rank 0 is reported on every rank instead of leaving
+them waiting.
 """
 from __future__ import annotations
 
@@ -14,6 +20,7 @@ from typing import Callable
 
 from omegaconf import OmegaConf
 
+from specforge import dist
 from specforge.utils.io import fingerprint, read_json, write_json, write_text
 
 
@@ -23,6 +30,8 @@ class Stage:
     module: str  # exposes run(cfg, run_dir) -> dict and optionally extra_inputs(cfg) -> dict
     config_keys: tuple[str, ...]
     depends: tuple[str, ...]
+    ranks: str = "main"  # main: rank 0 runs it, the others wait | all: every rank runs it
+    ignore: tuple[str, ...] = ()  # keys under config_keys that do not change what the stage computes
 
     def entry(self, attr: str) -> Callable | None:
         return getattr(importlib.import_module(self.module), attr, None)
@@ -32,8 +41,10 @@ STAGES: dict[str, Stage] = {
     s.name: s
     for s in [
         Stage("data", "specforge.data.stage", ("target", "data", "draft.draft_vocab_size"), ()),
-        Stage("extract", "specforge.extract.stage", ("target", "extract"), ("data",)),
-        Stage("train", "specforge.train.stage", ("target", "draft", "train", "seed"), ("data", "extract")),
+        Stage("extract", "specforge.extract.stage", ("target", "extract"), ("data",), ranks="all"),
+        Stage("train", "specforge.train.stage", ("target", "draft", "train", "seed"), ("data", "extract"),
+              ranks="all", ignore=("train.resume", "train.save_state_every", "train.num_threads",
+                                   "train.strategy", "train.zero_stage")),
         Stage("eval", "specforge.eval.stage", ("eval",), ("train",)),
     ]
 }
@@ -51,6 +62,14 @@ def stage_fingerprint(cfg, stage: Stage, run_dir: Path) -> str:
     sections = {k: OmegaConf.to_container(OmegaConf.select(cfg, k), resolve=True)
                 if OmegaConf.is_config(OmegaConf.select(cfg, k)) else OmegaConf.select(cfg, k)
                 for k in stage.config_keys}
+    for key in stage.ignore:
+        section, _, rest = key.partition(".")
+        node = sections.get(section)
+        *path, leaf = rest.split(".")
+        for part in path:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(leaf, None)
     extra = stage.entry("extra_inputs")
     upstream = {}
     for dep in stage.depends:
@@ -60,32 +79,82 @@ def stage_fingerprint(cfg, stage: Stage, run_dir: Path) -> str:
 
 
 def run_pipeline(cfg) -> dict[str, dict]:
-    """Run `cfg.stages` in the canonical order; returns each stage's summary."""
+    """Run `cfg.stages` in the canonical order; returns each stage's summary.
+
+    Joins the process group when launched as several processes (and leaves it at the end)."""
     unknown = [s for s in cfg.stages if s not in STAGES]
     if unknown:
         raise ValueError(f"stages: unknown stage(s) {unknown}; known: {list(STAGES)}")
+    joined_here = not dist.current().distributed
+    env = dist.init_distributed(OmegaConf.select(cfg, "launch.dist_timeout_minutes", default=120.0))
+    try:
+        with dist.rank_errors("pipeline"):
+            return _run_stages(cfg, env)
+    finally:
+        if joined_here and env.distributed:
+            dist.shutdown()
+
+
+def _decide(cfg, stage: Stage, run_dir: Path) -> tuple[str, str, dict]:
+    """("skip" | "run", fingerprint, summary of the finished stage)."""
+    missing = [d for d in stage.depends if not marker_path(run_dir, d).exists()]
+    if missing:
+        raise RuntimeError(
+            f"stage '{stage.name}' needs the output of {missing} in {run_dir}; add them to stages=[...]"
+        )
+    fp = stage_fingerprint(cfg, stage, run_dir)
+    marker = marker_path(run_dir, stage.name)
+    if marker.exists() and read_json(marker).get("fingerprint") == fp:
+        return "skip", fp, read_json(marker).get("summary", {})
+    return "run", fp, {}
+
+
+def _check_shared_run_dir(run_dir: Path) -> None:
+    """Every rank must see rank 0's files (multi-node runs need a shared file system)."""
+    token = dist.broadcast_object(f"{time.time_ns()}" if dist.current().is_main else None)
+    probe = run_dir / ".rank_probe"
+    if dist.current().is_main:
+        write_text(probe, token)
+    dist.barrier()
+    sees = probe.exists() and probe.read_text() == token
+    blind = [r for r, ok in enumerate(dist.gather_objects(sees)) if not ok]
+    dist.barrier()
+    if dist.current().is_main:
+        probe.unlink(missing_ok=True)
+    if blind:
+        raise RuntimeError(f"{run_dir}: ranks {blind} do not see rank 0's files; output_dir must be on a "
+                           "file system shared by every node")
+
+
+def _run_stages(cfg, env) -> dict[str, dict]:
     run_dir = run_dir_of(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
-    write_text(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+    if env.is_main:
+        write_text(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+    if env.distributed:
+        _check_shared_run_dir(run_dir)
     summaries = {}
     for name in [s for s in STAGES if s in cfg.stages]:
         stage = STAGES[name]
-        missing = [d for d in stage.depends if not marker_path(run_dir, d).exists()]
-        if missing:
-            raise RuntimeError(
-                f"stage '{name}' needs the output of {missing} in {run_dir}; add them to stages=[...]"
-            )
-        fp = stage_fingerprint(cfg, stage, run_dir)
-        marker = marker_path(run_dir, name)
-        if marker.exists() and read_json(marker).get("fingerprint") == fp:
-            print(f"[pipeline] {name}: up to date (fingerprint {fp}), skipped", flush=True)
-            summaries[name] = read_json(marker).get("summary", {})
+        decision, fp, summary = dist.run_on_main(_decide, cfg, stage, run_dir, what=f"stage '{name}'")
+        if decision == "skip":
+            if env.is_main:
+                print(f"[pipeline] {name}: up to date (fingerprint {fp}), skipped", flush=True)
+            summaries[name] = summary
             continue
-        print(f"[pipeline] {name}: running", flush=True)
+        if env.is_main:
+            print(f"[pipeline] {name}: running" + (f" on {env.world_size} processes" if env.distributed
+                                                  and stage.ranks == "all" else ""), flush=True)
         t0 = time.time()
-        summary = stage.entry("run")(cfg, run_dir) or {}
+        if stage.ranks == "all":
+            summary = stage.entry("run")(cfg, run_dir) or {}
+            dist.barrier()
+        else:
+            summary = dist.run_on_main(lambda: stage.entry("run")(cfg, run_dir) or {}, what=f"stage '{name}'")
         summary["seconds"] = round(time.time() - t0, 2)
-        write_json(marker, {"fingerprint": fp, "summary": summary})
+        if env.is_main:
+            write_json(marker_path(run_dir, name), {"fingerprint": fp, "summary": summary})
+            print(f"[pipeline] {name}: done in {summary['seconds']} s", flush=True)
+        dist.barrier()
         summaries[name] = summary
-        print(f"[pipeline] {name}: done in {summary['seconds']} s", flush=True)
     return summaries

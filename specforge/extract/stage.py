@@ -4,18 +4,30 @@ Resumable: each split's store records what produced it (target fingerprint, aux 
 fingerprint of the input JSONL). A re-run with the same inputs keeps the finished shards and only
 extracts the rest; a re-run with different inputs (the pipeline re-runs this stage whenever the
 target, the extract config or the data changed) deletes the old store and starts fresh.
+
+Several processes (torchrun / srun, docs/multinode.md): the plan of one process (samples longest
+first, cut into chunks of `extract.shard_samples`, one shard each) is dealt round-robin, chunk c to
+rank c % world_size. Each rank writes its chunks as a store of its own in `<split>/rank<r>of<W>/`
+(resumable as above), and rank 0 then lists every rank's shards, in chunk order, in the split's
+`manifest.json`. Each chunk is computed with exactly the forwards one process would run, so the
+merged store holds the same samples, in the same order, as a one-process extraction.
 """
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import shutil
 import time
 from pathlib import Path
 
 import torch
 
+from specforge import dist
 from specforge.extract.embedded import EmbeddedExtractor, total_tokens
-from specforge.extract.store import STORAGE_DTYPES, HiddenStateStore, HiddenStateStoreWriter, remove_store
-from specforge.utils.io import file_fingerprint, read_jsonl
+from specforge.extract.store import (FORMAT, MANIFEST, STORAGE_DTYPES, VERSION, HiddenStateStore,
+                                     HiddenStateStoreWriter, remove_store)
+from specforge.utils.io import file_fingerprint, read_json, read_jsonl, write_json
 
 SPLITS = ("train", "eval")
 
@@ -80,15 +92,16 @@ def _progress():
 
 
 def extract_split(extractor: EmbeddedExtractor, rows: list[dict], out_dir: Path, meta: dict,
-                  shard_samples: int, progress=None) -> dict:
+                  shard_samples: int, progress=None, label: str | None = None) -> dict:
     """Extract the rows not yet in the store at `out_dir`; returns the split's summary."""
+    label = label or out_dir.name
     writer = HiddenStateStoreWriter(out_dir, meta, shard_samples=shard_samples, if_mismatch="restart")
     todo = [r for r in rows if r["id"] not in writer.done_ids]
     skipped = len(rows) - len(todo)
     if skipped:
-        print(f"[extract] {out_dir.name}: resuming, {skipped} samples already stored", flush=True)
+        print(f"[extract] {label}: resuming, {skipped} samples already stored", flush=True)
     stats0 = dict(extractor.stats)
-    task = progress.add_task(out_dir.name, total=total_tokens(todo), rate=0.0) if progress else None
+    task = progress.add_task(label, total=total_tokens(todo), rate=0.0) if progress else None
     with writer:
         for sample, aux, last in extractor.run(todo, chunk=shard_samples):
             writer.add(sample["id"], sample["input_ids"], sample["loss_mask"], aux, last)
@@ -112,6 +125,94 @@ def extract_split(extractor: EmbeddedExtractor, rows: list[dict], out_dir: Path,
         "bytes_per_token": round(store.bytes_per_token, 1),
         "shards": len(store.shards),
     }
+
+
+# -- several processes ---------------------------------------------------------------------------
+
+def rank_dir_name(rank: int, world_size: int) -> str:
+    return f"rank{rank:05d}of{world_size:05d}"
+
+
+def chunk_plan(rows: list[dict], shard_samples: int) -> list[list[int]]:
+    """Row indices, longest first (ties by index), cut into chunks of `shard_samples`: exactly the
+    order and chunks of EmbeddedExtractor.run(rows, chunk=shard_samples) in one process."""
+    order = sorted(range(len(rows)), key=lambda i: (-len(rows[i]["input_ids"]), i))
+    return [order[c : c + shard_samples] for c in range(0, len(order), shard_samples)]
+
+
+def extract_split_sharded(extractor: EmbeddedExtractor, rows: list[dict], out_dir: Path, meta: dict,
+                          shard_samples: int, progress=None) -> dict:
+    """This rank's chunks into its own store, then (rank 0) one manifest over every rank's shards.
+    A collective: every rank calls it; every rank returns the split's summary."""
+    env = dist.current()
+    chunks = chunk_plan(rows, shard_samples)
+    mine = [rows[i] for c in range(env.rank, len(chunks), env.world_size) for i in chunks[c]]
+    part_meta = dict(meta, rank=env.rank, world_size=env.world_size, shard_samples=shard_samples)
+    part = extract_split(extractor, mine, out_dir / rank_dir_name(env.rank, env.world_size), part_meta,
+                         shard_samples, progress, label=f"{out_dir.name} (rank 0 of {env.world_size})")
+    parts = dist.gather_objects(part)  # also waits until every rank's store is complete
+    summary = None
+    if env.is_main:
+        merge_rank_stores(out_dir, meta, len(chunks), env.world_size, shard_samples)
+        store = HiddenStateStore(out_dir)
+        tokens = sum(p["extracted_tokens"] for p in parts)
+        padded = sum(p["extracted_tokens"] / p["padding_efficiency"] for p in parts if p["padding_efficiency"])
+        seconds = max(p["seconds"] for p in parts)
+        summary = {
+            "samples": len(store),
+            "tokens": store.num_tokens,
+            "extracted_samples": sum(p["extracted_samples"] for p in parts),
+            "extracted_tokens": tokens,
+            "resumed_samples": sum(p["resumed_samples"] for p in parts),
+            "seconds": seconds,  # the slowest rank
+            "tokens_per_s": round(tokens / seconds, 1) if seconds else None,  # all ranks together
+            "padding_efficiency": round(tokens / padded, 4) if padded else None,
+            "bytes_per_token": round(store.bytes_per_token, 1),
+            "shards": len(store.shards),
+            "world_size": env.world_size,
+        }
+    return dist.broadcast_object(summary)
+
+
+def merge_rank_stores(out_dir: Path, meta: dict, num_chunks: int, world_size: int, shard_samples: int) -> None:
+    """Write `out_dir/manifest.json` listing the shards of every rank's store in chunk order (chunk c
+    is shard c // world_size of rank c % world_size), then remove what an earlier extraction left."""
+    parts = []
+    for r in range(world_size):
+        d = out_dir / rank_dir_name(r, world_size)
+        manifest = read_json(d / MANIFEST)
+        want = dict(meta, rank=r, world_size=world_size, shard_samples=shard_samples)
+        if not manifest.get("complete") or manifest["meta"] != json.loads(json.dumps(want, sort_keys=True, default=str)):
+            raise RuntimeError(f"{d}: the store of rank {r} is incomplete or from other inputs; run the extract stage again")
+        expected = len(range(r, num_chunks, world_size))
+        if len(manifest["shards"]) != expected:
+            raise RuntimeError(f"{d}: {len(manifest['shards'])} shards, expected {expected} (one per chunk of "
+                               f"{shard_samples} samples); delete {out_dir} and extract again")
+        parts.append(manifest)
+    shards = []
+    for c in range(num_chunks):
+        r = c % world_size
+        entry = dict(parts[r]["shards"][c // world_size])
+        entry["name"] = f"{rank_dir_name(r, world_size)}/{entry['name']}"
+        shards.append(entry)
+    write_json(out_dir / MANIFEST, {
+        "format": FORMAT, "version": VERSION, "meta": json.loads(json.dumps(meta, sort_keys=True, default=str)),
+        "complete": True, "samples": sum(s["samples"] for s in shards),
+        "tokens": sum(s["tokens"] for s in shards), "shards": shards,
+    })
+    remove_unlisted(out_dir)
+
+
+def remove_unlisted(out_dir: Path) -> None:
+    """Delete shard files and rank stores of `out_dir` that its manifest does not list (left by an
+    extraction with another number of processes)."""
+    listed = {s["name"] for s in read_json(out_dir / MANIFEST)["shards"]}
+    keep_dirs = {name.split("/", 1)[0] for name in listed if "/" in name}
+    for p in out_dir.iterdir():
+        if p.is_dir() and p.name.startswith("rank") and p.name not in keep_dirs:
+            shutil.rmtree(p)
+        elif p.is_file() and p.name.startswith("shard_") and p.name not in listed:
+            p.unlink()
 
 
 def run(cfg, run_dir) -> dict:
@@ -143,8 +244,9 @@ def run(cfg, run_dir) -> dict:
             continue
         splits[split] = path
 
-    torch.set_num_threads(os.cpu_count() or 1)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    env = dist.current()  # several processes: each extracts its share (extract_split_sharded)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
+    device = str(env.device)
     target_path = resolve_target_path(cfg.target)
     model = load_target(cfg.target, device=device)
     tcfg = text_config(model.config)
@@ -164,7 +266,7 @@ def run(cfg, run_dir) -> dict:
     }
 
     summaries = {}
-    with _progress() as progress:
+    with _progress() if env.is_main else contextlib.nullcontext() as progress:
         for split, path in splits.items():
             rows = load_rows(path, vocab_size=tcfg.vocab_size)
             out_dir = run_dir / "extract" / split
@@ -173,9 +275,14 @@ def run(cfg, run_dir) -> dict:
                     raise ValueError(f"{path}: no rows; nothing to train on")
                 continue
             meta = dict(base_meta, split=split, source=file_fingerprint(path))
-            summaries[split] = extract_split(extractor, rows, out_dir, meta, cfg.extract.shard_samples, progress)
+            if env.distributed:
+                summaries[split] = extract_split_sharded(extractor, rows, out_dir, meta, cfg.extract.shard_samples,
+                                                         progress)
+            else:
+                summaries[split] = extract_split(extractor, rows, out_dir, meta, cfg.extract.shard_samples, progress)
+                remove_unlisted(out_dir)
     for split in SPLITS:  # a stale store from earlier data must not be read as this run's
-        if split not in summaries:
+        if split not in summaries and env.is_main:
             remove_store(run_dir / "extract" / split)
 
     extracted = sum(s["extracted_tokens"] for s in summaries.values())
@@ -193,7 +300,7 @@ def run(cfg, run_dir) -> dict:
         "shards": sum(s["shards"] for s in summaries.values()),
         "seconds": round(time.time() - t0, 2),
     }
-    for split, s in summaries.items():
+    for split, s in summaries.items() if env.is_main else ():
         print(
             f"[extract] {split}: {s['samples']} samples, {s['tokens']} tokens in {s['shards']} shards, "
             f"{s['tokens_per_s']} tok/s, {s['bytes_per_token']} B/token",

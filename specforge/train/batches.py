@@ -1,5 +1,13 @@
 """Batches over the hidden-state store: length-grouped so padding stays small, reshuffled per epoch
-from the seed alone (so a resumed run sees the same order), split evenly across ranks."""
+from the seed alone (so a resumed run sees the same order), dealt round-robin to the ranks.
+
+Why round-robin: the epoch is one list of micro-batches of `train.batch_size` samples, the same
+for every world size. One optimizer step consumes `grad_accum x world_size` consecutive micro-batches
+of that list, micro-batch m going to rank m % world_size. So W ranks with accumulation A take exactly
+the steps (same samples, same micro-batches) of one process with accumulation A x W, and the
+averaged gradient is the same: a run's results do not depend on how many processes computed them,
+only on the global batch (batch_size x grad_accum x world_size).
+"""
 from __future__ import annotations
 
 import random
@@ -7,9 +15,9 @@ import random
 import torch
 
 
-def epoch_batches(lengths: list[int], batch_size: int, seed: int, epoch: int,
-                  shuffle: bool = True, rank: int = 0, world_size: int = 1) -> list[list[int]]:
-    """Sample indices per batch for this rank. Every rank gets the same number of batches."""
+def global_batches(lengths: list[int], batch_size: int, seed: int, epoch: int,
+                   shuffle: bool = True) -> list[list[int]]:
+    """Every micro-batch of the epoch (sample indices), the same on every rank."""
     order = list(range(len(lengths)))
     rng = random.Random(seed * 1_000_003 + epoch)
     if shuffle:
@@ -21,8 +29,36 @@ def epoch_batches(lengths: list[int], batch_size: int, seed: int, epoch: int,
     batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
     if shuffle:
         rng.shuffle(batches)
-    per_rank = len(batches) // world_size if world_size > 1 else len(batches)
-    return batches[rank * per_rank : (rank + 1) * per_rank] if world_size > 1 else batches
+    return batches
+
+
+def epoch_batches(lengths: list[int], batch_size: int, seed: int, epoch: int,
+                  shuffle: bool = True, rank: int = 0, world_size: int = 1) -> list[list[int]]:
+    """This rank's micro-batches: every world_size-th of the epoch's list, starting at `rank`,
+    cut so that every rank gets the same number."""
+    batches = global_batches(lengths, batch_size, seed, epoch, shuffle)
+    if world_size == 1:
+        return batches
+    usable = len(batches) - len(batches) % world_size
+    return batches[rank:usable:world_size]
+
+
+def steps_per_epoch(num_batches: int, grad_accum: int, world_size: int) -> int:
+    """Optimizer steps in an epoch of `num_batches` micro-batches (the tail that does not fill a
+    whole global batch is left out of that epoch)."""
+    return num_batches // (grad_accum * world_size)
+
+
+def eval_batches(lengths: list[int], batch_size: int, rank: int = 0,
+                 world_size: int = 1) -> list[tuple[list[int], bool]]:
+    """Held-out batches for this rank as (indices, counted). Every rank gets the same number (the
+    sharded strategies run collectives in each forward); fillers are repeats with counted=False."""
+    batches = global_batches(lengths, batch_size, seed=0, epoch=0, shuffle=False)
+    mine = [(b, True) for b in batches[rank::world_size]]
+    per_rank = -(-len(batches) // world_size) if batches else 0
+    while len(mine) < per_rank:
+        mine.append((batches[0], False))
+    return mine
 
 
 def collate(samples: list[dict], dtype=torch.float32) -> dict:

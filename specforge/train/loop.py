@@ -1,23 +1,34 @@
 """The training loop of the EAGLE3 head, top to bottom: setup, epochs of TTT steps, a held-out
-evaluation and a servable checkpoint at every epoch end."""
+evaluation and a servable checkpoint at every epoch end, training states for resuming.
+
+One loop for every `train.strategy`: how the model is spread over processes lives in
+specforge/dist/strategy.py. What is distributed-aware here: each rank reads its own micro-batches
+(batches.py), metrics are summed over ranks before rank 0 logs them, rank 0 alone writes files.
+"""
 from __future__ import annotations
 
 import contextlib
 import math
 import os
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
+from specforge import dist
 from specforge.checkpoint import read_checkpoint, save_checkpoint
+from specforge.dist.preemption import StopRequests, TrainingInterrupted
+from specforge.dist.strategy import make_strategy
 from specforge.extract.store import HiddenStateStore
 from specforge.models.draft import Eagle3Config, Eagle3Draft
 from specforge.targets.loader import load_target
-from specforge.train.batches import collate, epoch_batches
-from specforge.train.state import save_training_state
-from specforge.train.ttt import Teacher, add_stats, summarize, ttt_forward
-from specforge.utils.metrics_log import MetricsLogger
+from specforge.train.batches import collate, epoch_batches, eval_batches, global_batches, steps_per_epoch
+from specforge.train.state import (clear_states, find_resume_state, load_training_state, prune_states,
+                                   rng_state, save_training_state, set_rng_state)
+from specforge.train.ttt import StepStats, Teacher, add_stats, summarize, ttt_forward
+from specforge.utils.metrics_log import MetricsLogger, read_metrics, write_metrics
 from specforge.utils.progress import progress_bar
 
 
@@ -64,93 +75,328 @@ def build_draft(cfg, target_config, aux_layer_ids, vocab: dict, embed: torch.Ten
     return draft
 
 
+def target_head(cfg) -> tuple[torch.Tensor, torch.Tensor, object]:
+    """The target's input embedding (fp32) and output head (its dtype), on CPU, with its config.
+    Rank 0 loads the target and sends the two matrices to the other ranks: a large target is not
+    loaded once per GPU for them."""
+    env = dist.current()
+    embed = head = config = None
+    if env.is_main:
+        target = load_target(cfg.target)
+        embed = target.get_input_embeddings().weight.detach().float().cpu()
+        head = target.get_output_embeddings().weight.detach().cpu()
+        config = target.config
+        del target
+    if not env.distributed:
+        return embed, head, config
+    shapes = dist.broadcast_object((embed.shape, head.shape, head.dtype, config) if env.is_main else None)
+    embed = dist.broadcast_tensor(embed, shapes[0], torch.float32)
+    head = dist.broadcast_tensor(head, shapes[1], shapes[2])
+    return embed, head, shapes[3]
+
+
+class TTTModule(torch.nn.Module):
+    """What a strategy wraps: forward(batch) is the TTT unroll of the draft -> (loss, stats)."""
+
+    def __init__(self, draft: Eagle3Draft, teacher: Teacher, ttt_length: int, step_weight: float):
+        super().__init__()
+        self.draft = draft
+        self.teacher = teacher  # frozen target head: not a parameter, not in any state dict
+        self.ttt_length, self.step_weight = ttt_length, step_weight
+
+    def forward(self, batch: dict):
+        return ttt_forward(self.draft, batch, self.teacher, self.ttt_length, self.step_weight)
+
+    def shard_units(self) -> list[torch.nn.Module]:
+        """Submodules FSDP shards as units of their own (the root takes the rest)."""
+        return [self.draft.midlayer]
+
+
+class GatheredDraft:
+    """A draft's config and full weights, as `save_checkpoint` reads them from a draft module."""
+
+    def __init__(self, config: Eagle3Config, module_state: dict[str, torch.Tensor]):
+        self.config = config
+        self._tensors = {k.removeprefix("draft."): v for k, v in module_state.items()}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self._tensors
+
+
+@dataclass
+class Meter:
+    """TTT statistics since the last log row and padded tokens seen. Each rank adds its own; `sync`
+    (a collective) folds every rank's counts into rank 0's, so what rank 0 logs covers all ranks."""
+
+    ttt_length: int
+    window: list[StepStats] | None = None
+    tokens: int = 0
+
+    def add(self, stats: list[StepStats], tokens: int) -> None:
+        self.window = add_stats(self.window, stats)
+        self.tokens += tokens
+
+    def sync(self, device) -> None:
+        env = dist.current()
+        if not env.distributed:
+            return
+        packed = torch.zeros(self.ttt_length * 5 + 1, dtype=torch.float64, device=device)
+        if self.window is not None:
+            packed[:-1] = torch.stack([torch.stack([t.double() for t in vars(s).values()])
+                                       for s in self.window]).flatten()
+        packed[-1] = self.tokens
+        dist.all_reduce_sum(packed)
+        if env.is_main:
+            rows = packed[:-1].view(self.ttt_length, 5)
+            self.window = [StepStats(*rows[k]) for k in range(self.ttt_length)]
+            self.tokens = int(packed[-1])
+        else:
+            self.window, self.tokens = None, 0
+
+    def state(self) -> dict:
+        """After `sync`: rank 0's totals, for a training state."""
+        window = None if self.window is None else torch.stack(
+            [torch.stack([t.double().cpu() for t in vars(s).values()]) for s in self.window])
+        return {"window": window, "tokens": self.tokens}
+
+    def load(self, state: dict, is_main: bool) -> None:
+        if is_main:
+            w = state["window"]
+            self.window = None if w is None else [StepStats(*w[k]) for k in range(w.shape[0])]
+            self.tokens = int(state["tokens"])
+
+
+@dataclass
+class Position:
+    """Where training stands; a resumed run starts at (epoch, step_in_epoch)."""
+
+    epoch: int = 1
+    step_in_epoch: int = 0
+    step: int = 0
+    seconds: float = 0.0  # training time before this process started (for tokens/s)
+    epochs: list = field(default_factory=list)  # per-epoch summaries so far
+    wandb_run_id: str | None = None
+
+
+def optimizer_step(strategy, micro_batches: list[list[int]], store: HiddenStateStore, device, amp,
+                   meter: Meter) -> float:
+    """One optimizer step over this rank's micro-batches; returns the gradient norm."""
+    for j, idx in enumerate(micro_batches):
+        batch = {k: v.to(device) for k, v in collate([store[i] for i in idx]).items()}
+        with strategy.grad_sync(last=j == len(micro_batches) - 1):
+            with amp:
+                loss, stats = strategy.model(batch)
+            strategy.backward(loss)
+        meter.add(stats, int(batch["loss_mask"].numel()))
+    return strategy.step()
+
+
+def train_row(tc, epoch: int, step: int, lr: float, grad_norm: float, meter: Meter, seconds: float) -> dict:
+    row = {"split": "train", "epoch": epoch, "step": step, "lr": lr, "grad_norm": grad_norm,
+           "tokens_per_s": meter.tokens / seconds, **summarize(meter.window)}
+    row["loss"] = sum(tc.step_weight**k * row[f"loss_{k}"] for k in range(tc.ttt_length))
+    return row
+
+
 @torch.no_grad()
-def evaluate(draft, store: HiddenStateStore, teacher: Teacher, cfg, device, amp) -> dict:
-    draft.eval()
-    stats = None
-    for idx in epoch_batches(store.lengths, cfg.train.batch_size, cfg.seed, 0, shuffle=False):
+def evaluate(strategy, store: HiddenStateStore, cfg, device, amp) -> dict:
+    """Held-out TTT metrics, each rank on its share of the batches, summed over ranks."""
+    env = dist.current()
+    strategy.train(False)
+    meter = Meter(cfg.train.ttt_length)
+    for idx, counted in eval_batches(store.lengths, cfg.train.batch_size, env.rank, env.world_size):
         batch = {k: v.to(device) for k, v in collate([store[i] for i in idx]).items()}
         with amp:
-            _, step_stats = ttt_forward(draft, batch, teacher, cfg.train.ttt_length, cfg.train.step_weight)
-        stats = add_stats(stats, step_stats)
-    draft.train()
-    return summarize(stats) if stats else {}
+            _, stats = strategy.model(batch)
+        if counted:
+            meter.add(stats, 0)
+    strategy.train(True)
+    meter.sync(device)
+    return summarize(meter.window) if meter.window else {}
+
+
+def train_fingerprint(cfg, run_dir: Path) -> str:
+    """The pipeline's fingerprint of the train stage: a state is resumed only by the same run."""
+    from specforge.pipeline import STAGES, stage_fingerprint
+
+    return stage_fingerprint(cfg, STAGES["train"], run_dir)
+
+
+def find_state(tc, states_dir: Path, fingerprint: str):
+    """(path, trainer state) to resume from, or (None, None), per `train.resume`. Rank 0 looks."""
+    if tc.resume == "never":
+        return None, None
+    if tc.resume == "auto":
+        path, state, notes = find_resume_state(states_dir, fingerprint)
+        for note in notes:
+            print(f"[train] resume: {note}", flush=True)
+        return path, state
+    path = Path(tc.resume)
+    state = load_training_state(path)
+    if state["meta"].get("fingerprint") != fingerprint:
+        print(f"[train] resume: {path} was written with a different training configuration or data; "
+              "resuming from it as asked", flush=True)
+    return path, state
+
+
+def check_resumable(meta: dict, tc, env, path) -> None:
+    """A state resumes exactly only with the same micro-batches and global batch."""
+    was = (meta.get("batch_size"), meta.get("grad_accum", 1) * meta.get("world_size", 1))
+    now = (tc.batch_size, tc.grad_accum * env.world_size)
+    if was != now:
+        raise ValueError(
+            f"{path}: written with batch_size {was[0]} and grad_accum x world_size = {was[1]}, now "
+            f"{now[0]} and {now[1]}; resume with the same global batch (set train.grad_accum) or start "
+            "over with train.resume=never")
+
+
+def start_or_resume(tc, run_dir: Path, fingerprint: str, strategy, scheduler) -> tuple[Position, Meter]:
+    """Restore the newest valid training state (per train.resume) into the strategy and scheduler,
+    or clear the states of an earlier run. Every rank calls it; rank 0 looks for the state."""
+    env = dist.current()
+    states_dir = run_dir / "state"
+    path, state = dist.run_on_main(find_state, tc, states_dir, fingerprint, what="finding a training state")
+    meter = Meter(tc.ttt_length)
+    if state is None:
+        if env.is_main:
+            removed = clear_states(states_dir)
+            if removed:
+                print(f"[train] starting from scratch; removed earlier states {sorted(removed)}", flush=True)
+        dist.barrier()
+        return Position(), meter
+    check_resumable(state["meta"], tc, env, path)
+    strategy.load_state(path, state["meta"])
+    scheduler.load_state_dict(state["scheduler"])
+    set_rng_state(state["rng"])
+    meter.load(state["meter"], env.is_main)
+    position = Position(**state["position"])
+    if env.is_main:  # rows logged after that state was written will be logged again
+        metrics = run_dir / "metrics.jsonl"
+        write_metrics(metrics, [r for r in read_metrics(metrics) if r.get("step", 0) <= position.step])
+        print(f"[train] resuming from {path} (epoch {position.epoch}, step {position.step})", flush=True)
+    dist.barrier()
+    return position, meter
 
 
 def train(cfg, run_dir: Path) -> dict:
     run_dir = Path(run_dir)
     tc = cfg.train
+    env = dist.current()
+    device = env.device
     torch.manual_seed(cfg.seed)
-    torch.set_num_threads(tc.num_threads or os.cpu_count())
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.set_num_threads(tc.num_threads or max(1, (os.cpu_count() or 1) // env.local_world_size))
     amp = autocast_for(tc.precision, device)
+    main = env.is_main
 
+    # -- inputs: hidden states, vocab map, the target's embedding and head -------------------------
     train_store = HiddenStateStore(run_dir / "extract" / "train")
     eval_dir = run_dir / "extract" / "eval"
     eval_store = HiddenStateStore(eval_dir) if (eval_dir / "manifest.json").exists() else None
     vocab = load_file(run_dir / "data" / "vocab.safetensors")
+    micro_batches = len(global_batches(train_store.lengths, tc.batch_size, cfg.seed, 0))
+    per_epoch = steps_per_epoch(micro_batches, tc.grad_accum, env.world_size)
+    global_batch = tc.batch_size * tc.grad_accum * env.world_size
+    if per_epoch == 0:
+        raise ValueError(f"train: {len(train_store)} samples make {micro_batches} micro-batches of "
+                         f"{tc.batch_size}, fewer than one global batch of {tc.grad_accum * env.world_size}; "
+                         "lower train.batch_size or train.grad_accum, or use fewer processes")
 
-    target = load_target(cfg.target)
-    embed = target.get_input_embeddings().weight.detach().float().cpu()
-    teacher_weight = target.get_output_embeddings().weight.detach().to(device)
-    target_config = target.config
-    del target
+    embed, teacher_weight, target_config = target_head(cfg)
+    teacher_weight = teacher_weight.to(device)
 
+    # -- the draft, spread over the processes by the strategy ---------------------------------------
     draft = build_draft(cfg, target_config, train_store.meta["aux_layer_ids"], vocab, embed).to(device)
-    teacher = Teacher(teacher_weight, draft.t2d)
-    optimizer = torch.optim.AdamW(draft.trainable_parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
-    batches_per_epoch = len(epoch_batches(train_store.lengths, tc.batch_size, cfg.seed, 0))
-    steps_per_epoch = max(1, batches_per_epoch // tc.grad_accum)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, cosine_with_warmup(tc.epochs * steps_per_epoch, tc.warmup_ratio, tc.min_lr_ratio))
-    logger = MetricsLogger(run_dir / "metrics.jsonl", cfg.logging, cfg.run_name)
-    print(f"[train] {len(train_store)} samples, {train_store.num_tokens} tokens, "
-          f"{steps_per_epoch} steps/epoch x {tc.epochs} epochs, "
-          f"global batch {tc.batch_size * tc.grad_accum} samples, device {device}", flush=True)
+    draft_config = draft.config
+    module = TTTModule(draft, Teacher(teacher_weight, draft.t2d), tc.ttt_length, tc.step_weight)
+    strategy = make_strategy(module, tc, env, device)
+    del draft, module
 
-    step, window, tokens_seen = 0, None, 0
-    summary = {"epochs": []}
-    import time
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        strategy.optimizer, cosine_with_warmup(tc.epochs * per_epoch, tc.warmup_ratio, tc.min_lr_ratio))
+
+    # -- where to start: from scratch or from the newest valid training state -----------------------
+    states_dir = run_dir / "state"
+    fingerprint = train_fingerprint(cfg, run_dir)
+    position, meter = start_or_resume(tc, run_dir, fingerprint, strategy, scheduler)
+
+    logger = MetricsLogger(run_dir / "metrics.jsonl", cfg.logging, cfg.run_name, enabled=main,
+                           fresh=position.step == 0, run_id=position.wandb_run_id)
+    if main:
+        print(f"[train] {len(train_store)} samples, {train_store.num_tokens} tokens, "
+              f"{per_epoch} steps/epoch x {tc.epochs} epochs, global batch {global_batch} samples "
+              f"(batch_size {tc.batch_size} x grad_accum {tc.grad_accum} x {env.world_size} processes), "
+              f"strategy {strategy.name}, device {device}", flush=True)
+
+    def save_state(name: str, next_epoch: int, next_step_in_epoch: int, reason: str) -> Path:
+        meter.sync(device)  # rank 0 holds the window of every rank from here on
+        trainer_state = {
+            "scheduler": scheduler.state_dict(), "rng": rng_state(), "meter": meter.state(),
+            "position": vars(Position(next_epoch, next_step_in_epoch, position.step, elapsed(),
+                                      list(position.epochs), logger.run_id)),
+        }
+        meta = {"step": position.step, "epoch": next_epoch, "step_in_epoch": next_step_in_epoch,
+                "reason": reason, "fingerprint": fingerprint, "strategy": strategy.name,
+                "state_format": strategy.state_format, "world_size": env.world_size,
+                "batch_size": tc.batch_size, "grad_accum": tc.grad_accum}
+        out = save_training_state(states_dir, name, strategy, trainer_state, meta)
+        if main:
+            prune_states(states_dir, position.step)
+        return out
 
     t_start = time.time()
-    with progress_bar() as bar:
-        for epoch in range(1, tc.epochs + 1):
-            batches = epoch_batches(train_store.lengths, tc.batch_size, cfg.seed, epoch)
-            task = bar.add_task(f"train epoch {epoch}", total=len(batches), info="")
-            for i, idx in enumerate(batches):
-                batch = {k: v.to(device) for k, v in collate([train_store[j] for j in idx]).items()}
-                with amp:
-                    loss, stats = ttt_forward(draft, batch, teacher, tc.ttt_length, tc.step_weight)
-                (loss / tc.grad_accum).backward()
-                window = add_stats(window, stats)
-                tokens_seen += int(batch["loss_mask"].numel())
-                if (i + 1) % tc.grad_accum == 0:
-                    grad_norm = torch.nn.utils.clip_grad_norm_(draft.trainable_parameters(), tc.grad_clip)
-                    optimizer.step()
+
+    def elapsed() -> float:
+        return position.seconds + time.time() - t_start
+
+    try:
+        with StopRequests() as stop, progress_bar(disable=not main) as bar:
+            for epoch in range(position.epoch, tc.epochs + 1):
+                mine = epoch_batches(train_store.lengths, tc.batch_size, cfg.seed, epoch, rank=env.rank,
+                                     world_size=env.world_size)
+                start = position.step_in_epoch if epoch == position.epoch else 0
+                task = bar.add_task(f"train epoch {epoch}", total=per_epoch, completed=start, info="")
+                for s in range(start, per_epoch):
+                    micro = mine[s * tc.grad_accum : (s + 1) * tc.grad_accum]
+                    grad_norm = optimizer_step(strategy, micro, train_store, device, amp, meter)
                     scheduler.step()
-                    optimizer.zero_grad(set_to_none=True)
-                    step += 1
-                    if step % tc.log_every == 0 or i + 1 == len(batches):
-                        row = {"split": "train", "epoch": epoch, "step": step, "lr": scheduler.get_last_lr()[0],
-                               "grad_norm": float(grad_norm),
-                               "tokens_per_s": tokens_seen / (time.time() - t_start), **summarize(window)}
-                        row["loss"] = sum(tc.step_weight**k * row[f"loss_{k}"] for k in range(tc.ttt_length))
-                        logger.log(row)
-                        window = None
-                        bar.update(task, info=f"loss {row['loss']:.3f} acc_0 {row['acc_0']:.2f} "
-                                              f"sim-accept {row['sim_accept_length']:.2f}")
-                bar.advance(task)
-            epoch_row = {"split": "eval", "epoch": epoch, "step": step}
-            if eval_store is not None:
-                epoch_row.update(evaluate(draft, eval_store, teacher, cfg, device, amp))
-                logger.log(epoch_row)
-                print(f"[train] epoch {epoch}: held-out sim accept length "
-                      f"{epoch_row['sim_accept_length']:.3f}, acc_0 {epoch_row['acc_0']:.3f}", flush=True)
-            ckpt = save_checkpoint(draft, run_dir / f"epoch_{epoch}")
-            save_training_state(run_dir / "state" / f"epoch_{epoch}", optimizer, scheduler,
-                                epoch=epoch, step=step, batch_in_epoch=len(batches))
-            summary["epochs"].append({"epoch": epoch, "checkpoint": str(ckpt), **epoch_row})
-    elapsed = time.time() - t_start
-    summary.update(steps=step, seconds=round(elapsed, 1), train_tokens_per_s=round(tokens_seen / elapsed, 1))
-    logger.close()
-    return summary
+                    position.step += 1
+                    last_of_epoch = s + 1 == per_epoch
+                    if position.step % tc.log_every == 0 or last_of_epoch:
+                        meter.sync(device)
+                        if main:
+                            row = train_row(tc, epoch, position.step, scheduler.get_last_lr()[0], grad_norm,
+                                            meter, elapsed())
+                            logger.log(row)
+                            bar.update(task, info=f"loss {row['loss']:.3f} acc_0 {row['acc_0']:.2f} "
+                                                  f"sim-accept {row['sim_accept_length']:.2f}")
+                        meter.window = None
+                    bar.advance(task)
+                    if stop.requested():  # a collective: every rank stops at this same step
+                        saved = save_state(f"step_{position.step:08d}", epoch, s + 1, "signal")
+                        stop.hand_over()
+                        raise TrainingInterrupted(stop.signal_name, saved)
+                    if tc.save_state_every and position.step % tc.save_state_every == 0 and not last_of_epoch:
+                        save_state(f"step_{position.step:08d}", epoch, s + 1, "periodic")
+
+                epoch_row = {"split": "eval", "epoch": epoch, "step": position.step}
+                if eval_store is not None:
+                    epoch_row.update(evaluate(strategy, eval_store, cfg, device, amp))
+                    if main:
+                        logger.log(epoch_row)
+                        print(f"[train] epoch {epoch}: held-out sim accept length "
+                              f"{epoch_row['sim_accept_length']:.3f}, acc_0 {epoch_row['acc_0']:.3f}", flush=True)
+                weights = strategy.full_state_dict()  # a collective; the full weights land on rank 0
+                ckpt = run_dir / f"epoch_{epoch}"
+                if main:
+                    save_checkpoint(GatheredDraft(draft_config, weights), ckpt)
+                del weights
+                position.epochs.append({"epoch": epoch, "checkpoint": str(ckpt), **epoch_row})
+                save_state(f"epoch_{epoch}", epoch + 1, 0, "epoch_end")
+        seconds = elapsed()
+        meter.sync(device)
+    finally:  # free the model before the process group goes (gloo/DDP can abort otherwise)
+        logger.close()
+        strategy.close()
+    return {"epochs": position.epochs, "steps": position.step, "seconds": round(seconds, 1),
+            "train_tokens_per_s": round(meter.tokens / seconds, 1) if seconds else None,
+            "world_size": env.world_size, "global_batch": global_batch, "strategy": strategy.name}

@@ -1,30 +1,178 @@
-"""Training state (optimizer, scheduler, RNG, position) lives beside the servable checkpoints, never
-inside them. Written atomically; read with weights_only=True."""
+"""Training states (model, optimizer, scheduler, RNG, position in the data, metrics window, wandb run
+id) live beside the servable checkpoints, never inside them: `run_dir/state/<name>/`.
+
+- `epoch_<k>/` after every epoch (kept), `step_<n>/` every `train.save_state_every` steps and on a
+  stop signal (only the newest is kept).
+- A state directory holds `training_state.pt` (what the loop owns), the strategy's model +
+  optimizer files (strategy.py) and `state.json`, written last: the position, the train fingerprint
+  and the size of every file.
+- Atomic: everything is written into `.<name>.tmp/`, and only a complete directory is renamed to its
+  name. A half-written state therefore never carries a state name, and `find_resume_state` also
+  validates the manifest and file sizes before trusting one (then falls back to the next newest).
+- Read with `weights_only=True`: plain tensors and containers only.
+"""
 from __future__ import annotations
 
+import json
+import os
 import random
+import shutil
 from pathlib import Path
 
 import torch
 
-from specforge.utils.io import atomic_path
+from specforge.dist import barrier, current
+from specforge.utils.io import read_json, write_json
 
 STATE_NAME = "training_state.pt"
+MANIFEST = "state.json"
+FORMAT = "specforge-train-state"
+VERSION = 1
 
 
-def save_training_state(path: str | Path, optimizer, scheduler, **position) -> Path:
-    path = Path(path) / STATE_NAME
-    state = {
-        "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(),
-        "torch_rng": torch.get_rng_state(),
-        "python_rng": list(random.getstate()[1]),
-        **position,
-    }
-    with atomic_path(path) as tmp:
-        torch.save(state, tmp)
-    return path
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": list(random.getstate()[1])}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate((3, tuple(state["python"]), None))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def save_training_state(states_dir: str | Path, name: str, strategy, trainer_state: dict, meta: dict) -> Path:
+    """Write the state `name` under `states_dir`. Every rank calls it (the strategy's part may be a
+    collective or written by every rank); rank 0 writes the rest and renames."""
+    states_dir = Path(states_dir)
+    final, tmp = states_dir / name, states_dir / f".{name}.tmp"
+    main = current().is_main
+    if main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier()
+    strategy.save_state(tmp)
+    if main:
+        torch.save(trainer_state, tmp / STATE_NAME)
+    barrier()  # every rank's files are in place
+    if main:
+        files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+        write_json(tmp / MANIFEST, {"format": FORMAT, "version": VERSION, **meta, "files": files})
+        _fsync_dir(tmp)
+        if final.exists():  # never a moment with a half state under `name`: at worst none
+            old = states_dir / f".{name}.old"
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        _fsync_dir(states_dir)
+    barrier()
+    return final
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def validate_state(path: str | Path) -> dict:
+    """The manifest of a complete state directory; raises ValueError saying what is wrong."""
+    path = Path(path)
+    manifest = path / MANIFEST
+    if not manifest.is_file():
+        raise ValueError(f"{path}: no {MANIFEST} (an interrupted or foreign directory)")
+    try:
+        meta = read_json(manifest)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{manifest}: unreadable ({e})") from None
+    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        raise ValueError(f"{manifest}: format {meta.get('format')!r} v{meta.get('version')}, "
+                         f"expected {FORMAT!r} v{VERSION}")
+    files = meta.get("files") or {}
+    if STATE_NAME not in files:
+        raise ValueError(f"{manifest}: does not list {STATE_NAME}")
+    for rel, size in files.items():
+        p = path / rel
+        if not p.is_file():
+            raise ValueError(f"{path}: {rel} is missing")
+        if p.stat().st_size != size:
+            raise ValueError(f"{path}: {rel} has {p.stat().st_size} bytes, the manifest says {size}")
+    return meta
+
+
+def list_states(states_dir: str | Path) -> list[Path]:
+    states_dir = Path(states_dir)
+    if not states_dir.is_dir():
+        return []
+    return [p for p in states_dir.iterdir() if p.is_dir() and not p.name.startswith(".")]
+
+
+def find_resume_state(states_dir: str | Path, fingerprint: str | None) -> tuple[Path | None, dict | None, list[str]]:
+    """The newest valid state whose train fingerprint matches (any when `fingerprint` is None).
+    Returns (path, trainer_state with its manifest under "meta", notes on what was passed over)."""
+    candidates, notes = [], []
+    for p in list_states(states_dir):
+        try:
+            meta = validate_state(p)
+        except ValueError as e:
+            notes.append(f"skipped {p.name}: {e}")
+            continue
+        if fingerprint is not None and meta.get("fingerprint") != fingerprint:
+            notes.append(f"skipped {p.name}: written by a different training configuration or data")
+            continue
+        candidates.append((int(meta["step"]), p.name.startswith("epoch_"), p, meta))
+    for _, _, p, meta in sorted(candidates, key=lambda c: (c[0], c[1]), reverse=True):
+        try:
+            state = torch.load(p / STATE_NAME, map_location="cpu", weights_only=True)
+        except Exception as e:  # a damaged file of the right size
+            notes.append(f"skipped {p.name}: {STATE_NAME} does not load ({type(e).__name__}: {e})")
+            continue
+        state["meta"] = meta
+        return p, state, notes
+    return None, None, notes
 
 
 def load_training_state(path: str | Path) -> dict:
-    return torch.load(Path(path) / STATE_NAME, map_location="cpu", weights_only=True)
+    """One state directory, validated (for `train.resume=<path>`)."""
+    meta = validate_state(path)
+    state = torch.load(Path(path) / STATE_NAME, map_location="cpu", weights_only=True)
+    state["meta"] = meta
+    return state
+
+
+def prune_states(states_dir: str | Path, newest_step: int) -> None:
+    """After a state of step `newest_step` is written: drop older `step_*` states and leftovers of
+    interrupted writes. Epoch states are kept."""
+    for p in Path(states_dir).iterdir() if Path(states_dir).is_dir() else []:
+        if p.name.startswith(".") and p.name.endswith((".tmp", ".old")):
+            shutil.rmtree(p, ignore_errors=True)
+        elif p.is_dir() and p.name.startswith("step_"):
+            try:
+                step = int(read_json(p / MANIFEST)["step"])
+            except (OSError, ValueError, KeyError):
+                step = -1
+            if step < newest_step:
+                shutil.rmtree(p, ignore_errors=True)
+
+
+def clear_states(states_dir: str | Path) -> list[str]:
+    """A fresh run owns `state/`: remove what an earlier run left there."""
+    removed = []
+    for p in Path(states_dir).iterdir() if Path(states_dir).is_dir() else []:
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p.name)
+    return removed

@@ -8,10 +8,12 @@ from pathlib import Path
 
 class MetricsLogger:
     def __init__(self, path: str | Path, logging_cfg=None, run_name: str = "", config: dict | None = None,
-                 enabled: bool = True, fresh: bool = True):
+                 enabled: bool = True, fresh: bool = True, run_id: str | None = None):
+        """`run_id`: a wandb run to continue (a resumed training passes the id it saved)."""
         self.path = Path(path)
         self.enabled = enabled
         self.wandb = None
+        self.run_id = run_id
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -22,7 +24,9 @@ class MetricsLogger:
             import wandb
 
             self.wandb = wandb.init(project=logging_cfg.project, name=run_name, config=config,
-                                    dir=str(self.path.parent))
+                                    dir=str(self.path.parent), id=run_id,
+                                    resume="allow" if run_id else None)
+            self.run_id = self.wandb.id
 
     def log(self, row: dict) -> None:
         if not self.enabled:
@@ -36,6 +40,7 @@ class MetricsLogger:
     def close(self) -> None:
         if self.wandb is not None:
             self.wandb.finish()
+            self.wandb = None
 
 
 def read_metrics(path: str | Path) -> list[dict]:
@@ -43,3 +48,10 @@ def read_metrics(path: str | Path) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def write_metrics(path: str | Path, rows: list[dict]) -> None:
+    """Replace the rows of a metrics file (a resumed run drops the rows logged after its state)."""
+    from specforge.utils.io import write_jsonl
+
+    write_jsonl(path, rows)

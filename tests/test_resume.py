@@ -1,0 +1,122 @@
+"""Resume: a run killed in the middle of an epoch and started again with train.resume=auto ends with
+the weights of an uninterrupted run; SIGTERM saves a state first; a half-written or foreign state is
+never picked; resuming does not change the train stage's fingerprint.
+
+The reference is one process, batch_size 2, grad_accum 2 (tests/dist_helpers.py). The resumed run
+restores fp32 weights, optimizer, scheduler and data position, so the match is exact (asserted with
+atol 1e-6 on fp32 master weights, and the logged metrics equal)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+
+import pytest
+import torch
+
+from dist_helpers import (EPOCHS, checkpoint_weights, launch, master_weights, metrics, new_run, prepared,
+                          reference_run, start, wait_for)
+from specforge.train.state import MANIFEST, STATE_NAME, find_resume_state
+
+STEP_2 = "state/step_00000002/state.json"
+
+
+@pytest.fixture(scope="module")
+def prep(tmp_path_factory, tiny_target_dir):
+    return prepared(tmp_path_factory, tiny_target_dir)
+
+
+def uninterrupted(prep):
+    return reference_run(prep, "single_accum2", 1, "train.grad_accum=2")
+
+
+def test_sigkill_mid_epoch_then_resume_auto_ends_with_the_uninterrupted_weights(prep):
+    ref = uninterrupted(prep)
+    run = new_run(prep, "killed")
+    proc = start(prep, "killed", 1, "train.grad_accum=2", "train.save_state_every=2")
+    wait_for(run / STEP_2, proc)
+    os.killpg(proc.pid, signal.SIGKILL)  # no chance to save anything more
+    proc.communicate()
+    assert proc.returncode == -signal.SIGKILL
+    assert not (run / ".stage_train.json").exists() and not (run / f"epoch_{EPOCHS}").exists()
+
+    out = launch(prep, "killed", 1, "train.grad_accum=2", "train.save_state_every=2", "train.resume=auto",
+                 fresh=False)
+    assert "[train] resuming from" in out and "/state/step_" in out  # a mid-epoch state
+    weights, ref_weights = master_weights(run), master_weights(ref)
+    for k in ref_weights:
+        torch.testing.assert_close(weights[k], ref_weights[k], rtol=0, atol=1e-6, msg=k)
+    ck, ck_ref = checkpoint_weights(run), checkpoint_weights(ref)
+    for k in ck_ref:
+        assert torch.equal(ck[k], ck_ref[k]), k
+    # the metrics file reads as if nothing happened (rows logged after the state were dropped)
+    assert [(m["split"], m["step"], round(m.get("loss", 0), 6)) for m in metrics(run)] == \
+           [(m["split"], m["step"], round(m.get("loss", 0), 6)) for m in metrics(ref)]
+    states = sorted(p.name for p in (run / "state").iterdir())
+    assert states == [f"epoch_{e}" for e in range(1, EPOCHS + 1)]  # step states pruned, no temp dirs
+
+
+def test_sigterm_saves_a_state_then_exits_75(prep):
+    run = new_run(prep, "terminated")
+    proc = start(prep, "terminated", 1, "train.grad_accum=2", "train.save_state_every=2")
+    wait_for(run / STEP_2, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 75, out[-3000:]
+    assert "received SIGTERM" in out and "train.resume=auto" in out
+    path, state, _ = find_resume_state(run / "state", fingerprint=None)
+    assert state["meta"]["reason"] == "signal" and state["meta"]["step"] > 2, state["meta"]
+    assert not (run / ".stage_train.json").exists()
+
+
+def test_a_half_written_or_foreign_state_is_never_picked(prep, tmp_path):
+    ref = uninterrupted(prep)
+    states = tmp_path / "state"
+    shutil.copytree(ref / "state", states)
+    good = f"epoch_{EPOCHS}"
+    fp = find_resume_state(states, None)[1]["meta"]["fingerprint"]
+
+    def newer_copy(name, **changes):  # a copy of the good state that claims to be newer
+        d = states / name
+        shutil.copytree(states / good, d)
+        meta = json.loads((d / MANIFEST).read_text())
+        meta.update(step=int(name.split("_")[1].split(".")[0]), **changes)
+        (d / MANIFEST).write_text(json.dumps(meta))
+        return d
+
+    with open(newer_copy("step_99999990") / "model_optim.pt", "r+b") as f:  # shorter than listed
+        f.truncate(100)
+    garbled = newer_copy("step_99999991")  # right sizes, damaged bytes
+    (garbled / STATE_NAME).write_bytes(b"\0" * (garbled / STATE_NAME).stat().st_size)
+    (newer_copy("step_99999992") / MANIFEST).unlink()  # what a crash before the manifest would leave
+    newer_copy(".step_99999993.tmp")  # an interrupted write
+    newer_copy("step_99999994", fingerprint="0" * len(fp))  # another configuration's state
+
+    path, state, notes = find_resume_state(states, fp)
+    assert path == states / good and state["meta"]["step"] == EPOCHS * 6
+    joined = "\n".join(notes)
+    assert "step_99999990: model_optim.pt has 100 bytes" in joined
+    assert "step_99999991: training_state.pt does not load" in joined
+    assert "step_99999992: no state.json" in joined
+    assert "step_99999994: written by a different training configuration" in joined
+    assert ".step_99999993.tmp" not in joined  # temp directories are not even candidates
+
+
+def test_resume_and_execution_knobs_do_not_change_the_train_fingerprint(prep):
+    from hydra import compose, initialize_config_dir
+
+    from dist_helpers import REPO
+    from specforge.config import register_configs
+    from specforge.pipeline import STAGES, stage_fingerprint
+
+    def fp(*extra):
+        register_configs()
+        with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+            cfg = compose("config", overrides=[*prep.overrides, "run_name=prepared", *extra])
+        return stage_fingerprint(cfg, STAGES["train"], prep.outputs / "prepared")
+
+    base = fp()
+    assert fp("train.resume=auto", "train.save_state_every=5", "train.strategy=fsdp", "train.zero_stage=3",
+              "train.num_threads=3") == base
+    assert fp("train.lr=1e-3") != base and fp("train.grad_accum=2") != base
