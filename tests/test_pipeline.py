@@ -93,3 +93,33 @@ def test_stage_subset_needs_its_inputs(weather_files, tiny_target_dir):
     cfg = compose_cfg(weather_files, tiny_target_dir, "stages=[train]")
     with pytest.raises(RuntimeError, match="needs the output of"):
         run_pipeline(cfg)
+
+
+def test_eval_stage_measures_every_epoch_and_tree(weather_files, tiny_target_dir):
+    """stages=[...,eval]: every epoch x tree against the base model; fp32 greedy is lossless."""
+    cfg = compose_cfg(weather_files, tiny_target_dir, "stages=[data,extract,train,eval]",
+                      "eval.num_prompts=2", "eval.max_new_tokens=8", "eval.trees=['2_1_3','2_2_4']")
+    summaries = run_pipeline(cfg)
+    eval_dir = weather_files / "outputs" / "smollm2_weather" / "eval"
+    results = read_json(eval_dir / "results.json")
+    assert [(r["epoch"], r["tree"]) for r in results["configs"]] == [
+        (1, "2_1_3"), (1, "2_2_4"), (2, "2_1_3"), (2, "2_2_4")]
+    for r in results["configs"]:
+        assert r["lossless"] == 1.0
+        assert r["requests"] == 2 and r["completion_tokens"] == 16
+        assert 1.0 <= r["accept_length"] <= 3.0
+        assert sum(r["accept_histogram"]) == r["verify_rounds"]
+    assert results["base"]["tok_s"] > 0 and summaries["eval"]["best_tree"] in ("2_1_3", "2_2_4")
+    report = (eval_dir / "report.md").read_text()
+    assert "| epoch | tree |" in report and "**Ship `epoch_" in report
+    assert (eval_dir / "plots" / "per_epoch.png").exists() and (eval_dir / "results.csv").exists()
+    assert "Evaluation: speculative decoding" in (eval_dir.parent / "report.md").read_text()
+
+
+def test_ship_recommendation_prefers_lossless_and_says_when_none_is():
+    from specforge.eval.report import best_config
+
+    rows = [{"speedup": 2.0, "lossless": 0.5}, {"speedup": 1.2, "lossless": 1.0}]
+    assert best_config({"configs": rows})["speedup"] == 1.2
+    lossy = best_config({"configs": [rows[0]]})
+    assert lossy["speedup"] == 2.0 and lossy["all_lossy"]

@@ -112,6 +112,20 @@ class TreeKVLayer(CacheLayerMixin):
         self.length = 0
 
 
+class Fp32Head(torch.nn.Module):
+    """The target's output projection in fp32. bf16 logits are coarse (a step of 0.125 near 24), so
+    a tree forward and a one-token decode, which round differently, flip the argmax at near-ties;
+    fp32 logits make greedy verification agree with plain decoding. Costs ~2% of a forward."""
+
+    def __init__(self, head: torch.nn.Linear):
+        super().__init__()
+        self.register_buffer("weight", head.weight.detach().float(), persistent=False)
+        self.bias = None if head.bias is None else head.bias.detach().float()
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(hidden.float(), self.weight, self.bias)
+
+
 class TargetRunner:
     """Forward passes of the target over a cache it owns (batch size 1)."""
 
@@ -124,6 +138,8 @@ class TargetRunner:
         if impl not in ("sdpa", "eager"):
             # Flash/flex kernels would ignore or rebuild our boolean tree mask.
             model.set_attn_implementation("sdpa")
+        if not isinstance(model.get_output_embeddings(), Fp32Head):
+            model.set_output_embeddings(Fp32Head(model.get_output_embeddings()))
         self.model = model
         self.num_layers = cfg.num_hidden_layers
         if any(not 0 <= i < self.num_layers for i in aux_layer_ids):
