@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from specforge.engine.tree import TreeSpec, build_tree, first_level, next_level
+from specforge.engine.tree import TreeSpec, build_tree
+from tests.test_tree import draft_rounds
 from specforge.engine.verify import greedy_verify, sampling_verify
 
 V = 100
@@ -10,14 +11,7 @@ V = 100
 
 
 def make_tree(spec, level1, levels, root=5):
-    scores, s0, tok0, par0 = first_level(*level1)
-    score_list, token_list, parents_list = [s0], [tok0], [par0]
-    for i, (probs, tokens) in enumerate(levels, start=1):
-        flat, flat_tok, scores, sel, parents = next_level(scores, probs, tokens, i)
-        score_list.append(flat)
-        token_list.append(flat_tok)
-        parents_list.append(parents)
-    return build_tree(root, score_list, token_list, parents_list, TreeSpec.parse(spec))
+    return build_tree(root, *draft_rounds(level1, levels), TreeSpec.parse(spec))
 
 
 def hand_tree():

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from specforge.dist import barrier, current
-from specforge.utils.io import read_json, write_json
+from specforge.utils.io import read_json, replace_dir, write_json
 
 STATE_NAME = "training_state.pt"
 MANIFEST = "state.json"
@@ -62,14 +62,7 @@ def save_training_state(states_dir: str | Path, name: str, strategy, trainer_sta
         files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
         write_json(tmp / MANIFEST, {"format": FORMAT, "version": VERSION, **meta, "files": files})
         _fsync_dir(tmp)
-        if final.exists():  # never a moment with a half state under `name`: at worst none
-            old = states_dir / f".{name}.old"
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
+        replace_dir(tmp, final)
         _fsync_dir(states_dir)
     barrier()
     return final
