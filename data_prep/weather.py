@@ -256,12 +256,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--format", choices=["messages", "sharegpt"], default="messages")
     p.add_argument("--multi-turn", type=float, default=0.2, help="fraction with a follow-up question")
+    p.add_argument("--corrupt", type=float, default=0.0,
+                   help="break this fraction of train rows per kind of breakage (data_prep/corrupt.py); "
+                        "the exact expected fix report goes to train.jsonl.expected.json")
     args = p.parse_args(argv)
+    if args.corrupt and args.format != "messages":
+        p.error("--corrupt works on --format messages rows")
     out = Path(args.out)
     for split, n in (("train", args.train), ("eval", args.eval)):
         rows = generate(n, args.seed, split, args.format, args.multi_turn)
-        write_jsonl(out / f"{split}.jsonl", rows)
-        print(f"wrote {len(rows)} {split} conversations to {out / f'{split}.jsonl'}")
+        path = out / f"{split}.jsonl"
+        if split == "train" and args.corrupt > 0:
+            sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script
+            from corrupt import OUTCOMES, corrupt, write_jsonl_lines
+
+            from specforge.utils.io import write_json
+
+            rows, expected = corrupt(rows, {name: args.corrupt for name in OUTCOMES}, args.seed)
+            write_jsonl_lines(path, rows)
+            write_json(f"{path}.expected.json", expected)
+            print(f"corrupted train: {expected['fixed']} rows to fix, {expected['quarantined']} to quarantine")
+        else:
+            write_jsonl(path, rows)
+        print(f"wrote {len(rows)} {split} conversations to {path}")
     return 0
 
 

@@ -1,0 +1,56 @@
+"""Fix a raw conversation dataset on its own, as the data stage does: every row kept, fixed (with its
+fixes) or quarantined (with reason, file and line), and a report.
+
+    python data_prep/fix.py data/weather/train.jsonl --out data/clean [--toon] [--format auto]
+
+Writes <out>/<name>.jsonl (clean `{"id", "messages", "fixes"}` rows), <out>/<name>.quarantine.jsonl
+and <out>/<name>.report.{json,md}. The same code runs in `python train.py stages=[data]`.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from specforge.config import FixConfig
+from specforge.data.fix import fix_dataset
+from specforge.data.formats import FORMATS, read_raw_rows
+from specforge.utils.io import write_json, write_jsonl, write_text
+
+
+def report_markdown(name: str, counts: dict) -> str:
+    lines = [f"# Fix report: {name}", "",
+             "input_rows = kept + fixed + quarantined", "", "| | rows |", "|---|---|"]
+    lines += [f"| {k} | {counts[k]} |" for k in ("input_rows", "kept", "fixed", "quarantined")]
+    for title, key in (("Fixes applied (rows)", "by_fix"), ("Quarantined by reason", "by_reason")):
+        if counts.get(key):
+            lines += ["", f"## {title}", "", "| | rows |", "|---|---|"]
+            lines += [f"| {k} | {v} |" for k, v in counts[key].items()]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("input", help="raw dataset (.jsonl or .json)")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--format", choices=sorted(FORMATS), default="auto")
+    p.add_argument("--toon", action="store_true", help="decode and repair TOON answers")
+    p.add_argument("--toon-where", choices=["message", "fenced"], default="message")
+    p.add_argument("--image-root", default=None)
+    args = p.parse_args(argv)
+    src, out = Path(args.input), Path(args.out)
+    result = fix_dataset(read_raw_rows(src), FixConfig(toon=args.toon, toon_where=args.toon_where),
+                         args.format, args.image_root)
+    name = src.name.split(".")[0]
+    write_jsonl(out / f"{name}.jsonl", ({k: r[k] for k in ("id", "messages", "fixes")} for r in result.kept))
+    write_jsonl(out / f"{name}.quarantine.jsonl", result.quarantined)
+    write_json(out / f"{name}.report.json", result.counts)
+    write_text(out / f"{name}.report.md", report_markdown(name, result.counts))
+    c = result.counts
+    print(f"{src}: {c['input_rows']} rows -> kept {c['kept']}, fixed {c['fixed']}, "
+          f"quarantined {c['quarantined']} (report: {out / f'{name}.report.md'})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
