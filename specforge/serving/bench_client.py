@@ -154,6 +154,17 @@ def _check_error(data: dict):
         raise RuntimeError(err.get("message", str(err)) if isinstance(err, dict) else str(err))
 
 
+async def _post_stream(client: httpx.AsyncClient, url: str, payload: dict):
+    """POST a streaming request; yield (arrival time, event) per SSE event, raising on an HTTP error
+    status or an error event."""
+    async with client.stream("POST", url, json=payload) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:500]}")
+        async for now, data in _sse_events(resp):
+            _check_error(data)
+            yield now, data
+
+
 async def request_generate(client: httpx.AsyncClient, base_url: str, req: BenchRequest,
                            temperature: float, ignore_eos: bool) -> RequestResult:
     """SGLang native streaming: POST /generate, cumulative chunks, meta_info on each."""
@@ -164,20 +175,16 @@ async def request_generate(client: httpx.AsyncClient, base_url: str, req: BenchR
     r = RequestResult(prompt_len=req.prompt_len)
     timing = _Timing(r)
     r.start_time = time.perf_counter()
-    async with client.stream("POST", base_url + "/generate", json=payload) as resp:
-        if resp.status_code != 200:
-            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:500]}")
-        async for now, data in _sse_events(resp):
-            _check_error(data)
-            meta = data.get("meta_info") or {}
-            timing.tokens(now, int(meta.get("completion_tokens", len(data.get("output_ids") or []))))
-            r.prompt_len = meta.get("prompt_tokens") or r.prompt_len
-            if data.get("text"):
-                r.text = data["text"]
-            if data.get("output_ids") is not None:
-                r.output_ids = list(data["output_ids"])
-            if meta.get("spec_verify_ct"):
-                r.spec_verify_ct = int(meta["spec_verify_ct"])
+    async for now, data in _post_stream(client, base_url + "/generate", payload):
+        meta = data.get("meta_info") or {}
+        timing.tokens(now, int(meta.get("completion_tokens", len(data.get("output_ids") or []))))
+        r.prompt_len = meta.get("prompt_tokens") or r.prompt_len
+        if data.get("text"):
+            r.text = data["text"]
+        if data.get("output_ids") is not None:
+            r.output_ids = list(data["output_ids"])
+        if meta.get("spec_verify_ct"):
+            r.spec_verify_ct = int(meta["spec_verify_ct"])
     r.latency = time.perf_counter() - r.start_time  # end of stream, as bench_serving
     r.success = True
     return r
@@ -196,27 +203,23 @@ async def request_openai(client: httpx.AsyncClient, base_url: str, req: BenchReq
     timing = _Timing(r)
     r.start_time = time.perf_counter()
     counted = 0  # chunks counted when the server gives no usage per chunk
-    async with client.stream("POST", base_url + "/v1/completions", json=payload) as resp:
-        if resp.status_code != 200:
-            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:500]}")
-        async for now, data in _sse_events(resp):
-            _check_error(data)
-            usage = data.get("usage") or {}
-            choices = data.get("choices") or []
-            text = choices[0].get("text", "") if choices else ""
-            r.text += text
-            if choices and "completion_tokens" in usage:
-                timing.tokens(now, int(usage["completion_tokens"]))
-            elif text:
-                counted += 1  # no per-chunk usage: one token per text chunk, as bench_serving
-                timing.tokens(now, counted)
-            elif usage.get("completion_tokens"):  # final usage chunk
-                r.output_len = int(usage["completion_tokens"])
-            details = (data.get("sglext") or {}).get("spec_tokens_details")
-            if isinstance(details, dict) and details.get("spec_verify_ct"):
-                r.spec_verify_ct = int(details["spec_verify_ct"])
-            if usage.get("prompt_tokens"):
-                r.prompt_len = int(usage["prompt_tokens"])
+    async for now, data in _post_stream(client, base_url + "/v1/completions", payload):
+        usage = data.get("usage") or {}
+        choices = data.get("choices") or []
+        text = choices[0].get("text", "") if choices else ""
+        r.text += text
+        if choices and "completion_tokens" in usage:
+            timing.tokens(now, int(usage["completion_tokens"]))
+        elif text:
+            counted += 1  # no per-chunk usage: one token per text chunk, as bench_serving
+            timing.tokens(now, counted)
+        elif usage.get("completion_tokens"):  # final usage chunk
+            r.output_len = int(usage["completion_tokens"])
+        details = (data.get("sglext") or {}).get("spec_tokens_details")
+        if isinstance(details, dict) and details.get("spec_verify_ct"):
+            r.spec_verify_ct = int(details["spec_verify_ct"])
+        if usage.get("prompt_tokens"):
+            r.prompt_len = int(usage["prompt_tokens"])
     r.latency = time.perf_counter() - r.start_time
     r.success = True
     return r
