@@ -1,7 +1,6 @@
 """Measure checkpoints: `python evaluate.py ckpt=outputs/<run>/epoch_3` (one) or
 `python evaluate.py ckpt=outputs/<run>` (every epoch), with any `eval.*` override, e.g.
 `eval.trees=[5_1_6,8_2_16] eval.num_prompts=32`. The target and data come from the run's config."""
-from pathlib import Path
 
 import sys
 
