@@ -38,6 +38,29 @@ class Eagle3Config:
     pad_token_id: Optional[int] = None
     extra: dict = field(default_factory=dict)  # other keys of config.json, kept on round trip
 
+    def __post_init__(self):
+        section = self.mrope_section
+        if section is None:
+            return
+        if len(section) != 3 or sum(section) != self.head_dim // 2:
+            raise ValueError(
+                f"rope_scaling.mrope_section: {section} must be 3 sections (T, H, W) summing to "
+                f"head_dim // 2 = {self.head_dim // 2} (head_dim {self.head_dim}); a draft head_dim "
+                f"different from the target's cannot use the target's M-RoPE sections")
+        rope_type = self.rope_scaling.get("rope_type", "default")
+        if rope_type != "default":  # SGLang's llama_eagle3 forces "default" when mrope_section is set
+            raise ValueError(f"rope_scaling.rope_type: {rope_type!r} with mrope_section is not supported "
+                             "(SGLang serves an M-RoPE draft with default RoPE)")
+
+    @property
+    def mrope_section(self) -> Optional[list[int]]:
+        return (self.rope_scaling or {}).get("mrope_section")
+
+    @property
+    def uses_mrope(self) -> bool:
+        """Vision-language targets: positions are 3-D (temporal, height, width) per token."""
+        return self.mrope_section is not None
+
     @classmethod
     def from_target(cls, target_config, aux_layer_ids, draft_cfg=None, draft_vocab_size=None):
         """Draft geometry copied from the target's text config unless `draft_cfg` overrides it."""
@@ -52,7 +75,16 @@ class Eagle3Config:
         # transformers 5 keeps theta and scaling together in `rope_parameters`; 4.x split them.
         rope = dict(getattr(t, "rope_parameters", None) or getattr(t, "rope_scaling", None) or {})
         rope_theta = rope.pop("rope_theta", getattr(t, "rope_theta", 10000.0))
-        rope_scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if "mrope_section" in rope:
+            # Vision-language targets (M-RoPE): keep the sections so the draft, and the server
+            # reading its config.json, use the target's 3-D positions. Qwen2.5-VL's "mrope" is
+            # plain default RoPE per component.
+            rope_scaling = {"rope_type": "default" if rope_type == "mrope" else rope_type,
+                            **{k: v for k, v in rope.items() if k not in ("type", "rope_type")},
+                            "mrope_section": [int(x) for x in rope["mrope_section"]]}
+        else:
+            rope_scaling = rope if rope_type != "default" else None
         heads = pick("num_attention_heads", t.num_attention_heads)
         hidden = pick("hidden_size", t.hidden_size)
         vocab_size = t.vocab_size
@@ -140,6 +172,19 @@ def inverse_frequencies(cfg: Eagle3Config) -> tuple[torch.Tensor, float]:
     return ROPE_INIT_FUNCTIONS[rope_type](hf)
 
 
+def mrope_frequencies(freqs: torch.Tensor, section: list[int], interleaved: bool) -> torch.Tensor:
+    """Per-component frequencies [3, ..., d/2] (T, H, W) -> [..., d/2], recomposed as the target
+    does (transformers' Qwen3-VL / Qwen2.5-VL text rotary embeddings)."""
+    if interleaved:  # Qwen3-VL: T everywhere, then H at 1::3 and W at 2::3 within their sections
+        out = freqs[0].clone()
+        for c in (1, 2):
+            idx = slice(c, section[c] * 3, 3)
+            out[..., idx] = freqs[c, ..., idx]
+        return out
+    # Qwen2.5-VL: contiguous chunks of sizes section[0], section[1], section[2] from T, H, W
+    return torch.cat([chunk[c] for c, chunk in enumerate(freqs.split(section, dim=-1))], dim=-1)
+
+
 def rotate_half(x):
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -222,8 +267,27 @@ class Eagle3Draft(nn.Module):
         self.d2t.copy_(d2t)
         self.t2d.copy_(t2d)
 
+    @property
+    def uses_mrope(self) -> bool:
+        return self.config.uses_mrope
+
     def rope(self, position_ids: torch.Tensor, dtype):
-        freqs = position_ids[..., None].float() * self.inv_freq.to(position_ids.device)
+        """cos, sin [B, 1, n, d] for position_ids [B, n] or, with M-RoPE, [B, 3, n] (T, H, W).
+
+        [B, n] under M-RoPE means text tokens (all three components equal), for which every
+        recomposition is exactly the plain 1-D RoPE, so it takes the plain path."""
+        inv_freq = self.inv_freq.to(position_ids.device)
+        if position_ids.dim() == 3:
+            if not self.uses_mrope:
+                raise ValueError(f"position_ids of shape {tuple(position_ids.shape)} are M-RoPE "
+                                 "positions, but the draft config has no rope_scaling.mrope_section")
+            if position_ids.shape[1] != 3:
+                raise ValueError(f"M-RoPE position_ids must be [B, 3, n], got {tuple(position_ids.shape)}")
+            freqs = position_ids.transpose(0, 1)[..., None].float() * inv_freq  # [3, B, n, d/2]
+            scaling = self.config.rope_scaling
+            freqs = mrope_frequencies(freqs, scaling["mrope_section"], bool(scaling.get("mrope_interleaved")))
+        else:
+            freqs = position_ids[..., None].float() * inv_freq
         emb = torch.cat([freqs, freqs], dim=-1)
         cos, sin = emb.cos() * self.rope_scale, emb.sin() * self.rope_scale
         return cos[:, None].to(dtype), sin[:, None].to(dtype)  # [B, 1, n, d]
@@ -232,15 +296,18 @@ class Eagle3Draft(nn.Module):
         """Target features [.., 3*H_target] -> draft width [.., H]."""
         return self.fc(aux)
 
-    def step(self, input_ids, feat, position_ids, past_kv=None, attn_mask=None):
+    def step(self, input_ids, feat, position_ids, past_kv=None, attn_mask=None, input_embeds=None):
         """One draft forward over n new positions (see docs/design.md for shapes).
 
+        `input_embeds` [B, n, H], when given, replaces `embed_tokens(input_ids)` (vision-language
+        targets: the target's merged input embeddings at image positions).
         Returns the pre-norm output (next step's feature), draft-vocab logits, and the new (k, v).
         """
         if attn_mask is None:
             past = 0 if past_kv is None else past_kv[0].shape[2]
             attn_mask = causal_mask(input_ids.shape[1], past, input_ids.device)[None]
-        emb = self.embed_tokens(input_ids).to(feat.dtype)
+        emb = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
+        emb = emb.to(feat.dtype)
         cos, sin = self.rope(position_ids, feat.dtype)
         out, kv = self.midlayer(emb, feat, cos, sin, past_kv, attn_mask, self.attention)
         return out, self.lm_head(self.norm(out)), kv

@@ -63,12 +63,19 @@ def ttt_forward(draft, batch: dict, teacher: Teacher, ttt_length: int, step_weig
     """Returns the weighted loss (a scalar to backprop) and per-step StepStats.
 
     batch: input_ids [B,S] long, loss_mask [B,S] bool (False on padding), aux [B,S,3H], last [B,S,H],
-    position_ids [B,S].
+    position_ids [B,S] (or [B,3,S] M-RoPE positions of vision-language targets); optionally
+    embed_override [B,S,H] + embed_override_mask [B,S] bool: where the mask is set, the draft's
+    token embedding of that position is the override (the target's merged input embedding).
     """
     ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
     probs, argmax, in_vocab = teacher(batch["last"])
     seq_len = ids.shape[1]
     feat = draft.project(batch["aux"].to(draft.fc.weight.dtype))
+    embeds = None  # token embeddings of positions 0..S-1, shifted like the ids at each step
+    if "embed_override" in batch:
+        embeds = draft.embed_tokens(ids)
+        override = batch["embed_override"].to(device=embeds.device, dtype=embeds.dtype)
+        embeds = torch.where(batch["embed_override_mask"].bool()[..., None], override, embeds)
     keys, values = None, None
     total = feat.new_zeros((), dtype=torch.float32)
     stats, chain = [], torch.ones_like(loss_mask)
@@ -80,6 +87,7 @@ def ttt_forward(draft, batch: dict, teacher: Teacher, ttt_length: int, step_weig
             step_ids, feat, batch["position_ids"] + k,
             past_kv=None if keys is None else (keys, values),
             attn_mask=TTTMask(seq_len, k),
+            input_embeds=None if embeds is None else shift(embeds, 1 + k),
         )
         keys = new_k if keys is None else torch.cat([keys, new_k], dim=2)
         values = new_v if values is None else torch.cat([values, new_v], dim=2)
