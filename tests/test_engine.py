@@ -1,5 +1,7 @@
 """The embedded engine on the tiny target (fp32): target forwards, KV compaction, lossless
 speculative decoding, SGLang's draft lanes, stop conditions and statistics."""
+import time
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -383,3 +385,61 @@ def test_statistics(runs):
     assert len(times) == 50 and times == sorted(times)
     assert 0 < stats.ttft_s == times[0] <= times[-1] <= stats.e2e_s and stats.tpot_s > 0
     assert set(stats.to_dict()) >= {"accept_length", "accept_rate", "spec_verify_ct", "tpot_s"}
+
+
+# ---- where the time goes: per-phase timers ---------------------------------------------------
+
+SPEC_PHASES = ("prefill", "draft", "verify", "accept", "cache")
+
+
+def test_phase_times_sum_to_e2e(runs):
+    """Speculative: prefill, draft, verify, accept and cache are all charged, decode is not; base:
+    prefill and decode, nothing speculative. `other` is the rest, so the phases sum to e2e."""
+    from specforge.engine.speculative import PHASES, PhaseTimer
+
+    assert PhaseTimer({}, 0.0, "cpu").sync is None  # no synchronize on the CPU path
+    model, prompt, _ = runs
+    engine = SpeculativeEngine(model, random_draft(model, vocab_ids=list(range(8))), "4_2_8")
+    _, spec = engine.generate(prompt, 40)
+    _, base = engine.generate_base(prompt, 40)
+    for stats in (spec, base):
+        assert set(stats.phase_s) == set(PHASES)
+        assert sum(stats.phase_s.values()) == pytest.approx(stats.e2e_s, rel=1e-9, abs=1e-12)
+        assert stats.phase_s["other"] > 0
+        assert stats.phase_s["prefill"] <= stats.ttft_s
+        assert stats.to_dict()["phase_s"] == stats.phase_s
+    assert spec.spec_verify_ct >= 2
+    assert all(spec.phase_s[p] > 0 for p in SPEC_PHASES) and spec.phase_s["decode"] == 0
+    assert base.phase_s["prefill"] > 0 and base.phase_s["decode"] > 0
+    assert all(base.phase_s[p] == 0 for p in ("draft", "verify", "accept", "cache"))
+
+
+def _slowed(fn, delay, calls):
+    def wrapper(*args, **kwargs):
+        calls.append(1)
+        time.sleep(delay)
+        return fn(*args, **kwargs)
+    return wrapper
+
+
+@pytest.mark.parametrize("where, phase", [
+    ("draft_tree", "draft"), ("draft_extend", "draft"), ("runner.tree", "verify"),
+    ("greedy_verify", "accept"), ("runner.keep", "cache"), ("runner.decode", "decode")])
+def test_phase_timers_charge_the_right_phase(runs, monkeypatch, where, phase):
+    """A sleep injected into one step of the loop lands in that step's phase and in no other."""
+    import specforge.engine.speculative as spec_module
+
+    model, prompt, _ = runs
+    engine = SpeculativeEngine(model, random_draft(model, vocab_ids=list(range(8))), "4_2_8")
+    delay, calls = 0.02, []
+    if where == "greedy_verify":
+        monkeypatch.setattr(spec_module, "greedy_verify", _slowed(spec_module.greedy_verify, delay, calls))
+    else:
+        owner = engine.runner if where.startswith("runner.") else engine
+        name = where.split(".")[-1]
+        monkeypatch.setattr(owner, name, _slowed(getattr(owner, name), delay, calls))
+    _, stats = (engine.generate_base if phase == "decode" else engine.generate)(prompt, 24)
+    slept = delay * (len(calls) - (where == "draft_extend"))  # its first call is the draft prefill
+    assert len(calls) >= 4
+    assert stats.phase_s[phase] >= slept
+    assert all(v < slept for p, v in stats.phase_s.items() if p != phase), stats.phase_s

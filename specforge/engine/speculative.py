@@ -7,6 +7,8 @@ accepted path. The draft at position p consumes (token p+1, target feature of po
 the draft's cache always covers exactly the target's committed prefix.
 
 `generate_base` runs the plain target on the same cache machinery, so the two are comparable.
+
+Every request records where its wall-clock time went (`GenerationStats.phase_s`, see PHASES).
 """
 from __future__ import annotations
 
@@ -22,6 +24,47 @@ from specforge.engine.tree import Tree, TreeSpec, build_tree, first_level, lane_
 from specforge.engine.verify import greedy_verify, sampling_verify, target_probs
 
 
+PHASES = ("prefill", "draft", "verify", "accept", "cache", "decode", "other")
+"""Phases of `GenerationStats.phase_s`, in seconds per request:
+
+- prefill: request setup (cache allocation), target prefill + first token, draft prefill
+- draft: draft forwards, top-K and tree building (`draft_tree`) and the catch-up forward over the
+  accepted tokens (`draft_extend`, whose KV writes are part of the draft forward as the target's
+  are part of its verify forward)
+- verify: the target's tree-masked forward over the N nodes
+- accept: the greedy / sampling walk over the verified tree
+- cache: KV compaction of the target to the accepted path (`runner.keep`); the draft needs none:
+  its scratch entries past the committed length are overwritten by the next round
+- decode: the base model's one-token target forwards
+- other: e2e minus all of the above (Python overhead, emitting/streaming tokens, sampling ...)
+"""
+
+
+class PhaseTimer:
+    """Charges wall-clock time to phases: `lap(phase)` charges the time since the previous lap (or
+    `skip`) to `phase`, `skip()` to nobody (it ends up in `other`). On CUDA a lap synchronizes
+    first, so a phase is charged for the kernels it launched; on CPU it is two perf_counter reads."""
+
+    __slots__ = ("phase_s", "t", "sync")
+
+    def __init__(self, phase_s: dict, t0: float, device):
+        self.phase_s, self.t = phase_s, t0
+        device = torch.device(device)
+        self.sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
+
+    def lap(self, phase: str) -> None:
+        if self.sync is not None:
+            self.sync()
+        now = time.perf_counter()
+        self.phase_s[phase] += now - self.t
+        self.t = now
+
+    def skip(self) -> None:
+        if self.sync is not None:
+            self.sync()
+        self.t = time.perf_counter()
+
+
 @dataclass
 class GenerationStats:
     """Per-request figures, named as SGLang names them (contract §6). Times in seconds."""
@@ -35,6 +78,7 @@ class GenerationStats:
     ttft_s: float = 0.0
     e2e_s: float = 0.0
     token_times_s: list = field(default_factory=list)  # since start, one per completion token
+    phase_s: dict = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))  # see PHASES; sums to e2e_s
 
     @property
     def accept_length(self) -> float:
@@ -134,7 +178,7 @@ def _sample(logits: torch.Tensor, temperature: float, generator) -> torch.Tensor
 class _Request:
     """Output tokens, stop conditions and timing of one generate call."""
 
-    def __init__(self, prompt_len, max_new_tokens, eos_token_id, num_draft_tokens, on_tokens=None):
+    def __init__(self, prompt_len, max_new_tokens, eos_token_id, num_draft_tokens, device, on_tokens=None):
         if max_new_tokens < 1:
             raise ValueError(f"generate: max_new_tokens must be >= 1, got {max_new_tokens}")
         self.t0 = time.perf_counter()
@@ -146,6 +190,7 @@ class _Request:
         self.on_tokens = on_tokens  # streaming: called with each batch of committed tokens
         self.done = False
         self.stats = GenerationStats(prompt_tokens=prompt_len, num_draft_tokens=num_draft_tokens)
+        self.timer = PhaseTimer(self.stats.phase_s, self.t0, device)
 
     def emit(self, tokens: list[int]) -> None:
         """Append tokens up to eos / max_new_tokens (never past them); an exception raised by
@@ -169,6 +214,8 @@ class _Request:
     def finish(self, device):
         self.stats.completion_tokens = len(self.tokens)
         self.stats.e2e_s = time.perf_counter() - self.t0
+        phases = self.stats.phase_s
+        phases["other"] = self.stats.e2e_s - sum(v for k, v in phases.items() if k != "other")
         return torch.tensor(self.tokens, dtype=torch.long, device=device), self.stats
 
 
@@ -262,7 +309,7 @@ class SpeculativeEngine:
 
     def _start(self, input_ids, max_new_tokens, eos_token_id, num_draft_tokens, on_tokens=None):
         prompt = _as_prompt(input_ids, self.device)
-        req = _Request(prompt.shape[0], max_new_tokens, eos_token_id, num_draft_tokens, on_tokens)
+        req = _Request(prompt.shape[0], max_new_tokens, eos_token_id, num_draft_tokens, self.device, on_tokens)
         self.reset(prompt.shape[0] + max_new_tokens)
         return prompt, req
 
@@ -290,25 +337,34 @@ class SpeculativeEngine:
             raise ValueError("generate: this engine has no draft; use generate_base")
         prompt, req = self._start(input_ids, max_new_tokens, eos_token_id, self.spec.num_draft_tokens,
                                   on_tokens)
+        timer = req.timer
         token, state = self.prefill(prompt, temperature, generator)
+        timer.lap("prefill")
         req.emit(token.tolist())
         req.first_token_done()
+        timer.skip()
         while not req.done:
             tree = self.draft_tree(token, state)
+            timer.lap("draft")
             start = self.runner.length
             logits, aux = self.runner.tree(tree.tokens, tree.depth, tree.mask)
+            timer.lap("verify")
             if temperature <= 0:
                 path, emitted = greedy_verify(tree, logits)
             else:
                 path, emitted = sampling_verify(tree, target_probs(logits, temperature), generator)
+            timer.lap("accept")
             req.stats.spec_verify_ct += 1
             req.stats.accepted_drafts.append(path.shape[0] - 1)
             req.emit(emitted.tolist())
             if req.done:
                 break
+            timer.skip()
             self.runner.keep(start, path)
+            timer.lap("cache")
             state = self.draft_extend(emitted, aux[path])
             token = emitted[-1:]
+            timer.lap("draft")
         return req.finish(self.device)
 
     @torch.inference_mode()
@@ -316,12 +372,16 @@ class SpeculativeEngine:
                       eos_token_id=None, generator: torch.Generator | None = None, on_tokens=None):
         """Plain autoregressive decoding of the target on the same cache machinery."""
         prompt, req = self._start(input_ids, max_new_tokens, eos_token_id, 0, on_tokens)
+        timer = req.timer
         logits, _ = self.runner.prefill(prompt, need_aux=False)
         token = _sample(logits, temperature, generator)
+        timer.lap("prefill")
         req.emit([int(token)])
         req.first_token_done()
         while not req.done:
+            timer.skip()
             logits, _ = self.runner.decode(token)
+            timer.lap("decode")
             token = _sample(logits, temperature, generator)
             req.emit([int(token)])
         return req.finish(self.device)

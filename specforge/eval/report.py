@@ -1,5 +1,6 @@
-"""Evaluation outputs: results.json / results.csv, report.md with one table per run, and plots of
-accept length and speed-up per epoch and over tree configurations."""
+"""Evaluation outputs: results.json / results.csv, report.md with one table per run plus where the
+time goes per configuration, and plots of accept length and speed-up per epoch and over tree
+configurations."""
 from __future__ import annotations
 
 import csv
@@ -13,6 +14,12 @@ COLUMNS = [("epoch", "epoch"), ("tree", "tree"), ("prefill_s", "prefill s"), ("a
            ("accept_length", "accept length"), ("e2e_s", "e2e s"), ("tok_s", "tok/s"),
            ("speedup", "speed-up"), ("tpot_ms_mean", "TPOT ms"), ("tpot_ms_p99", "TPOT p99 ms"),
            ("lossless", "lossless")]
+
+ROUND_PHASES = ("draft", "verify", "accept", "cache", "other")  # as specforge.eval.run.ROUND_PHASES
+PROFILE_KEYS = (["ms_per_round"] + [f"{p}_ms_per_round" for p in ROUND_PHASES]
+                + ["round_cost_steps", "verify_cost_steps", "draft_cost_steps", "ms_per_step",
+                   "decode_ms_per_step", "other_ms_per_step"]
+                + [f"share_{p}" for p in ("prefill", "draft", "verify", "accept", "cache", "decode", "other")])
 
 
 def _fmt(v) -> str:
@@ -32,6 +39,56 @@ def best_config(results: dict) -> dict | None:
         return None
     best = max(lossless or configs, key=lambda r: r["speedup"])
     return {**best, "all_lossy": not lossless}
+
+
+def _nan(v) -> bool:
+    return not isinstance(v, (int, float)) or math.isnan(v)
+
+
+def _ms(v, share=None) -> str:
+    if _nan(v):
+        return "nan"
+    return f"{v:.2f}" + ("" if _nan(share) else f" ({100 * share:.0f}%)")
+
+
+def profile_lines(results: dict) -> list[str]:
+    """"Where the time goes": ms per verify round of each phase (its share of e2e time in
+    parentheses), the round's cost in base decode steps, and one sentence on the best configuration."""
+    base, configs = results["base"], results["configs"]
+    if "ms_per_step" not in base or not all("ms_per_round" in r for r in configs):
+        return []  # results from before the engine timed its phases
+    lines = ["### Where the time goes", "",
+             "Wall-clock ms per verify round (share of the e2e time; prefill takes the rest): draft = "
+             "draft forwards + tree building + catch-up over the accepted tokens, verify = the target's "
+             "tree forward, accept = the walk over the tree, cache = KV compaction, other = the loop's "
+             "own Python, emitting tokens (each phase includes its own Python). Round cost = ms per "
+             "round / the base model's ms per decode step; speed-up ~= accept length / round cost.", "",
+             "| epoch | tree | ms/round | " + " | ".join(ROUND_PHASES)
+             + " | round cost (decode steps) | accept length |",
+             "|" + "---|" * (len(ROUND_PHASES) + 5)]
+    for r in configs:
+        cells = [_fmt(r.get("epoch")), r["tree"], _ms(r["ms_per_round"])]
+        cells += [_ms(r[f"{p}_ms_per_round"], r.get(f"share_{p}")) for p in ROUND_PHASES]
+        cells += [_fmt(r.get("round_cost_steps")), _fmt(r["accept_length"])]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", f"Base model: {_ms(base['ms_per_step'])} ms per decode step (one-token forward "
+                  f"{_ms(base['decode_ms_per_step'], base.get('share_decode'))}, other "
+                  f"{_ms(base['other_ms_per_step'], base.get('share_other'))}; prefill "
+                  f"{100 * base.get('share_prefill', math.nan):.0f}% of e2e)."]
+    best = best_config(results)
+    if best and not _nan(best.get("round_cost_steps")):
+        cost, length = best["round_cost_steps"], best["accept_length"]
+        top = max(ROUND_PHASES, key=lambda p: best[f"{p}_ms_per_round"])
+        top_share = best[f"{top}_ms_per_round"] / best["ms_per_round"]
+        name = (f"epoch_{best['epoch']}" if best.get("epoch") is not None
+                else Path(best.get("checkpoint", "?")).name)
+        lines += ["", f"For `{name}` / `{best['tree']}` (the configuration to ship) a round costs "
+                      f"{cost:.2f} decode steps (verify {best['verify_cost_steps']:.2f}, draft "
+                      f"{best['draft_cost_steps']:.2f} one-token forwards; {top} is {100 * top_share:.0f}% "
+                      f"of the round) and commits {length:.2f} tokens: {length:.2f} / {cost:.2f} = "
+                      f"{length / cost:.2f}x expected, {best['speedup']:.2f}x measured end to end "
+                      f"({best.get('decode_speedup', math.nan):.2f}x after prefill)."]
+    return lines
 
 
 def markdown(results: dict) -> str:
@@ -58,6 +115,9 @@ def markdown(results: dict) -> str:
                       f"{_fmt(best['lossless'])} ({why}).", "",
                   "Accepted drafts per round (0, 1, ... T) for that configuration: "
                   f"{best['accept_histogram']}."]
+    profile = profile_lines(results)
+    if profile:
+        lines += [""] + profile
     return "\n".join(lines) + "\n"
 
 
@@ -108,7 +168,7 @@ def write_results(results: dict, out_dir: str | Path) -> Path:
     write_json(out_dir / "results.json", results)
     buf = io.StringIO()
     keys = [k for k, _ in COLUMNS] + ["round_accept_length", "decode_tok_s", "decode_speedup", "ttft_s",
-                                       "completion_tokens", "verify_rounds", "checkpoint"]
+                                       "completion_tokens", "verify_rounds", "checkpoint", *PROFILE_KEYS]
     writer = csv.DictWriter(buf, fieldnames=keys, extrasaction="ignore")
     writer.writeheader()
     writer.writerow({"tree": "base", **results["base"]})

@@ -3,6 +3,12 @@ engine: accept length, accept rate, throughput, latency, and whether the output 
 
 The base model runs before AND after the speculative configurations; its throughput is the mean
 of both passes, so a machine that slows down mid-run does not flatter or punish the draft.
+
+Every configuration also says where its time went (`phase_figures`, from the engine's per-request
+phase timers): ms per verify round of each phase (draft, verify, accept, cache, other) or, for the
+base model, per decode step (decode, other); each phase's share of e2e time; and the cost of a
+round in base decode steps (`round_cost`), which explains the speed-up:
+decode speed-up ~= accept length / round_cost_steps.
 """
 from __future__ import annotations
 
@@ -15,7 +21,7 @@ from pathlib import Path
 import torch
 
 from specforge.checkpoint import load_draft
-from specforge.engine.speculative import GenerationStats, SpeculativeEngine
+from specforge.engine.speculative import PHASES, GenerationStats, SpeculativeEngine
 from specforge.engine.tree import TreeSpec
 from specforge.eval.prompts import heldout_prompts
 from specforge.targets.loader import load_target, load_tokenizer, torch_dtype
@@ -38,11 +44,62 @@ def find_checkpoints(path: str | Path) -> tuple[Path, list[Path]]:
     return path, ckpts
 
 
+def load_run_config(run_dir: str | Path):
+    """The run's resolved config (`config.yaml`), with output_dir/run_name pointing at `run_dir`."""
+    from omegaconf import OmegaConf
+
+    from specforge.config import Config
+
+    run_dir = Path(run_dir)
+    saved = run_dir / "config.yaml"
+    if not saved.exists():
+        raise FileNotFoundError(f"{saved}: the run's resolved config is needed to know its target and data")
+    run_cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(saved))
+    run_cfg.output_dir, run_cfg.run_name = str(run_dir.parent), run_dir.name
+    return run_cfg
+
+
 def _p99(values: list[float]) -> float:
     values = sorted(v for v in values if not math.isnan(v))
     if not values:
         return math.nan
     return values[min(len(values) - 1, math.ceil(0.99 * len(values)) - 1)]
+
+
+ROUND_PHASES = ("draft", "verify", "accept", "cache", "other")  # the phases of a verify round
+STEP_PHASES = ("decode", "other")  # the phases of a base decode step
+
+
+def _div(a: float, b: float) -> float:
+    return a / b if b and not math.isnan(b) else math.nan
+
+
+def phase_figures(stats: list[GenerationStats]) -> dict:
+    """Where the time went, over all requests of one configuration.
+
+    Speculative: `ms_per_round` and `<phase>_ms_per_round` for ROUND_PHASES (per verify round);
+    base: `ms_per_step` and `<phase>_ms_per_step` for STEP_PHASES (per decode step, the first token
+    coming from prefill). Both: `share_<phase>` = the phase's share of the e2e time (prefill too).
+    """
+    total = {p: sum(s.phase_s.get(p, 0.0) for s in stats) for p in PHASES}
+    e2e = sum(s.e2e_s for s in stats)
+    if any(s.num_draft_tokens for s in stats):
+        unit, phases, n = "round", ROUND_PHASES, sum(s.spec_verify_ct for s in stats)
+    else:
+        unit, phases, n = "step", STEP_PHASES, sum(max(s.completion_tokens - 1, 0) for s in stats)
+    out = {f"ms_per_{unit}": _div(1000 * sum(total[p] for p in phases), n)}
+    out.update({f"{p}_ms_per_{unit}": _div(1000 * total[p], n) for p in phases})
+    out.update({f"share_{p}": _div(total[p], e2e) for p in ("prefill", *phases)})
+    return out
+
+
+def round_cost(row: dict, base: dict) -> dict:
+    """A verify round in base decode steps: the whole round against the base model's whole step
+    (`round_cost_steps`; decode speed-up ~= accept length / it), and its verify forward and its
+    drafting against the base model's one-token forward (`verify_cost_steps`, `draft_cost_steps`)."""
+    return {"round_cost_steps": _div(row["ms_per_round"], base["ms_per_step"]),
+            "verify_cost_steps": _div(row["verify_ms_per_round"], base["decode_ms_per_step"]),
+            "draft_cost_steps": _div(row["draft_ms_per_round"], base["decode_ms_per_step"])}
 
 
 def aggregate(stats: list[GenerationStats], steps: int = 0) -> dict:
@@ -72,6 +129,7 @@ def aggregate(stats: list[GenerationStats], steps: int = 0) -> dict:
         "e2e_s": statistics.mean(s.e2e_s for s in stats),
         "tok_s": completion / sum(s.e2e_s for s in stats),
         "decode_tok_s": decode_tokens / decode_s if decode_s > 0 else math.nan,
+        **phase_figures(stats),
     }
 
 
@@ -140,4 +198,5 @@ def evaluate_checkpoints(run_cfg, ckpts: list[Path], eval_cfg) -> dict:
     for row in results["configs"]:
         row["speedup"] = row["tok_s"] / base["tok_s"]
         row["decode_speedup"] = row["decode_tok_s"] / base["decode_tok_s"]
+        row.update(round_cost(row, base))
     return results
