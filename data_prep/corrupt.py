@@ -6,7 +6,10 @@ report `fix_dataset` must produce for them. Each corrupted row gets exactly ONE 
 expected counts are exact; `duplicate` adds a copy (new id, same messages) of an untouched row.
 
 The expectation assumes `FixConfig(toon=True)` with the other fields at their defaults
-(toon_where="message", empty turns dropped, no-assistant rows quarantined, dedupe on).
+(toon_where="message", empty turns dropped, no-assistant rows quarantined, dedupe on), and that
+the images clean rows name exist (user turns may be [image parts..., text] lists, as
+`data_prep/weather.py --images` writes them). `missing_image` points a row at an image file that
+does not exist: its first image part's path is replaced, or a text-only row gets one.
 
     python data_prep/corrupt.py data/weather/train.jsonl data/weather/train.corrupt.jsonl \
         --rate 0.02 --seed 0        # writes the expected report beside it (.expected.json)
@@ -180,9 +183,13 @@ def _missing_image(row: dict, rng: random.Random) -> dict | None:
         return None
     out = copy.deepcopy(row)
     name = re.sub(r"[^A-Za-z0-9_.-]", "_", str(row.get("id", "row")))
-    text = out["messages"][i]["content"]
-    out["messages"][i]["content"] = [{"type": "text", "text": text},
-                                     {"type": "image", "image": f"missing_images/{name}.png"}]
+    missing = {"type": "image", "image": f"missing_images/{name}.png"}
+    content = out["messages"][i]["content"]
+    if isinstance(content, str):
+        out["messages"][i]["content"] = [{"type": "text", "text": content}, missing]
+    else:  # an image row: its first image is the one that went missing
+        k = next(k for k, p in enumerate(content) if p["type"] == "image")
+        content[k] = missing
     return out
 
 
@@ -312,10 +319,28 @@ def _clean_problem(row: dict) -> str | None:
     if "assistant" not in roles:
         return "no assistant turn"
     for m in messages:
+        if m["role"] == "user" and isinstance(m.get("content"), list):
+            problem = _clean_parts(m["content"])
+            if problem:
+                return f"a user turn's parts: {problem}"
+            continue
         if not isinstance(m.get("content"), str) or not m["content"].strip():
             return f"a {m['role']} turn is not a non-empty string"
         if m["role"] == "assistant" and not _canonical_toon(m["content"]):
             return "an assistant answer is not canonical TOON"
+    return None
+
+
+def _clean_parts(parts: list) -> str | None:
+    """A clean user turn with images: image parts first, then one non-empty text part."""
+    if not parts or not all(isinstance(p, dict) for p in parts):
+        return "expected a non-empty list of objects"
+    *images, text = parts
+    if not images or not all(p.get("type") == "image" and isinstance(p.get("image"), str) and p["image"]
+                             for p in images):
+        return 'expected {"type": "image", "image": <path>} parts before the text'
+    if text.get("type") != "text" or not isinstance(text.get("text"), str) or not text["text"].strip():
+        return "expected one non-empty text part last"
     return None
 
 

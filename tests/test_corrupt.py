@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import toon_format
 
 from data_prep.corrupt import OUTCOMES, corrupt, write_jsonl_lines
-from data_prep.weather import generate
+from data_prep.weather import generate, generate_samples, to_row, write_images
 from specforge.config import FixConfig
 from specforge.data.fix import fix_dataset
 from specforge.data.formats import read_raw_rows
@@ -78,6 +79,36 @@ def test_weather_rows(tmp_path):
     out, expected = corrupt(clean, {name: 0.02 for name in OUTCOMES}, seed=0)
     assert all(n == 3 for n in {**expected["by_fix"], **expected["by_reason"]}.values())
     assert_matches(run_fix(tmp_path, out), expected)
+
+
+def test_weather_rows_with_images(tmp_path):
+    samples = generate_samples(150, seed=0, images=0.6)
+    assert write_images(samples, tmp_path, size=96) > 80
+    clean = [to_row(s) for s in samples]
+    out, expected = corrupt(clean, {name: 0.02 for name in OUTCOMES}, seed=0)
+    result = run_fix(tmp_path, out)
+    assert_matches(result, expected)
+    missing = [q for q in result.quarantined if q["reason"].startswith("image_missing: ")]
+    assert len(missing) == 3
+    for q in missing:
+        assert f"missing_images/{q['row']['id']}.png (resolved to {tmp_path.resolve()}/missing_images/" in q["reason"]
+    # image rows lose their real image to the missing one, they do not gain a second
+    by_id = {s.id: s for s in samples}
+    for q in missing:
+        parts = [p for p in q["row"]["messages"][1]["content"] if p["type"] == "image"]
+        assert len(parts) == max(1, len(by_id[q["row"]["id"]].images))
+    assert any(by_id[q["row"]["id"]].images for q in missing)
+    # the kept rows' images resolved to files that exist
+    paths = [p["image"] for k in result.kept for m in k["messages"] if isinstance(m["content"], list)
+             for p in m["content"] if p["type"] == "image"]
+    assert len(paths) > 80 and all(p.startswith(str(tmp_path.resolve())) and Path(p).is_file() for p in paths)
+
+
+def test_clean_image_rows_must_be_well_formed():
+    user = {"role": "user", "content": [{"type": "text", "text": "x"}, {"type": "image", "image": "a.png"}]}
+    row = {"messages": [user, {"role": "assistant", "content": "a: 1"}]}
+    with pytest.raises(ValueError, match="a user turn's parts: expected .*image.* parts before the text"):
+        corrupt([row], {}, seed=0)
 
 
 def test_invalid_json_is_written_raw(tmp_path):

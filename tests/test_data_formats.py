@@ -129,3 +129,85 @@ def test_unknown_format_is_a_config_error_not_a_row_error():
     with pytest.raises(ValueError, match="data.format") as e:
         to_conversation({"messages": []}, "alpaca")
     assert not isinstance(e.value, DataError)
+
+
+def _img(path):
+    return {"type": "image", "image": path}
+
+
+def _txt(text):
+    return {"type": "text", "text": text}
+
+
+def test_row_level_images_fill_placeholders_in_order_across_user_turns():
+    conv = to_conversation({"id": "l", "images": ["a.png", "b.png", "c.png"], "conversations": [
+        {"from": "human", "value": "<image>\nCompare with <image> please."},
+        {"from": "gpt", "value": "Done <image>."},  # not a user turn: plain text
+        {"from": "human", "value": "And <image>?"},
+        {"from": "gpt", "value": "ok"},
+    ]})
+    assert conv["messages"] == [
+        {"role": "user", "content": [_img("a.png"), _txt("Compare with"), _img("b.png"), _txt("please.")]},
+        {"role": "assistant", "content": "Done <image>."},
+        {"role": "user", "content": [_txt("And"), _img("c.png"), _txt("?")]},
+        {"role": "assistant", "content": "ok"},
+    ]
+
+
+def test_row_level_images_without_placeholders_open_the_first_user_turn():
+    conv = to_conversation({"images": ["a.png", "b.png"], "messages": [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Same city?"},
+        {"role": "assistant", "content": "yes"}, {"role": "user", "content": "Sure?"}]})
+    assert [m["content"] for m in conv["messages"]] == [
+        "Be brief.", [_img("a.png"), _img("b.png"), _txt("Same city?")], "yes", "Sure?"]
+    one = to_conversation({"image": "a.png", "conversations": [{"from": "human", "value": "Hi"}]})
+    assert one["messages"][0]["content"] == [_img("a.png"), _txt("Hi")]
+
+
+def test_path_less_image_parts_take_the_row_images_and_text_parts_are_split_too():
+    conv = to_conversation({"images": ["a.png", "b.png"], "messages": [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "vs <image>"}]}]})
+    assert conv["messages"][0]["content"] == [_img("a.png"), _txt("vs"), _img("b.png")]
+
+
+def test_llava_row_equals_the_messages_row_it_was_written_from():
+    llava = {"id": "x", "images": ["m.png", "n.png"],
+             "conversations": [{"from": "human", "value": "<image>\n<image>\nWeather?"}, {"from": "gpt", "value": "a"}]}
+    messages = {"id": "x", "messages": [{"role": "user", "content": [_img("m.png"), _img("n.png"), _txt("Weather?")]},
+                                        {"role": "assistant", "content": "a"}]}
+    assert to_conversation(llava) == to_conversation(messages)
+
+
+def test_images_listed_both_in_the_turns_and_beside_them_count_once():
+    row = {"images": ["a.png"], "messages": [{"role": "user", "content": [_img("a.png"), _txt("x")]}]}
+    assert to_conversation(row)["messages"][0]["content"] == [_img("a.png"), _txt("x")]
+
+
+def test_null_image_fields_and_placeholders_without_images_stay_text():
+    row = {"image": None, "images": None, "messages": [{"role": "user", "content": "What is <image>?"}]}
+    assert to_conversation(row)["messages"][0]["content"] == "What is <image>?"
+
+
+@pytest.mark.parametrize("row, field", [
+    ({"images": ["a.png"], "messages": [{"role": "user", "content": "<image> or <image>"}]},
+     r"images: 1 image\(s\) listed but the turns have 2 <image> placeholder"),
+    ({"images": ["a.png", "b.png", "c.png"], "messages": [{"role": "user", "content": "<image> or <image>"}]},
+     r"images: 3 image\(s\) listed but the turns have 2"),
+    ({"image": "a.png", "conversations": [{"from": "human", "value": "<image><image>"}]},
+     r"image: 1 image\(s\) listed but the turns have 2"),
+    ({"images": ["a.png"], "messages": [{"role": "user", "content": [{"type": "image"}, {"type": "image"}]}]},
+     r"images: 1 image\(s\) listed but the turns have 2"),
+    ({"images": ["a.png"], "messages": [{"role": "user", "content": [_img("b.png"), _txt("x")]}]},
+     r"images: the turns already carry other image paths"),
+    ({"images": ["a.png"], "messages": [{"role": "assistant", "content": "x"}]}, "images: 1 image.*no user turn"),
+    ({"images": [3], "messages": [{"role": "user", "content": "x"}]}, "images: expected a path or a list of paths"),
+    ({"images": {"a": 1}, "messages": [{"role": "user", "content": "x"}]}, "images: expected a path"),
+    ({"image": ["a.png"], "messages": [{"role": "user", "content": "x"}]}, "image: expected a path, got list"),
+    ({"image": "a.png", "images": ["b.png"], "messages": [{"role": "user", "content": "x"}]},
+     "image: the row has both 'image' and 'images'"),
+    ({"messages": [{"role": "user", "content": [{"type": "image"}]}]},
+     r"messages\[0\]\.content\[0\]: image part without"),
+])
+def test_row_image_mismatches_name_the_field(row, field):
+    with pytest.raises(DataError, match=f"^{field}"):
+        to_conversation(row)

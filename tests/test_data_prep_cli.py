@@ -24,3 +24,24 @@ def test_corrupted_weather_then_fix_reconciles_exactly(tmp_path):
     quarantined = (tmp_path / "clean" / "train.quarantine.jsonl").read_text().splitlines()
     assert len(clean) == report["kept"] + report["fixed"] and len(quarantined) == report["quarantined"]
     assert all({"file", "line", "reason"} <= set(json.loads(q)) for q in quarantined)
+
+
+def test_weather_with_images_corrupted_then_fixed(tmp_path):
+    """Image rows through both command lines: the missing-image breakage is counted like the others,
+    and the fixed file (written elsewhere) names absolute paths of real PNGs."""
+    raw, clean = tmp_path / "raw", tmp_path / "clean"
+    run("data_prep/weather.py", "--out", raw, "--train", 300, "--eval", 2, "--corrupt", 0.02,
+        "--images", 0.5, "--image-size", 96)
+    run("data_prep/fix.py", raw / "train.jsonl", "--out", clean, "--toon")
+    expected = json.loads((raw / "train.jsonl.expected.json").read_text())
+    report = json.loads((clean / "train.report.json").read_text())
+    assert report == expected and report["by_reason"]["image_missing"] == 6
+    quarantined = [json.loads(q) for q in (clean / "train.quarantine.jsonl").read_text().splitlines()]
+    missing = [q for q in quarantined if q["reason"].startswith("image_missing: ")]
+    assert all(f"missing_images/{q['row']['id']}.png (resolved to {raw.resolve()}/missing_images/" in q["reason"]
+               for q in missing) and len(missing) == 6
+    rows = [json.loads(line) for line in (clean / "train.jsonl").read_text().splitlines()]
+    images = [p["image"] for r in rows for m in r["messages"] if isinstance(m["content"], list)
+              for p in m["content"] if p["type"] == "image"]
+    assert len(images) > 100 and all(Path(p).is_absolute() and Path(p).is_file() for p in images)
+    assert any(sum(isinstance(m["content"], list) and len(m["content"]) == 3 for m in r["messages"]) for r in rows)

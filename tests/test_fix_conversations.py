@@ -129,32 +129,105 @@ def _with_image(path: str, line: int = 1) -> RawRow:
 @pytest.mark.parametrize(
     "path, reason",
     [
-        ("missing.png", "image_missing: missing.png"),
-        ("broken.png", "image_unreadable: broken.png"),
-        ("../outside.png", "image_outside_root: ../outside.png"),
+        ("missing.png", "image_missing: missing.png (resolved to {root}/missing.png)"),
+        ("broken.png", "image_unreadable: broken.png (resolved to {root}/broken.png)"),
+        ("../outside.png",
+         "image_outside_root: ../outside.png (resolved to {root.parent}/outside.png, outside image_root {root})"),
     ],
 )
 def test_bad_image_references_are_quarantined(image_root, path, reason):
     result = fix_dataset([_with_image(path)], FixConfig(), image_root=str(image_root))
-    assert [q["reason"] for q in result.quarantined] == [reason]
+    assert [q["reason"] for q in result.quarantined] == [reason.format(root=image_root.resolve())]
+    assert result.counts["by_reason"] == {reason.split(":")[0]: 1}
 
 
-def test_readable_image_inside_root_is_kept(image_root):
+def test_absolute_image_path_is_reported_as_written(image_root):
+    gone = str(image_root.resolve() / "gone.png")
+    result = fix_dataset([_with_image(gone)], FixConfig(), image_root=str(image_root))
+    assert [q["reason"] for q in result.quarantined] == [f"image_missing: {gone}"]
+
+
+def test_readable_image_is_kept_with_its_resolved_absolute_path(image_root):
     result = fix_dataset([_with_image("ok.png")], FixConfig(), image_root=str(image_root))
-    assert result.counts["kept"] == 1
-    assert result.kept[0]["messages"][0]["content"][1] == {"type": "image", "image": "ok.png"}
+    assert result.counts["kept"] == 1 and result.kept[0]["fixes"] == []  # resolving is not a fix
+    assert result.kept[0]["messages"][0]["content"] == [
+        {"type": "text", "text": "What is this map?"}, {"type": "image", "image": str(image_root.resolve() / "ok.png")}]
+
+
+def test_remote_images_are_neither_checked_nor_rewritten(image_root):
+    urls = ["https://example.com/x.png", "http://example.com/y.png", "data:image/png;base64,AAAA"]
+    rows = [_with_image(u, line=i) for i, u in enumerate(urls, 1)]
+    result = fix_dataset(rows, FixConfig(), image_root=str(image_root))
+    assert [k["messages"][0]["content"][1]["image"] for k in result.kept] == urls
+
+
+def test_fixed_rows_fixed_again_are_unchanged(image_root):
+    first = fix_dataset([_with_image("ok.png")], FixConfig(), image_root=str(image_root)).kept[0]
+    again_raw = RawRow("elsewhere/clean.jsonl", 1, {"id": first["id"], "messages": first["messages"]}, None)
+    for root in (str(image_root), None):  # absolute paths need neither the root nor the data file's folder
+        again = fix_dataset([again_raw], FixConfig(), image_root=root).kept[0]
+        assert again["messages"] == first["messages"] and again["fixes"] == []
 
 
 def test_row_level_images_field_is_checked(image_root):
     rows = [_raw([USER, ASSISTANT], line=1, images=["ok.png"]),
             _raw([USER, ASSISTANT], line=2, images="gone.png")]
     result = fix_dataset(rows, FixConfig(dedupe=False), image_root=str(image_root))
-    assert [q["reason"] for q in result.quarantined] == ["image_missing: gone.png"]
+    assert [q["reason"] for q in result.quarantined] == [
+        f"image_missing: gone.png (resolved to {image_root.resolve()}/gone.png)"]
+    assert result.kept[0]["messages"][0]["content"] == [
+        {"type": "image", "image": str(image_root.resolve() / "ok.png")}, {"type": "text", "text": USER["content"]}]
+
+
+def test_every_image_is_checked_exactly_once(image_root, monkeypatch):
+    from specforge.data.fix.conversations import ImageChecker
+
+    checked = []
+    original = ImageChecker._checked
+    monkeypatch.setattr(ImageChecker, "_checked", lambda self, ref, f: checked.append(ref) or original(self, ref, f))
+    parts = [{"type": "image", "image": "ok.png"}, {"type": "text", "text": "Map?"}]
+    rows = [
+        _raw([USER, ASSISTANT], line=1, images=["ok.png"]),  # row-level, no placeholder
+        _raw([{"role": "user", "content": "<image> and <image>?"}, ASSISTANT], line=2, image=None,
+             images=["ok.png", "./ok.png"]),  # placeholders
+        _raw([{"role": "user", "content": parts}, ASSISTANT], line=3, images=["ok.png"]),  # listed in both
+        _with_image("https://example.com/x.png", line=4),  # remote: not checked
+    ]
+    result = fix_dataset(rows, FixConfig(dedupe=False), image_root=str(image_root))
+    assert result.counts["kept"] == 4
+    assert checked == ["ok.png", "ok.png", "./ok.png", "ok.png"]
+    ok = str(image_root.resolve() / "ok.png")
+    assert result.kept[1]["messages"][0]["content"] == [
+        {"type": "image", "image": ok}, {"type": "text", "text": "and"}, {"type": "image", "image": ok},
+        {"type": "text", "text": "?"}]
+    assert result.kept[2]["messages"][0]["content"] == [{"type": "image", "image": ok}, parts[1]]
+
+
+def test_image_placeholder_mismatch_is_quarantined_naming_the_field(image_root):
+    _, q = _one(_raw([{"role": "user", "content": "<image> vs <image>"}, ASSISTANT], images=["ok.png"]))
+    assert q["reason"].startswith("invalid_row: images: 1 image(s) listed but the turns have 2 <image>")
+
+
+def test_duplicates_compare_resolved_image_paths(tmp_path):
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        Image.new("RGB", (4, 4), "blue").save(tmp_path / folder / "map.png")
+    a, b = str(tmp_path / "a" / "d.jsonl"), str(tmp_path / "b" / "d.jsonl")
+    rows = [
+        RawRow(a, 1, _with_image("map.png").data, None),
+        RawRow(a, 2, _with_image("./map.png").data, None),  # same file, other spelling: a copy
+        RawRow(b, 3, _with_image("map.png").data, None),  # same spelling, another file: not a copy
+    ]
+    result = fix_dataset(rows, FixConfig())
+    assert [k["line"] for k in result.kept] == [1, 3]
+    assert [q["reason"] for q in result.quarantined] == [f"duplicate: same messages as {a}:1"]
 
 
 def test_without_image_root_paths_resolve_beside_the_data_file(image_root):
     row = RawRow(str(image_root / "train.jsonl"), 1, _with_image("ok.png").data, None)
-    assert fix_dataset([row], FixConfig()).counts["kept"] == 1
+    result = fix_dataset([row], FixConfig())
+    assert result.counts["kept"] == 1
+    assert result.kept[0]["messages"][0]["content"][1]["image"] == str(image_root.resolve() / "ok.png")
 
 
 def test_every_row_is_accounted_for_and_fixes_count_rows():

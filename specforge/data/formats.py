@@ -30,6 +30,7 @@ ROLE_MAP = {
 }
 TEXT_PART_TYPES = ("text", "input_text", "output_text")
 IMAGE_PART_TYPES = ("image", "image_url", "input_image")
+IMAGE_PLACEHOLDER = "<image>"  # LLaVA / ShareGPT: where a row-level image goes in a user turn
 
 
 @dataclass
@@ -148,7 +149,15 @@ def detect_format(data: dict) -> str:
 def to_conversation(data: dict, fmt: str = "auto") -> dict:
     """`{"id", "messages": [{"role", "content"}]}` from a ShareGPT, OpenAI-messages or
     role/content row. Text parts are joined into one string; a turn with image parts keeps its
-    list of parts (normalised to {"type": "text"|"image", ...}) for vision-language targets."""
+    list of parts (normalised to {"type": "text"|"image", ...}) for vision-language targets.
+
+    Row-level images (LLaVA / ShareGPT style: a top-level `images` list of paths, or one `image`
+    path) become image parts too, so every image of a row lives in its messages: each `<image>`
+    placeholder in a user turn's text, and each image part without a path (`{"type": "image"}`,
+    the Hugging Face TRL spelling), takes the next image in order; the whitespace that only
+    separates a placeholder from its text is dropped ("<image>\\nWhat is this?" -> [image, "What is
+    this?"]). Without any placeholder the images go, in order, to the start of the first user
+    turn. More placeholders than images or the reverse is a DataError naming the field."""
     if fmt not in FORMATS:
         raise ValueError(f"data.format: {fmt!r} is not one of {list(FORMATS)}")
     if not isinstance(data, dict):
@@ -170,6 +179,7 @@ def to_conversation(data: dict, fmt: str = "auto") -> dict:
     if not turns:
         raise DataError(f"{field}: empty")
 
+    row_images = _row_images(data)
     messages = []
     system = data.get("system")  # ShareGPT variants keep the system prompt beside the turns
     if system is not None and not isinstance(system, str):
@@ -186,15 +196,19 @@ def to_conversation(data: dict, fmt: str = "auto") -> dict:
             raise DataError(f"{where}.{role_key}: unknown role {raw_role!r}")
         if content_key not in turn:
             raise DataError(f"{where}.{content_key}: missing")
-        content = _content(turn[content_key], f"{where}.{content_key}")
+        content = _content(turn[content_key], f"{where}.{content_key}", slots=row_images is not None)
         messages.append({"role": role, "content": content})
+    if row_images is not None:
+        messages = _place_row_images(messages, *row_images)
     if system and system.strip() and messages[0]["role"] != "system":
         messages.insert(0, {"role": "system", "content": system})
 
     return {"id": _row_id(data, messages), "messages": messages}
 
 
-def _content(value: Any, where: str) -> str | list[dict]:
+def _content(value: Any, where: str, slots: bool = False) -> str | list[dict]:
+    """A string, or a list of parts when there is an image. `slots`: the row has row-level
+    images, so an image part without a path is a slot they fill (`{"type": "image", "image": None}`)."""
     if isinstance(value, str):
         return value
     if value is None:
@@ -216,7 +230,7 @@ def _content(value: Any, where: str) -> str | list[dict]:
                 raise DataError(f"{pw}.text: expected a string, got {type(text).__name__}")
             parts.append({"type": "text", "text": text})
         elif kind in IMAGE_PART_TYPES:
-            parts.append(_image_part(part, pw))
+            parts.append(_image_part(part, pw, slots))
         else:
             raise DataError(f"{pw}.type: unknown part type {kind!r}")
     if all(p["type"] == "text" for p in parts):
@@ -224,14 +238,87 @@ def _content(value: Any, where: str) -> str | list[dict]:
     return parts
 
 
-def _image_part(part: dict, where: str) -> dict:
+def _image_part(part: dict, where: str, slots: bool = False) -> dict:
     """{"type": "image", "image": <path or URL>} whatever the input spelling was."""
     src = part.get("image", part.get("image_url"))
     if isinstance(src, dict):
         src = src.get("url")
+    if src is None and slots:
+        return {"type": "image", "image": None}  # filled from the row-level images
     if not isinstance(src, str) or not src:
         raise DataError(f"{where}: image part without an image path or URL")
     return {"type": "image", "image": src}
+
+
+def _row_images(data: dict) -> tuple[str, list[str]] | None:
+    """(field name, paths) of a row-level `images` (a path or a list) or `image` (a path) field;
+    None when the row has neither (or they are null)."""
+    one, many = data.get("image"), data.get("images")
+    if one is not None and many is not None:
+        raise DataError("image: the row has both 'image' and 'images'; use one of them")
+    if many is not None:
+        paths = [many] if isinstance(many, str) else many
+        if not isinstance(paths, list) or not all(isinstance(x, str) and x for x in paths):
+            raise DataError("images: expected a path or a list of paths")
+        return "images", paths
+    if one is not None:
+        if not isinstance(one, str) or not one:
+            raise DataError(f"image: expected a path, got {type(one).__name__}")
+        return "image", [one]
+    return None
+
+
+def _split_placeholders(text: str) -> list[dict]:
+    """"a <image> b" -> [text a, slot, text b]: empty text pieces are dropped, and so is the
+    whitespace between a piece and the placeholder it touches."""
+    pieces = text.split(IMAGE_PLACEHOLDER)
+    parts: list[dict] = []
+    for k, piece in enumerate(pieces):
+        if k > 0:
+            parts.append({"type": "image", "image": None})
+            piece = piece.lstrip()
+        if k < len(pieces) - 1:
+            piece = piece.rstrip()
+        if piece:
+            parts.append({"type": "text", "text": piece})
+    return parts
+
+
+def _place_row_images(messages: list[dict], key: str, paths: list[str]) -> list[dict]:
+    """Messages whose slots (`<image>` in user text, path-less image parts) hold `paths`, in order."""
+    out = []
+    for m in messages:
+        content = m["content"]
+        parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
+        if m["role"] == "user":
+            parts = [q for p in parts for q in (
+                _split_placeholders(p["text"]) if p["type"] == "text" and IMAGE_PLACEHOLDER in p["text"] else [p])]
+        out.append({"role": m["role"], "content": parts})
+    slots = [p for m in out for p in m["content"] if p["type"] == "image" and p["image"] is None]
+    given = [p["image"] for m in out for p in m["content"] if p["type"] == "image" and p["image"] is not None]
+    if slots:
+        if len(slots) != len(paths):
+            raise DataError(f"{key}: {len(paths)} image(s) listed but the turns have {len(slots)} "
+                            f"{IMAGE_PLACEHOLDER} placeholder(s) or image part(s) without a path")
+        for slot, path in zip(slots, paths):
+            slot["image"] = path
+    elif given:
+        if given != paths:  # the same images listed twice (in the turns and beside them) is fine
+            raise DataError(f"{key}: the turns already carry other image paths ({given}); "
+                            f"use {IMAGE_PLACEHOLDER} placeholders or one of the two")
+    elif paths:
+        first = next((m for m in out if m["role"] == "user"), None)
+        if first is None:
+            raise DataError(f"{key}: {len(paths)} image(s) but no user turn to attach them to")
+        first["content"] = [{"type": "image", "image": p} for p in paths] + first["content"]
+    return [{"role": m["role"], "content": _collapse(m["content"])} for m in out]
+
+
+def _collapse(parts: list[dict]) -> str | list[dict]:
+    """Text-only parts back to one string (as `_content` does); parts with an image stay a list."""
+    if all(p["type"] == "text" for p in parts):
+        return "\n".join(p["text"] for p in parts)
+    return parts
 
 
 def _row_id(data: dict, messages: list[dict]) -> str:

@@ -7,9 +7,16 @@ fixed) or `quarantined` (with file, line and reason), so the counts reconcile ex
 randomness, so the same input and config always give the same result.
 
 Per row, in this order (each step switched by FixConfig; `enabled=False` only parses):
-invalid JSON -> parse (to_conversation) -> role names -> images -> empty turns -> consecutive
-roles -> assistant present -> TOON answers (specforge.data.fix.toon) -> duplicates (judged on
-the cleaned messages, so a copy that differs only by a fixable defect is still a copy).
+invalid JSON -> parse (to_conversation; row-level `images` become image parts there) -> role
+names -> images -> empty turns -> consecutive roles -> assistant present -> TOON answers
+(specforge.data.fix.toon) -> duplicates (judged on the cleaned messages, so a copy that differs
+only by a fixable defect is still a copy).
+
+Images: every image part is checked once (missing, unreadable or outside `image_root` ->
+quarantined with the path in the reason) and a local one is rewritten to its resolved absolute
+path, so later stages (and a fixed file written elsewhere) can open it without knowing the data
+file; remote URLs are kept as written and not checked. That rewrite is not a repair and is not
+counted in `fixes`. Duplicates compare the resolved paths (see `dedupe_key`).
 
 A row records each fix name at most once, so `by_fix[name]` counts ROWS with that fix.
 Reasons read "<code>: <detail>"; `by_reason` counts codes (see `reason_code`).
@@ -26,7 +33,6 @@ from specforge.data.fix.conversations import (
     Quarantine,
     dedupe_key,
     drop_empty_turns,
-    image_refs,
     merge_consecutive,
     require_assistant,
     role_name_fixes,
@@ -94,7 +100,7 @@ def fix_row(
         return conv, []
     fixes = role_name_fixes(raw.data, fmt)
     messages = conv["messages"]
-    images.check(image_refs(messages, raw.data), raw.file)
+    messages = images.resolve_images(messages, raw.file)  # not a fix: no name recorded
     messages, dropped = drop_empty_turns(messages, cfg.empty_turns)
     if not messages:
         raise Quarantine("no_messages: every turn was empty")

@@ -90,34 +90,63 @@ def require_assistant(messages: list[dict], policy: str) -> None:
 
 
 def dedupe_key(messages: list[dict]) -> str:
-    """Duplicates are judged on the cleaned messages, not the id: copies often get new ids."""
+    """Duplicates are judged on the cleaned messages, not the id: copies often get new ids.
+
+    Image parts are compared by the absolute path the fix step resolved them to (remote URLs as
+    written), not by how the row spelled them: "a.png" and "./a.png" beside the same data file
+    are one image, so two rows that differ only in that spelling are duplicates, while the same
+    relative spelling in two folders (two different files) is not. The image bytes are not
+    compared: two copies of one picture under different paths are different images here."""
     text = json.dumps(messages, sort_keys=True, ensure_ascii=False)
     return hashlib.sha256(text.encode()).hexdigest()
 
 
 class ImageChecker:
-    """Checks local image references once per resolved path (datasets reuse images)."""
+    """Checks local image references and resolves them to absolute paths.
+
+    A relative path resolves against `image_root`, or without one against the folder of the data
+    file that names it; an absolute path stays as it is (but must lie under `image_root` when
+    one is set). Each resolved path is opened once however many rows name it (datasets reuse
+    images). Remote references (http(s)://, data:) are left alone: no network in the data stage."""
 
     def __init__(self, image_root: str | None) -> None:
         self.root = Path(image_root).resolve() if image_root else None
         self._seen: dict[Path, str | None] = {}
 
-    def check(self, refs: list[str], data_file: str) -> None:
-        for ref in refs:
-            if ref.startswith(REMOTE_PREFIXES):
-                continue  # no network in the data stage: remote images are not checked here
-            problem = self._problem(ref, data_file)
-            if problem:
-                raise Quarantine(f"{problem}: {ref}")
-
-    def _problem(self, ref: str, data_file: str) -> str | None:
+    def resolve(self, ref: str, data_file: str) -> Path:
+        """The absolute path a local reference names (not checked)."""
         base = self.root or Path(data_file).resolve().parent
-        path = (base / ref).resolve()
+        return (base / ref).resolve()
+
+    def resolve_images(self, messages: list[dict], data_file: str) -> list[dict]:
+        """`messages` with every local image part checked and rewritten to its absolute path, so
+        later stages can open it without knowing the data file. Raises Quarantine naming the
+        first bad image. Path resolution is not a repair: it is not recorded as a fix."""
+        out = []
+        for m in messages:
+            if isinstance(m["content"], str):
+                out.append(m)
+                continue
+            parts = [{**p, "image": self._checked(p["image"], data_file)}
+                     if p.get("type") == "image" and not p["image"].startswith(REMOTE_PREFIXES) else p
+                     for p in m["content"]]
+            out.append({**m, "content": parts})
+        return out
+
+    def _checked(self, ref: str, data_file: str) -> str:
+        """The resolved path of a good local image, or Quarantine("<code>: <ref> (<details>)")."""
+        path = self.resolve(ref, data_file)
+        details = [] if ref == str(path) else [f"resolved to {path}"]
         if self.root is not None and not path.is_relative_to(self.root):
-            return "image_outside_root"
-        if path not in self._seen:
-            self._seen[path] = _open_problem(path)
-        return self._seen[path]
+            problem = "image_outside_root"
+            details.append(f"outside image_root {self.root}")
+        else:
+            if path not in self._seen:
+                self._seen[path] = _open_problem(path)
+            problem = self._seen[path]
+        if problem:
+            raise Quarantine(f"{problem}: {ref}" + (f" ({', '.join(details)})" if details else ""))
+        return str(path)
 
 
 def _open_problem(path: Path) -> str | None:
@@ -132,15 +161,3 @@ def _open_problem(path: Path) -> str | None:
         return "image_unreadable"
     return None
 
-
-def image_refs(messages: list[dict], data: dict) -> list[str]:
-    """Image paths from image parts and from a row-level `images` field (str or list of str)."""
-    refs = [p["image"] for m in messages if isinstance(m["content"], list)
-            for p in m["content"] if p.get("type") == "image"]
-    images = data.get("images")
-    if images is None:
-        return refs
-    listed = [images] if isinstance(images, str) else images
-    if not isinstance(listed, list) or not all(isinstance(x, str) and x for x in listed):
-        raise Quarantine("invalid_row: images: expected a path or a list of paths")
-    return refs + [x for x in listed if x not in refs]
