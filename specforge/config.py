@@ -63,7 +63,11 @@ class DataConfig:
     train_files: List[str] = MISSING
     eval_files: List[str] = field(default_factory=list)
     format: str = "auto"  # auto | sharegpt | messages | conversations
-    image_root: Optional[str] = None
+    image_root: Optional[str] = None  # relative image paths resolve here (default: the data file's folder)
+    # Images are resized (aspect kept) so that their pixel count lies in [min, max]; None: the
+    # target's image processor defaults. Fewer pixels, fewer image tokens per sample.
+    image_min_pixels: Optional[int] = None
+    image_max_pixels: Optional[int] = None
     max_length: int = 2048
     overlength: str = "truncate"  # truncate | drop
     max_samples: Optional[int] = None  # per split, for quick runs
@@ -83,6 +87,10 @@ class DraftConfig:
     head_dim: Optional[int] = None
     max_position_embeddings: Optional[int] = None
     init_from: Optional[str] = None  # fine-tune an existing draft checkpoint (keeps its vocab map)
+    # Vision-language targets: the draft's token embedding at image positions. "merged": the
+    # target's merged input embeddings (vision features there), as SGLang feeds them (contract §2);
+    # "token": the draft's own embedding of the image placeholder token.
+    image_embeddings: str = "merged"
 
 
 @dataclass

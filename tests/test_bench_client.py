@@ -1,6 +1,7 @@
 """The streaming benchmark client against a real HTTP server with KNOWN delays: the first token
 after 200 ms, then two tokens every 100 ms (50 ms per token, as a speculative server commits
 several tokens per round). TTFT, ITL, TPOT, e2e and the accept length must come out as designed."""
+import asyncio
 import json
 import math
 import threading
@@ -197,3 +198,29 @@ def test_scenarios_and_conversation_prompts(tmp_path, tiny_tokenizer):
     text = tiny_tokenizer.decode(reqs[0].prompt)
     assert text.endswith("<|im_start|>assistant\n") and "sunny" not in text
     assert reqs[1].prompt_len == len(reqs[1].prompt)
+
+
+def test_conversation_requests_send_images_as_sglang_image_data(tmp_path, tiny_vl_dir):
+    """A vision-language prompt goes as its rendered text with one placeholder per image plus
+    `image_data` (the server expands the placeholders); text prompts stay token ids."""
+    from PIL import Image
+
+    from specforge.serving.bench_client import conversation_requests, request_openai
+    from specforge.targets.loader import load_tokenizer
+    from specforge.config import TargetConfig
+    from specforge.utils.io import write_jsonl
+
+    Image.new("RGB", (64, 64), (10, 200, 30)).save(tmp_path / "w.png")
+    img = str(tmp_path / "w.png")
+    write_jsonl(tmp_path / "eval.conversations.jsonl", [
+        {"id": "a", "messages": [{"role": "user", "content": [{"type": "image", "image": img},
+                                                               {"type": "text", "text": "Weather?"}]},
+                                 {"role": "assistant", "content": "sunny"}]},
+        {"id": "b", "messages": [{"role": "user", "content": "Rain?"}, {"role": "assistant", "content": "no"}]}])
+    tok = load_tokenizer(TargetConfig(name="t", path=str(tiny_vl_dir), kind="qwen3_vl"))
+    with_images = conversation_requests(tmp_path / "eval.conversations.jsonl", tok, 2, 8, with_images=True)
+    assert with_images[0].images == [img]
+    assert with_images[0].prompt.count("<|image_pad|>") == 1 and "Weather?" in with_images[0].prompt
+    assert isinstance(with_images[1].prompt, list) and with_images[1].images == []
+    with pytest.raises(ValueError, match="need the SGLang /generate endpoint"):
+        asyncio.run(request_openai(None, "http://127.0.0.1:1", with_images[0], 0.0, True, None))

@@ -155,7 +155,7 @@ def test_run_batches_never_cross_chunks(tiny_model):
         return crossed
 
     ex = Spy(tiny_model, AUX, batch_tokens=40)
-    order = [s["id"] for s, _, _ in ex.run(samples, chunk=4)]
+    order = [s["id"] for s, _ in ex.run(samples, chunk=4)]
     assert sorted(order, key=int) == [s["id"] for s in samples]
     assert [n for b in batches for n in b] == sorted(lengths, reverse=True)
     assert not crosses_a_chunk(batches)

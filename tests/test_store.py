@@ -224,3 +224,37 @@ def test_reader_detects_damaged_shard(tmp_path):
     shard.write_bytes(shard.read_bytes()[:-10])
     with pytest.raises(RuntimeError, match="shard_00000.safetensors is missing or has the wrong size"):
         HiddenStateStore(tmp_path)
+
+
+def test_vision_language_store_round_trip(tmp_path):
+    """M-RoPE positions and image embeddings (possibly none for a text-only row) come back per
+    sample, across shard boundaries; a VL store refuses rows without them and vice versa."""
+    meta = dict(META, vl=True, image_token_id=7)
+    g = torch.Generator().manual_seed(3)
+    samples = make_samples(5)
+    for k, s in enumerate(samples):
+        n = len(s["input_ids"])
+        s["position_ids"] = torch.randint(0, 100, (3, n), generator=g)
+        s["image_embeds"] = torch.randn(k % 3, H, generator=g).to(torch.bfloat16)  # 0, 1 or 2 rows
+    with HiddenStateStoreWriter(tmp_path, meta, shard_samples=2) as w:
+        with pytest.raises(ValueError, match="needs position_ids and image_embeds"):
+            w.add("bad", samples[0]["input_ids"], samples[0]["loss_mask"], samples[0]["aux"], samples[0]["last"])
+        with pytest.raises(ValueError, match=r"position_ids has shape \(2,"):
+            s = samples[0]
+            w.add("bad", s["input_ids"], s["loss_mask"], s["aux"], s["last"], s["position_ids"][:2], s["image_embeds"])
+        for s in samples:
+            w.add(s["id"], s["input_ids"], s["loss_mask"], s["aux"], s["last"], s["position_ids"], s["image_embeds"])
+    store = HiddenStateStore(tmp_path)
+    assert store.vl and len(store) == 5
+    by_id = {s["id"]: s for s in samples}
+    for i, sid in enumerate(store.ids):
+        got, want = store[i], by_id[sid]
+        assert torch.equal(got["position_ids"], want["position_ids"])
+        assert torch.equal(got["image_embeds"], want["image_embeds"])
+        assert torch.equal(got["aux"], want["aux"])
+
+    text = tmp_path / "text"
+    with HiddenStateStoreWriter(text, META) as w:
+        s = samples[1]
+        with pytest.raises(ValueError, match="need a store with meta vl=true"):
+            w.add(s["id"], s["input_ids"], s["loss_mask"], s["aux"], s["last"], s["position_ids"], s["image_embeds"])

@@ -11,8 +11,10 @@ from collections import Counter
 from pathlib import Path
 
 from specforge.data.fix import fix_dataset, reason_code
+from specforge.data.fix.conversations import ImageChecker, Quarantine
 from specforge.data.formats import DataError, RawRow, read_raw_rows, to_conversation
 from specforge.data.template import render
+from specforge.data.vl_render import render_vl
 from specforge.data.vocab import cached_vocab_mapping, save_vocab, vocab_cache_key
 from specforge.utils.io import file_fingerprint, fingerprint, write_json, write_jsonl, write_text
 from specforge.utils.progress import progress_bar
@@ -69,8 +71,10 @@ def _read_split(files: list[str]) -> list[RawRow]:
     return rows
 
 
-def _parse_only(rows: list[RawRow], fmt: str) -> tuple[list[dict], list[dict]]:
-    """Without the fix step: parse each row, quarantine what does not parse (same reason codes)."""
+def _parse_only(rows: list[RawRow], fmt: str, image_root: str | None = None) -> tuple[list[dict], list[dict]]:
+    """Without the fix step: parse each row, quarantine what does not parse or names a bad image
+    (same reason codes); image paths are resolved as the fix step resolves them."""
+    images = ImageChecker(image_root)
     kept, quarantined = [], []
     for raw in rows:
         if raw.error is not None:
@@ -82,6 +86,11 @@ def _parse_only(rows: list[RawRow], fmt: str) -> tuple[list[dict], list[dict]]:
         except DataError as e:
             quarantined.append({"file": raw.file, "line": raw.line, "reason": f"invalid_row: {e}", "row": raw.data})
             continue
+        try:
+            conv["messages"] = images.resolve_images(conv["messages"], raw.file)
+        except Quarantine as q:
+            quarantined.append({"file": raw.file, "line": raw.line, "reason": q.reason, "row": raw.data})
+            continue
         kept.append({**conv, "fixes": [], "file": raw.file, "line": raw.line})
     return kept, quarantined
 
@@ -89,7 +98,7 @@ def _parse_only(rows: list[RawRow], fmt: str) -> tuple[list[dict], list[dict]]:
 def _normalise(cfg, rows: list[RawRow]) -> tuple[list[dict], list[dict]]:
     """(conversations {"id", "messages", "fixes", "file", "line"}, quarantine entries)."""
     if not cfg.data.fix.enabled:
-        return _parse_only(rows, cfg.data.format)
+        return _parse_only(rows, cfg.data.format, cfg.data.image_root)
     result = fix_dataset(rows, cfg.data.fix, cfg.data.format, cfg.data.image_root)
     if len(result.kept) + len(result.quarantined) != len(rows):
         raise RuntimeError(
@@ -99,8 +108,9 @@ def _normalise(cfg, rows: list[RawRow]) -> tuple[list[dict], list[dict]]:
     return result.kept, result.quarantined
 
 
-def process_split(cfg, split: str, files: list[str], tokenizer, progress=None, run_dir=None) -> dict:
-    """Read, normalise, limit, (regenerate) and render one split.
+def process_split(cfg, split: str, files: list[str], tokenizer, progress=None, run_dir=None, vl=None) -> dict:
+    """Read, normalise, limit, (regenerate) and render one split. `vl`: (image processor, VLInfo)
+    of a vision-language target; its rows also carry `images` and `image_grid_thw`.
 
     Returns {"samples", "conversations", "quarantine", "counts"}; samples that cannot be used
     after rendering (over-length, template errors) move from kept/fixed to quarantined."""
@@ -130,11 +140,16 @@ def process_split(cfg, split: str, files: list[str], tokenizer, progress=None, r
     kept = fixed = truncated = 0
     task = progress.add_task(f"data {split}", total=len(convs), info="") if progress else None
     for conv in convs:
+        images = {}
         try:
-            r = render(tokenizer, conv["messages"], cfg.data.max_length, cfg.data.overlength)
+            if vl is None:
+                r = render(tokenizer, conv["messages"], cfg.data.max_length, cfg.data.overlength)
+            else:
+                r, paths, grids = render_vl(tokenizer, conv["messages"], *vl, cfg.data.max_length, cfg.data.overlength)
+                images = {"images": paths, "image_grid_thw": grids} if paths else {}
             reason = r.drop_reason
         except DataError as e:  # TemplateError: the template cannot be mapped for this row
-            r, reason = None, f"template_error: {e}"
+            r, reason = None, str(e) if str(e).startswith(("image_", "template_error")) else f"template_error: {e}"
         if reason is not None:
             if r is not None:
                 reason = f"{reason}: {r.full_length} tokens > max_length {cfg.data.max_length}"
@@ -147,7 +162,7 @@ def process_split(cfg, split: str, files: list[str], tokenizer, progress=None, r
                 fixes.update(conv["fixes"])
             else:
                 kept += 1
-            samples.append({"id": conv["id"], "input_ids": r.input_ids, "loss_mask": r.loss_mask})
+            samples.append({"id": conv["id"], "input_ids": r.input_ids, "loss_mask": r.loss_mask, **images})
             conversations.append({"id": conv["id"], "messages": conv["messages"]})
         if task is not None:
             progress.advance(task)
@@ -165,6 +180,7 @@ def process_split(cfg, split: str, files: list[str], tokenizer, progress=None, r
         "samples": len(samples),
         "tokens": sum(lengths),
         "loss_tokens": sum(sum(s["loss_mask"]) for s in samples),
+        "images": sum(len(s.get("images", ())) for s in samples),
         "max_tokens": max(lengths, default=0),
     }
     if regenerated is not None:
@@ -193,6 +209,8 @@ def _coverage(samples: list[dict], t2d) -> float:
 def run(cfg, run_dir) -> dict:
     """Write run_dir/data/*; returns the per-split counts and vocab facts for the pipeline marker."""
     from specforge.targets.loader import load_tokenizer, resolve_target_path
+    from specforge.targets.vl import is_vl, load_image_processor, vl_info
+    from transformers import AutoConfig
 
     data_dir = Path(run_dir) / "data"
     splits = split_files(cfg)
@@ -204,10 +222,14 @@ def run(cfg, run_dir) -> dict:
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"target tokenizer at {target_path} has no chat template; the data stage needs one")
 
+    vl = None
+    if is_vl(cfg.target.kind):
+        vl = (load_image_processor(target_path, cfg.data.image_min_pixels, cfg.data.image_max_pixels),
+              vl_info(AutoConfig.from_pretrained(target_path, trust_remote_code=cfg.target.trust_remote_code)))
     results = {}
     with progress_bar() as progress:
         for split, files in splits.items():
-            results[split] = process_split(cfg, split, files, tokenizer, progress, run_dir)
+            results[split] = process_split(cfg, split, files, tokenizer, progress, run_dir, vl)
 
     for split in ("train", "eval"):
         if split not in results:  # no eval files configured: leave no stale eval data behind
@@ -256,6 +278,8 @@ def _write_report(data_dir: Path, summary: dict, vocab: dict | None) -> None:
 def report_markdown(summary: dict, vocab: dict | None) -> str:
     rows = ["input_rows", "kept", "fixed", "quarantined", "skipped_max_samples", "truncated",
             "samples", "tokens", "loss_tokens", "max_tokens"]
+    if any(summary[s].get("images") for s in summary):
+        rows.append("images")
     splits = list(summary)
     lines = ["# Data report", "", "Every input row is kept, fixed or quarantined "
              "(input_rows = kept + fixed + quarantined + skipped_max_samples).", "",

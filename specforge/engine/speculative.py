@@ -244,6 +244,11 @@ class SpeculativeEngine:
             self.draft_dtype = param.dtype
             cfg = draft.config
             self.draft_kv = DraftKV(cfg.num_key_value_heads, cfg.head_dim, param.dtype, param.device)
+            if self.runner.vl is not None and not draft.uses_mrope:
+                raise ValueError("draft: the target uses M-RoPE but the draft config has no rope_scaling.mrope_section")
+            # image positions: the target's merged input embeddings (default, as SGLang feeds them)
+            # or the draft's own embedding of the placeholder token (config.json "image_embeddings")
+            self.merged_image_embeds = cfg.extra.get("image_embeddings", "merged") == "merged"
 
     @property
     def device(self):
@@ -257,15 +262,23 @@ class SpeculativeEngine:
         return probs, self.draft.to_target_ids(ids)
 
     @torch.inference_mode()
-    def draft_extend(self, tokens: torch.Tensor, aux: torch.Tensor) -> DraftState:
+    def draft_extend(self, tokens: torch.Tensor, aux: torch.Tensor, position_ids=None,
+                     input_embeds=None) -> DraftState:
         """Catch up over newly committed positions, pairing (token p+1, target feature p), causal.
 
-        The last row is the draft's first step of the next round: its top-K is level 1.
+        The last row is the draft's first step of the next round: its top-K is level 1. The
+        prompt of a vision-language target brings its own M-RoPE `position_ids` [3, n] and
+        `input_embeds` [n, H]; later tokens sit at their index + the target's rope delta.
         """
         start, n = self.draft_kv.length, tokens.shape[0]
         feat = self.draft.project(aux.to(self.draft_dtype))[None]
-        pos = torch.arange(start, start + n, device=tokens.device)[None]
-        out, logits, (k, v) = self.draft.step(tokens[None], feat, pos, self.draft_kv.past())
+        if position_ids is None:
+            pos = torch.arange(start, start + n, device=tokens.device)[None] + self.runner.rope_delta
+        else:
+            pos = position_ids[None]
+        out, logits, (k, v) = self.draft.step(
+            tokens[None], feat, pos, self.draft_kv.past(),
+            input_embeds=None if input_embeds is None else input_embeds[None].to(self.draft_dtype))
         self.draft_kv.write(start, k, v)
         self.draft_kv.length = start + n
         probs, ids = self._draft_topk(logits[0, -1])
@@ -289,7 +302,7 @@ class SpeculativeEngine:
         for i in range(1, steps):
             written = (i - 1) * k
             mask = torch.cat([prefix, lane_mask.to(device), self_mask], dim=1)[None]
-            pos = torch.full((1, k), length + i - 1, device=device)
+            pos = torch.full((1, k), length + i - 1 + self.runner.rope_delta, device=device)
             out, logits, (kk, vv) = self.draft.step(
                 lane_tok[None], lane_feat[None], pos, self.draft_kv.past(written), mask
             )
@@ -321,24 +334,35 @@ class SpeculativeEngine:
             self.draft_kv.reset(capacity)
 
     @torch.inference_mode()
-    def prefill(self, prompt: torch.Tensor, temperature: float = 0.0, generator=None):
+    def prefill(self, prompt: torch.Tensor, temperature: float = 0.0, generator=None, images=None):
         """Target prefill (first token sampled there), then the draft over the prompt pairing
         (token p+1, feature p). Returns the first token [1] and the draft state of round 1."""
-        logits, aux = self.runner.prefill(prompt)
+        logits, aux = self.runner.prefill(prompt, images=images)
         token = _sample(logits, temperature, generator).reshape(1)
-        return token, self.draft_extend(torch.cat([prompt[1:], token]), aux)
+        tokens = torch.cat([prompt[1:], token])
+        if self.runner.vl is None:
+            return token, self.draft_extend(tokens, aux)
+        embeds = None
+        at = tokens == self.runner.vl.image_token_id
+        at[-1] = False  # the sampled token is text
+        if self.merged_image_embeds and bool(at.any()):
+            # slot p reads token p+1: the merged embedding of p+1 (the sampled token: its own)
+            embeds = self.draft.embed_tokens(tokens).to(self.runner.prompt_embeds.dtype)
+            embeds[at] = self.runner.prompt_embeds[1:][at[:-1]]
+        return token, self.draft_extend(tokens, aux, self.runner.prompt_positions, embeds)
 
     @torch.inference_mode()
     def generate(self, input_ids, max_new_tokens: int, temperature: float = 0.0,
-                 eos_token_id=None, generator: torch.Generator | None = None, on_tokens=None):
+                 eos_token_id=None, generator: torch.Generator | None = None, on_tokens=None, images=None):
         """Speculative generation. Returns (completion token ids [n], GenerationStats);
-        `on_tokens(ids)` streams the tokens committed by each round."""
+        `on_tokens(ids)` streams the tokens committed by each round; `images` ({"pixel_values",
+        "image_grid_thw"}) go with the prompt of a vision-language target."""
         if self.draft is None:
             raise ValueError("generate: this engine has no draft; use generate_base")
         prompt, req = self._start(input_ids, max_new_tokens, eos_token_id, self.spec.num_draft_tokens,
                                   on_tokens)
         timer = req.timer
-        token, state = self.prefill(prompt, temperature, generator)
+        token, state = self.prefill(prompt, temperature, generator, images)
         timer.lap("prefill")
         req.emit(token.tolist())
         req.first_token_done()
@@ -369,11 +393,11 @@ class SpeculativeEngine:
 
     @torch.inference_mode()
     def generate_base(self, input_ids, max_new_tokens: int, temperature: float = 0.0,
-                      eos_token_id=None, generator: torch.Generator | None = None, on_tokens=None):
+                      eos_token_id=None, generator: torch.Generator | None = None, on_tokens=None, images=None):
         """Plain autoregressive decoding of the target on the same cache machinery."""
         prompt, req = self._start(input_ids, max_new_tokens, eos_token_id, 0, on_tokens)
         timer = req.timer
-        logits, _ = self.runner.prefill(prompt, need_aux=False)
+        logits, _ = self.runner.prefill(prompt, need_aux=False, images=images)
         token = _sample(logits, temperature, generator)
         timer.lap("prefill")
         req.emit([int(token)])

@@ -6,6 +6,10 @@ forward's entries to the accepted path. `TargetRunner` runs the prompt (causal),
 nodes (4D boolean mask: whole prefix + ancestors + self, positions S + depth) or a single decode
 token, and returns logits plus the aux hidden states the draft reads (contract §2: outputs of
 decoder layers [a, b, c], i.e. `hidden_states[L + 1]`, concatenated in ascending order).
+
+Vision-language targets (Qwen3-VL): the prompt may carry images; its M-RoPE positions come from
+the target's own rope index, and every later token sits at its text position + `rope_delta`
+in all three components, as the target's generate() does.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from specforge.targets.loader import text_config
+from specforge.targets.vl import capture_input_embeds, is_vl_config, mm_token_type_ids, rope_positions, vl_info
 
 
 _FORCE_GQA = "TRANSFORMERS_SDPA_FORCE_GQA"
@@ -146,6 +151,10 @@ class TargetRunner:
             raise ValueError(f"aux_layer_ids {list(aux_layer_ids)}: must be in [0, {self.num_layers})")
         self.aux_index = [i + 1 for i in aux_layer_ids]
         self.cache: Cache | None = None
+        self.vl = vl_info(model.config) if is_vl_config(model.config) else None
+        self.rope_delta = 0  # M-RoPE: position of a text token after the prompt minus its index
+        self.prompt_positions = None  # [3, P] M-RoPE positions of the last prompt
+        self.prompt_embeds = None  # [P, H] its merged input embeddings (vision features at image tokens)
 
     @property
     def device(self):
@@ -159,8 +168,14 @@ class TargetRunner:
     def reset(self, capacity: int):
         self.cache = Cache(layers=[TreeKVLayer(capacity) for _ in range(self.num_layers)])
 
-    def _run(self, input_ids, position_ids, mask, logits_to_keep=0, need_aux=True):
-        with _forward_settings(self.model.config, force_gqa=mask is not None):
+    def positions(self, pos: torch.Tensor) -> torch.Tensor:
+        """Text positions [1, n] as the target reads them ([3, 1, n] M-RoPE for VL targets)."""
+        if self.vl is None:
+            return pos
+        return (pos + self.rope_delta)[None].expand(3, -1, -1)
+
+    def _run(self, input_ids, position_ids, mask, logits_to_keep=0, need_aux=True, **inputs):
+        with _forward_settings(text_config(self.model.config), force_gqa=mask is not None):
             out = self.model(
                 input_ids=input_ids,
                 position_ids=position_ids,
@@ -169,6 +184,7 @@ class TargetRunner:
                 use_cache=True,
                 output_hidden_states=self.aux_index if need_aux else False,
                 logits_to_keep=logits_to_keep,
+                **inputs,
             )
         aux = None
         if need_aux:
@@ -176,18 +192,37 @@ class TargetRunner:
         return out.logits[0], aux
 
     @torch.inference_mode()
-    def prefill(self, input_ids: torch.Tensor, need_aux: bool = True):
-        """Causal forward over the prompt [P]; returns (logits of the last position [V], aux [P, 3H])."""
+    def prefill(self, input_ids: torch.Tensor, need_aux: bool = True, images: dict | None = None):
+        """Causal forward over the prompt [P]; returns (logits of the last position [V], aux [P, 3H]).
+
+        `images` ({"pixel_values", "image_grid_thw"}, vision-language targets): the prompt's
+        images; `prompt_positions` and `prompt_embeds` then hold what the draft needs."""
         ids = input_ids.reshape(1, -1).to(self.device)
-        pos = torch.arange(self.length, self.length + ids.shape[1], device=self.device)[None]
-        logits, aux = self._run(ids, pos, None, logits_to_keep=1, need_aux=need_aux)
+        if self.vl is None:
+            if images:
+                raise ValueError("prefill: images given, but the target is not a vision-language model")
+            pos = torch.arange(self.length, self.length + ids.shape[1], device=self.device)[None]
+            logits, aux = self._run(ids, pos, None, logits_to_keep=1, need_aux=need_aux)
+            return logits[-1], aux
+        if self.length:
+            raise ValueError("prefill: a vision-language prompt must start an empty cache")
+        grid = images["image_grid_thw"].to(self.device) if images else None
+        pos, delta = rope_positions(self.model, ids, grid)
+        self.rope_delta = int(delta.reshape(-1)[0])
+        inputs = {}
+        if images:
+            inputs = {"pixel_values": images["pixel_values"].to(self.device, self.model.dtype),
+                      "image_grid_thw": grid, "mm_token_type_ids": mm_token_type_ids(ids, self.vl)}
+        with capture_input_embeds(self.model) as captured:
+            logits, aux = self._run(ids, pos, None, logits_to_keep=1, need_aux=need_aux, **inputs)
+        self.prompt_positions, self.prompt_embeds = pos[:, 0], captured.embeds[0]
         return logits[-1], aux
 
     @torch.inference_mode()
     def decode(self, token: torch.Tensor, need_aux: bool = False):
         """One token after the cache; returns (logits [V], aux [1, 3H] or None)."""
         ids = token.reshape(1, 1).to(self.device)
-        pos = torch.full((1, 1), self.length, device=self.device)
+        pos = self.positions(torch.full((1, 1), self.length, device=self.device))
         logits, aux = self._run(ids, pos, None, need_aux=need_aux)
         return logits[-1], aux
 
@@ -201,7 +236,7 @@ class TargetRunner:
         s, n = self.length, tokens.shape[0]
         mask = torch.ones((1, 1, n, s + n), dtype=torch.bool, device=self.device)
         mask[0, 0, :, s:] = tree_mask
-        return self._run(tokens.reshape(1, n), (depth + s).reshape(1, n), mask)
+        return self._run(tokens.reshape(1, n), self.positions((depth + s).reshape(1, n)), mask)
 
     @torch.inference_mode()
     def keep(self, start: int, index: torch.Tensor):

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from specforge.data.vl_render import image_paths
+from specforge.targets.vl import expand_image_tokens, image_inputs, image_token_counts, open_images
 from specforge.utils.io import read_jsonl
 
 
-def heldout_prompts(conversations_file: str | Path, tokenizer, limit: int) -> list[dict]:
-    """[{"id", "input_ids"}] for up to `limit` conversations that have a user turn."""
+def heldout_prompts(conversations_file: str | Path, tokenizer, limit: int, vl=None) -> list[dict]:
+    """[{"id", "input_ids", "messages"}] for up to `limit` conversations that have a user turn. With `vl`
+    (image processor, VLInfo) of a vision-language target, prompts with images also carry
+    "images": {"pixel_values", "image_grid_thw"} and their placeholders are expanded."""
     path = Path(conversations_file)
     if not path.exists():
         raise FileNotFoundError(f"{path}: no held-out conversations; the data stage writes it when "
@@ -25,7 +29,16 @@ def heldout_prompts(conversations_file: str | Path, tokenizer, limit: int) -> li
         ids = tokenizer.apply_chat_template(head, add_generation_prompt=True, tokenize=True)
         if hasattr(ids, "keys"):  # BatchEncoding from newer transformers
             ids = ids["input_ids"]
-        prompts.append({"id": row["id"], "input_ids": list(ids)})
+        prompt = {"id": row["id"], "input_ids": list(ids), "messages": head}
+        paths = image_paths(head)
+        if paths and vl is not None:
+            image_processor, info = vl
+            images = image_inputs(open_images(paths), image_processor)
+            counts = image_token_counts(images["image_grid_thw"].tolist(), info.spatial_merge_size)
+            prompt["input_ids"], _ = expand_image_tokens(prompt["input_ids"], [0] * len(ids), counts,
+                                                         info.image_token_id)
+            prompt["images"] = images
+        prompts.append(prompt)
         if len(prompts) >= limit:
             break
     if not prompts:

@@ -24,7 +24,8 @@ from specforge.checkpoint import load_draft
 from specforge.engine.speculative import PHASES, GenerationStats, SpeculativeEngine
 from specforge.engine.tree import TreeSpec
 from specforge.eval.prompts import heldout_prompts
-from specforge.targets.loader import load_target, load_tokenizer, torch_dtype
+from specforge.targets.loader import load_target, load_tokenizer, resolve_target_path, torch_dtype
+from specforge.targets.vl import is_vl, load_image_processor, vl_info
 from specforge.utils.progress import progress_bar
 
 
@@ -140,7 +141,7 @@ def _run_pass(engine, prompts, eval_cfg, eos, speculative: bool, bar, task):
         generator.manual_seed(eval_cfg.seed + i)
         run = engine.generate if speculative else engine.generate_base
         ids, st = run(p["input_ids"], eval_cfg.max_new_tokens, temperature=eval_cfg.temperature,
-                      eos_token_id=eos, generator=generator)
+                      eos_token_id=eos, generator=generator, images=p.get("images"))
         outputs.append([int(t) for t in ids])
         stats.append(st)
         bar.advance(task)
@@ -161,11 +162,15 @@ def evaluate_checkpoints(run_cfg, ckpts: list[Path], eval_cfg) -> dict:
     target = load_target(target_cfg, device)
     eos = tokenizer.eos_token_id
     run_dir = Path(run_cfg.output_dir) / run_cfg.run_name
-    prompts = heldout_prompts(run_dir / "data" / "eval.conversations.jsonl", tokenizer, eval_cfg.num_prompts)
+    vl = None
+    if is_vl(run_cfg.target.kind):  # prompts keep their images (expanded as the data stage did)
+        vl = (load_image_processor(resolve_target_path(run_cfg.target), run_cfg.data.image_min_pixels,
+                                   run_cfg.data.image_max_pixels), vl_info(target.config))
+    prompts = heldout_prompts(run_dir / "data" / "eval.conversations.jsonl", tokenizer, eval_cfg.num_prompts, vl)
 
     base_engine = SpeculativeEngine(target, None)
-    warm = prompts[0]["input_ids"]
-    base_engine.generate_base(warm, 8, eos_token_id=eos)
+    warm = prompts[0]
+    base_engine.generate_base(warm["input_ids"], 8, eos_token_id=eos, images=warm.get("images"))
     n_passes = 2 + len(ckpts) * len(trees)
     results = {"configs": [], "meta": {
         "prompts": len(prompts), "max_new_tokens": eval_cfg.max_new_tokens,
@@ -179,7 +184,7 @@ def evaluate_checkpoints(run_cfg, ckpts: list[Path], eval_cfg) -> dict:
             for tree in trees:
                 bar.update(task, info=f"{ckpt.name} {tree}")
                 engine = SpeculativeEngine(target, draft, tree, eval_cfg.exact_ancestor_attention)
-                engine.generate(warm, 8, eos_token_id=eos)
+                engine.generate(warm["input_ids"], 8, eos_token_id=eos, images=warm.get("images"))
                 outputs, stats = _run_pass(engine, prompts, eval_cfg, eos, True, bar, task)
                 row = {"checkpoint": str(ckpt), "epoch": epoch_of(ckpt), "tree": str(tree),
                        **aggregate(stats, tree.steps),

@@ -120,10 +120,13 @@ class EmbeddedExtractor:
         self.stats["seconds"] += time.perf_counter() - t0
         return result
 
-    def run(
-        self, samples: Sequence[dict], chunk: int | None = None
-    ) -> Iterator[tuple[dict, torch.Tensor, torch.Tensor]]:
-        """Yield (sample, aux, last) for samples with `input_ids`, longest first.
+    def forward_rows(self, rows: Sequence[dict]) -> list[dict]:
+        """What the store keeps of each row: {"aux", "last"} (vision-language extractors add more)."""
+        return [{"aux": aux, "last": last} for aux, last in self.forward([r["input_ids"] for r in rows])]
+
+    def run(self, samples: Sequence[dict], chunk: int | None = None) -> Iterator[tuple[dict, dict]]:
+        """Yield (sample, states) for samples with `input_ids`, longest first; `states` holds
+        the tensors the store writer takes ({"aux", "last"}, see forward_rows).
 
         With `chunk`, samples are planned in consecutive chunks of that many (of the length-sorted
         order), so batches never cross a shard boundary when chunk == shard size: a resumed run
@@ -135,8 +138,7 @@ class EmbeddedExtractor:
             part = [samples[i] for i in order[c : c + step]]
             for batch in plan_batches([len(s["input_ids"]) for s in part], self.batch_tokens):
                 rows = [part[i] for i in batch]
-                for sample, (aux, last) in zip(rows, self.forward([s["input_ids"] for s in rows])):
-                    yield sample, aux, last
+                yield from zip(rows, self.forward_rows(rows))
 
     @property
     def tokens_per_s(self) -> float:

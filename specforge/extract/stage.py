@@ -69,11 +69,20 @@ def load_rows(path: Path, vocab_size: int | None = None) -> list[dict]:
             raise ValueError(
                 f"{where}: field 'loss_mask' must be a list of 0/1 as long as input_ids ({len(ids)})"
             )
-        rows.append({
+        sample = {
             "id": sid,
             "input_ids": torch.tensor(ids, dtype=torch.int32),
             "loss_mask": torch.tensor(mask, dtype=torch.uint8),
-        })
+        }
+        if "images" in row:  # vision-language rows (specforge/data/vl_render.py)
+            images, grids = row["images"], row.get("image_grid_thw")
+            if (not isinstance(images, list) or not all(isinstance(p, str) for p in images)
+                    or not isinstance(grids, list) or len(grids) != len(images)
+                    or not all(isinstance(g, list) and len(g) == 3 for g in grids)):
+                raise ValueError(f"{where}: 'images' must be a list of paths with one [t, h, w] per path "
+                                 "in 'image_grid_thw'")
+            sample.update(images=images, image_grid_thw=grids)
+        rows.append(sample)
     return rows
 
 
@@ -103,8 +112,8 @@ def extract_split(extractor: EmbeddedExtractor, rows: list[dict], out_dir: Path,
     stats0 = dict(extractor.stats)
     task = progress.add_task(label, total=total_tokens(todo), rate=0.0) if progress else None
     with writer:
-        for sample, aux, last in extractor.run(todo, chunk=shard_samples):
-            writer.add(sample["id"], sample["input_ids"], sample["loss_mask"], aux, last)
+        for sample, states in extractor.run(todo, chunk=shard_samples):
+            writer.add(sample["id"], sample["input_ids"], sample["loss_mask"], **states)
             if progress is not None:
                 done = extractor.stats["tokens"] - stats0["tokens"]
                 secs = extractor.stats["seconds"] - stats0["seconds"]
@@ -224,14 +233,11 @@ def run(cfg, run_dir) -> dict:
         )
     if cfg.extract.backend != "embedded":
         raise ValueError(f"extract.backend={cfg.extract.backend!r}: unknown backend; known: embedded, sglang")
-    if cfg.target.kind != "causal_lm":
-        raise ValueError(
-            f"target.kind={cfg.target.kind!r}: the embedded extractor handles text causal LMs only "
-            "(vision-language targets need image inputs the data rows do not carry)"
-        )
     if cfg.extract.dtype not in STORAGE_DTYPES:
         raise ValueError(f"extract.dtype: {cfg.extract.dtype!r} is not one of {list(STORAGE_DTYPES)}")
+    from specforge.extract.vl import VLExtractor
     from specforge.targets.loader import aux_layer_ids, load_target, resolve_target_path, target_fingerprint, text_config
+    from specforge.targets.vl import is_vl, load_image_processor, vl_info
 
     run_dir = Path(run_dir)
     data_dir = run_dir / "data"
@@ -251,10 +257,18 @@ def run(cfg, run_dir) -> dict:
     model = load_target(cfg.target, device=device)
     tcfg = text_config(model.config)
     aux = aux_layer_ids(cfg.target, model.config)
-    extractor = EmbeddedExtractor(
-        model, aux, batch_tokens=cfg.extract.batch_tokens, storage_dtype=STORAGE_DTYPES[cfg.extract.dtype]
-    )
+    storage = STORAGE_DTYPES[cfg.extract.dtype]
+    vl_meta = {}
+    if is_vl(cfg.target.kind):
+        info = vl_info(model.config)
+        processor = load_image_processor(target_path, cfg.data.image_min_pixels, cfg.data.image_max_pixels)
+        extractor = VLExtractor(model, aux, cfg.extract.batch_tokens, storage, processor, info)
+        vl_meta = {"vl": True, "image_token_id": info.image_token_id, "image_min_pixels": cfg.data.image_min_pixels,
+                   "image_max_pixels": cfg.data.image_max_pixels}
+    else:
+        extractor = EmbeddedExtractor(model, aux, batch_tokens=cfg.extract.batch_tokens, storage_dtype=storage)
     base_meta = {
+        **vl_meta,
         "target_fingerprint": target_fingerprint(target_path),
         "model_type": tcfg.model_type,
         "aux_layer_ids": aux,

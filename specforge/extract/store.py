@@ -6,6 +6,9 @@ Layout of a store directory (docs/design.md, "Hidden-state store"):
   `input_ids` int32 [T], `loss_mask` uint8 [T], `aux` [T, 3*H] (aux layers in ascending order),
   `last` [T, H] (final post-norm state), `offsets` int64 [n+1]; the sample ids are a JSON list in
   the safetensors header metadata (`ids`), so the manifest stays small for 500K-sample stores.
+  Vision-language stores (meta `vl: true`) also hold `position_ids` int32 [T, 3] (the target's
+  M-RoPE positions, token-major) and `image_embeds` [I, H] (the target's merged input embeddings
+  at image-token positions, in sequence order) with `image_offsets` int64 [n+1].
 - `manifest.json`: `meta` (what produced the states), the finished shards and `complete`.
 
 Crash safety: a shard is written to a temp file and renamed, and only then listed in the manifest
@@ -86,10 +89,11 @@ class HiddenStateStoreWriter:
         self.hidden_size = int(meta["hidden_size"])
         self.aux_width = len(meta["aux_layer_ids"]) * self.hidden_size
         self.dtype = STORAGE_DTYPES[meta["storage_dtype"]]
+        self.vl = bool(meta.get("vl", False))
         self.shards: list[dict] = []
         self.done_ids: set[str] = set()
         self.resumed = False
-        self._buffer: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._buffer: list[tuple] = []  # (id, ids, mask, aux, last, position_ids, image_embeds)
         self._closed = False
         self.dir.mkdir(parents=True, exist_ok=True)
         self._open_existing(if_mismatch)
@@ -166,8 +170,11 @@ class HiddenStateStoreWriter:
         loss_mask: torch.Tensor | list[int],
         aux: torch.Tensor,
         last: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        image_embeds: torch.Tensor | None = None,
     ) -> None:
-        """Buffer one sample (tensors of S tokens, padding already stripped)."""
+        """Buffer one sample (tensors of S tokens, padding already stripped). Vision-language
+        stores need `position_ids` [3, S] and `image_embeds` [I, H] (I may be 0); others refuse them."""
         if self._closed:
             raise RuntimeError(f"{self.dir}: writer is closed")
         if not isinstance(sample_id, str):
@@ -185,6 +192,16 @@ class HiddenStateStoreWriter:
         for name, got, want in checks:
             if got != want:
                 raise ValueError(f"sample {sample_id!r}: {name} has shape {got}, expected {want}")
+        if self.vl:
+            if position_ids is None or image_embeds is None:
+                raise ValueError(f"sample {sample_id!r}: a vision-language store needs position_ids and image_embeds")
+            checks = [("position_ids", tuple(position_ids.shape), (3, s)),
+                      ("image_embeds", tuple(image_embeds.shape[1:]), (self.hidden_size,))]
+            for name, got, want in checks:
+                if got != want:
+                    raise ValueError(f"sample {sample_id!r}: {name} has shape {got}, expected {want}")
+        elif position_ids is not None or image_embeds is not None:
+            raise ValueError(f"sample {sample_id!r}: position_ids/image_embeds need a store with meta vl=true")
         if s == 0:
             raise ValueError(f"sample {sample_id!r}: has no tokens")
         if ((mask != 0) & (mask != 1)).any():
@@ -196,6 +213,8 @@ class HiddenStateStoreWriter:
                 mask.to(torch.uint8),
                 aux.detach().to("cpu", self.dtype),
                 last.detach().to("cpu", self.dtype),
+                None if position_ids is None else position_ids.detach().to("cpu", torch.int32).T.contiguous(),
+                None if image_embeds is None else image_embeds.detach().to("cpu", self.dtype),
             )
         )
         self.done_ids.add(sample_id)
@@ -217,6 +236,13 @@ class HiddenStateStoreWriter:
             "last": torch.cat([b[4] for b in self._buffer]),
             "offsets": offsets,
         }
+        if self.vl:
+            counts = torch.tensor([b[6].shape[0] for b in self._buffer], dtype=torch.int64)
+            image_offsets = torch.zeros(len(ids) + 1, dtype=torch.int64)
+            image_offsets[1:] = torch.cumsum(counts, 0)
+            tensors["position_ids"] = torch.cat([b[5] for b in self._buffer])
+            tensors["image_embeds"] = torch.cat([b[6] for b in self._buffer])
+            tensors["image_offsets"] = image_offsets
         name = shard_name(len(self.shards))
         path = self.dir / name
         with atomic_path(path) as tmp:
@@ -324,6 +350,8 @@ class HiddenStateStore:
         self.max_open = max_open
         self._handles: OrderedDict[int, Any] = OrderedDict()
         self._offsets: dict[int, list[int]] = {}
+        self._image_offsets: dict[int, list[int]] = {}
+        self.vl = bool(self.meta.get("vl", False))
         self._lengths: list[int] | None = None
         self._ids: list[str] | None = None
 
@@ -376,6 +404,11 @@ class HiddenStateStore:
 
     def locate(self, i: int) -> tuple[int, int, int]:
         """(shard index, first token, end token) of sample i."""
+        k, _, a, b = self._locate(i)
+        return k, a, b
+
+    def _locate(self, i: int) -> tuple[int, int, int, int]:
+        """(shard index, index within the shard, first token, end token) of sample i."""
         n = len(self)
         if i < 0:
             i += n
@@ -384,17 +417,24 @@ class HiddenStateStore:
         k = bisect_right(self._starts, i) - 1
         off = self._shard_offsets(k)
         j = i - self._starts[k]
-        return k, off[j], off[j + 1]
+        return k, j, off[j], off[j + 1]
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        k, a, b = self.locate(i)
+        k, j, a, b = self._locate(i)
         h = self._handle(k)
-        return {
+        sample = {
             "input_ids": h.get_slice("input_ids")[a:b].long(),
             "loss_mask": h.get_slice("loss_mask")[a:b].long(),
             "aux": h.get_slice("aux")[a:b],
             "last": h.get_slice("last")[a:b],
         }
+        if self.vl:
+            off = self._image_offsets.get(k)
+            if off is None:
+                off = self._image_offsets[k] = h.get_tensor("image_offsets").tolist()
+            sample["position_ids"] = h.get_slice("position_ids")[a:b].long().T  # [3, S]
+            sample["image_embeds"] = h.get_slice("image_embeds")[off[j] : off[j + 1]]
+        return sample
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()

@@ -40,6 +40,7 @@ class BenchRequest:
     prompt: list[int] | str
     prompt_len: int
     output_len: int
+    images: list[str] = field(default_factory=list)  # image paths/URLs (SGLang `image_data`)
 
 
 @dataclass
@@ -102,17 +103,28 @@ def random_token_requests(num_prompts: int, input_len: int, output_len: int, voc
             for _ in range(num_prompts)]
 
 
-def conversation_requests(path, tokenizer, num_prompts: int, output_len: int) -> list[BenchRequest]:
+def conversation_requests(path, tokenizer, num_prompts: int, output_len: int,
+                          with_images: bool = False) -> list[BenchRequest]:
     """The held-out prompts of the embedded evaluation (specforge.eval.prompts: each conversation up
     to its first assistant turn, with the generation prompt), from a run dir or a .jsonl file;
-    cycled when there are fewer conversations than `num_prompts`."""
+    cycled when there are fewer conversations than `num_prompts`. `with_images` (vision-language
+    targets): a prompt with images goes as its rendered text plus `image_data`, and the server
+    expands the image placeholders itself."""
+    from specforge.data.vl_render import image_paths
     from specforge.eval.prompts import heldout_prompts
 
     path = Path(path)
     if path.is_dir():
         path = path / "data" / "eval.conversations.jsonl"
-    prompts = [p["input_ids"] for p in heldout_prompts(path, tokenizer, num_prompts)]
-    return [BenchRequest(p, len(p), output_len) for p in (prompts[i % len(prompts)] for i in range(num_prompts))]
+    requests = []
+    for p in heldout_prompts(path, tokenizer, num_prompts):
+        paths = image_paths(p["messages"]) if with_images else []
+        if paths:
+            text = tokenizer.apply_chat_template(p["messages"], add_generation_prompt=True, tokenize=False)
+            requests.append(BenchRequest(text, len(p["input_ids"]), output_len, paths))
+        else:
+            requests.append(BenchRequest(p["input_ids"], len(p["input_ids"]), output_len))
+    return [requests[i % len(requests)] for i in range(num_prompts)]
 
 
 # ---- one request -----------------------------------------------------------------------------------
@@ -172,6 +184,8 @@ async def request_generate(client: httpx.AsyncClient, base_url: str, req: BenchR
                "sampling_params": {"max_new_tokens": req.output_len, "temperature": temperature,
                                    "ignore_eos": ignore_eos},
                "stream": True}
+    if req.images:
+        payload["image_data"] = req.images
     r = RequestResult(prompt_len=req.prompt_len)
     timing = _Timing(r)
     r.start_time = time.perf_counter()
@@ -194,6 +208,8 @@ async def request_openai(client: httpx.AsyncClient, base_url: str, req: BenchReq
                          temperature: float, ignore_eos: bool, model: str | None) -> RequestResult:
     """OpenAI completions streaming, with SGLang's extensions for exact token counts: continuous
     usage stats on every chunk and the spec details (`sglext`) at the end."""
+    if req.images:
+        raise ValueError("requests with images need the SGLang /generate endpoint (eval.bench_backend=sglang)")
     payload = {"prompt": req.prompt, "max_tokens": req.output_len, "temperature": temperature,
                "stream": True, "ignore_eos": ignore_eos, "return_spec_tokens_details": True,
                "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
@@ -264,7 +280,7 @@ async def run_benchmark_async(base_url: str, requests: Sequence[BenchRequest], *
                     return RequestResult(success=False, error=f"{type(e).__name__}: {e}", prompt_len=req.prompt_len)
 
         for req in requests[:warmup]:
-            r = await one(BenchRequest(req.prompt, req.prompt_len, min(req.output_len, 16)))
+            r = await one(BenchRequest(req.prompt, req.prompt_len, min(req.output_len, 16), req.images))
             if not r.success:
                 raise RuntimeError(f"benchmark warmup request to {base_url} failed: {r.error}")
         start = time.perf_counter()

@@ -25,6 +25,7 @@ from specforge.serving.bench_client import (
     random_token_requests, run_benchmark,
 )
 from specforge.serving.scenarios import Scenario, get_scenario
+from specforge.targets.vl import is_vl
 from specforge.serving.server_process import ServerProcess, free_port
 
 # (target_path, draft_path | None, tree | None, port) -> command
@@ -85,10 +86,11 @@ def eval_scenario(eval_cfg) -> Scenario:
                        max_concurrency=getattr(eval_cfg, "bench_max_concurrency", None))
 
 
-def eval_requests(eval_cfg, scenario: Scenario, tokenizer, run_dir, seed: int = 0) -> list[BenchRequest]:
+def eval_requests(eval_cfg, scenario: Scenario, tokenizer, run_dir, seed: int = 0,
+                  with_images: bool = False) -> list[BenchRequest]:
     prompts = getattr(eval_cfg, "prompts", "conversations")
     if prompts == "conversations":
-        return conversation_requests(run_dir, tokenizer, scenario.num_prompts, scenario.output_len)
+        return conversation_requests(run_dir, tokenizer, scenario.num_prompts, scenario.output_len, with_images)
     if prompts == "random":
         return random_token_requests(scenario.num_prompts, scenario.input_len, scenario.output_len,
                                      len(tokenizer), exclude_ids=tokenizer.all_special_ids, seed=seed)
@@ -123,7 +125,7 @@ def evaluate_serving(run_cfg, checkpoints: Sequence[Path], eval_cfg, run_dir, ou
     tokenizer = tokenizer or load_tokenizer(run_cfg.target)
     scenario = eval_scenario(ev)
     seed = int(getattr(run_cfg, "seed", 0) or 0)
-    requests = eval_requests(ev, scenario, tokenizer, run_dir, seed=seed)
+    requests = eval_requests(ev, scenario, tokenizer, run_dir, seed=seed, with_images=is_vl(getattr(run_cfg.target, "kind", None)))
     timeout = float(getattr(ev, "server_startup_timeout_s", 900.0))
 
     runs: list[tuple[str, str | Launch]] = []

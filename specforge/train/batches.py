@@ -61,8 +61,13 @@ def eval_batches(lengths: list[int], batch_size: int, rank: int = 0,
     return mine
 
 
-def collate(samples: list[dict], dtype=torch.float32) -> dict:
-    """Right-pad samples to one length; the loss mask is False on padding."""
+def collate(samples: list[dict], dtype=torch.float32, image_token_id: int | None = None) -> dict:
+    """Right-pad samples to one length; the loss mask is False on padding.
+
+    Vision-language samples bring their M-RoPE `position_ids` [3, S] (-> [B, 3, n]). With
+    `image_token_id` (draft.image_embeddings=merged) their `image_embeds` become
+    `embed_override` [B, n, H] + `embed_override_mask` [B, n]: the draft's token embedding at
+    image positions is the target's merged input embedding, as the serving engine feeds it."""
     n = max(len(s["input_ids"]) for s in samples)
     b = len(samples)
     h3, h = samples[0]["aux"].shape[-1], samples[0]["last"].shape[-1]
@@ -78,5 +83,23 @@ def collate(samples: list[dict], dtype=torch.float32) -> dict:
         batch["loss_mask"][i, :m] = s["loss_mask"].bool()
         batch["aux"][i, :m] = s["aux"].to(dtype)
         batch["last"][i, :m] = s["last"].to(dtype)
-    batch["position_ids"] = torch.arange(n).expand(b, n)
+    if "position_ids" not in samples[0]:
+        batch["position_ids"] = torch.arange(n).expand(b, n)
+        return batch
+    # padding continues each row's positions (never attended to, never scored)
+    pos = torch.arange(n).expand(b, 3, n).clone()
+    for i, s in enumerate(samples):
+        m = len(s["input_ids"])
+        pos[i, :, :m] = s["position_ids"]
+        pos[i, :, m:] += s["position_ids"].max() + 1 - m
+    batch["position_ids"] = pos
+    if image_token_id is not None:
+        batch["embed_override"] = torch.zeros(b, n, h, dtype=dtype)
+        batch["embed_override_mask"] = batch["input_ids"] == image_token_id
+        for i, s in enumerate(samples):
+            at = batch["embed_override_mask"][i]
+            if int(at.sum()) != s["image_embeds"].shape[0]:
+                raise ValueError(f"sample {i} of the batch: {int(at.sum())} image tokens but "
+                                 f"{s['image_embeds'].shape[0]} stored image embeddings")
+            batch["embed_override"][i, at] = s["image_embeds"].to(dtype)
     return batch

@@ -178,11 +178,23 @@ class Position:
     wandb_run_id: str | None = None
 
 
+IMAGE_EMBEDDINGS = ("merged", "token")
+
+
+def override_token(cfg, store: HiddenStateStore) -> int | None:
+    """The image placeholder id whose draft embedding is the target's merged input embedding
+    (draft.image_embeddings=merged on a vision-language store), else None."""
+    mode = cfg.draft.image_embeddings
+    if mode not in IMAGE_EMBEDDINGS:
+        raise ValueError(f"draft.image_embeddings: {mode!r} is not one of {list(IMAGE_EMBEDDINGS)}")
+    return int(store.meta["image_token_id"]) if store.vl and mode == "merged" else None
+
+
 def optimizer_step(strategy, micro_batches: list[list[int]], store: HiddenStateStore, device, amp,
-                   meter: Meter) -> float:
+                   meter: Meter, image_token_id: int | None = None) -> float:
     """One optimizer step over this rank's micro-batches; returns the gradient norm."""
     for j, idx in enumerate(micro_batches):
-        batch = {k: v.to(device) for k, v in collate([store[i] for i in idx]).items()}
+        batch = {k: v.to(device) for k, v in collate([store[i] for i in idx], image_token_id=image_token_id).items()}
         with strategy.grad_sync(last=j == len(micro_batches) - 1):
             with amp:
                 loss, stats = strategy.model(batch)
@@ -204,8 +216,9 @@ def evaluate(strategy, store: HiddenStateStore, cfg, device, amp) -> dict:
     env = dist.current()
     strategy.train(False)
     meter = Meter(cfg.train.ttt_length)
+    image_token_id = override_token(cfg, store)
     for idx, counted in eval_batches(store.lengths, cfg.train.batch_size, env.rank, env.world_size):
-        batch = {k: v.to(device) for k, v in collate([store[i] for i in idx]).items()}
+        batch = {k: v.to(device) for k, v in collate([store[i] for i in idx], image_token_id=image_token_id).items()}
         with amp:
             _, stats = strategy.model(batch)
         if counted:
@@ -301,11 +314,14 @@ def train(cfg, run_dir: Path) -> dict:
                          f"{tc.batch_size}, fewer than one global batch of {tc.grad_accum * env.world_size}; "
                          "lower train.batch_size or train.grad_accum, or use fewer processes")
 
+    image_token_id = override_token(cfg, train_store)
     embed, teacher_weight, target_config = target_head(cfg)
     teacher_weight = teacher_weight.to(device)
 
     # -- the draft, spread over the processes by the strategy ---------------------------------------
     draft = build_draft(cfg, target_config, train_store.meta["aux_layer_ids"], vocab, embed).to(device)
+    if train_store.vl:  # the engine feeds image positions the way the draft was trained (docs/design.md)
+        draft.config.extra["image_embeddings"] = cfg.draft.image_embeddings
     draft_config = draft.config
     module = TTTModule(draft, Teacher(teacher_weight, draft.t2d), tc.ttt_length, tc.step_weight)
     strategy = make_strategy(module, tc, env, device)
@@ -357,7 +373,7 @@ def train(cfg, run_dir: Path) -> dict:
                 task = bar.add_task(f"train epoch {epoch}", total=per_epoch, completed=start, info="")
                 for s in range(start, per_epoch):
                     micro = mine[s * tc.grad_accum : (s + 1) * tc.grad_accum]
-                    grad_norm = optimizer_step(strategy, micro, train_store, device, amp, meter)
+                    grad_norm = optimizer_step(strategy, micro, train_store, device, amp, meter, image_token_id)
                     scheduler.step()
                     position.step += 1
                     last_of_epoch = s + 1 == per_epoch

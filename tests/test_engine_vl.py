@@ -1,0 +1,100 @@
+"""The embedded engine on a vision-language target: prompts with images, M-RoPE positions after
+the prompt, and what the draft is fed at image positions."""
+from __future__ import annotations
+
+import pytest
+import torch
+from PIL import Image, ImageDraw
+
+from specforge.config import TargetConfig
+from specforge.engine.speculative import SpeculativeEngine
+from specforge.models.draft import Eagle3Config, Eagle3Draft
+from specforge.targets.loader import load_target, load_tokenizer
+from specforge.targets.vl import (expand_image_tokens, image_inputs, image_token_counts, load_image_processor,
+                                  mm_token_type_ids, open_images, rope_positions, vl_info)
+
+AUX = [2, 3, 4]
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_vl_dir, tmp_path_factory):
+    """(model, draft, prompt ids, images) with a two-image prompt; the draft is random."""
+    cfg = TargetConfig(name="tiny-vl", path=str(tiny_vl_dir), kind="qwen3_vl", dtype="float32")
+    model, tok = load_target(cfg, "cpu"), load_tokenizer(cfg)
+    info = vl_info(model.config)
+    d = tmp_path_factory.mktemp("imgs")
+    paths = []
+    for i, size in enumerate([(64, 64), (96, 64)]):
+        im = Image.new("RGB", size, (40 * i, 120, 200 - 50 * i))
+        ImageDraw.Draw(im).ellipse([8, 8, 40, 40], fill=(250, 200, 0))
+        im.save(d / f"{i}.png")
+        paths.append(str(d / f"{i}.png"))
+    messages = [{"role": "user", "content": [{"type": "image", "image": paths[0]}, {"type": "text", "text": "and"},
+                                             {"type": "image", "image": paths[1]},
+                                             {"type": "text", "text": "What is the weather in Oslo?"}]}]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    images = image_inputs(open_images(paths), load_image_processor(tiny_vl_dir))
+    counts = image_token_counts(images["image_grid_thw"].tolist(), info.spatial_merge_size)
+    ids, _ = expand_image_tokens(list(ids), [0] * len(ids), counts, info.image_token_id)
+    torch.manual_seed(0)
+    dcfg = Eagle3Config.from_target(model.config, AUX, draft_vocab_size=len(tok))
+    draft = Eagle3Draft(dcfg)
+    for p in draft.parameters():  # sharper than the default init: the draft proposes varied trees
+        torch.nn.init.normal_(p, std=0.3)
+    draft.embed_tokens.weight.data.copy_(model.get_input_embeddings().weight)
+    return model, draft, torch.tensor(ids), images, info
+
+
+@pytest.mark.parametrize("tree", ["3_1_4", "3_2_6", "4_3_8"])
+def test_speculative_equals_plain_decoding_with_images(setup, tree):
+    model, draft, ids, images, _ = setup
+    base, _ = SpeculativeEngine(model, None, aux_layer_ids=AUX).generate_base(ids, 20, images=images)
+    spec, stats = SpeculativeEngine(model, draft, tree).generate(ids, 20, images=images)
+    assert spec.tolist() == base.tolist() and stats.spec_verify_ct > 0
+
+
+def test_base_decoding_equals_transformers_generate(setup):
+    """Positions after an image prompt (text index + rope delta, in all three components) are
+    the ones transformers' own generate() uses: same greedy tokens."""
+    model, _, ids, images, info = setup
+    base, _ = SpeculativeEngine(model, None, aux_layer_ids=AUX).generate_base(ids, 20, images=images)
+    with torch.no_grad():
+        ref = model.generate(input_ids=ids[None], pixel_values=images["pixel_values"],
+                             image_grid_thw=images["image_grid_thw"], mm_token_type_ids=mm_token_type_ids(ids[None], info),
+                             max_new_tokens=20, min_new_tokens=20, do_sample=False)
+    assert base.tolist() == ref[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("mode", ["merged", "token"])
+def test_draft_prefill_sees_target_positions_and_configured_image_embeddings(setup, mode):
+    model, draft, ids, images, info = setup
+    draft.config.extra["image_embeddings"] = mode
+    seen = []
+    original = draft.step
+
+    def spy(input_ids, feat, position_ids, past_kv=None, attn_mask=None, input_embeds=None):
+        seen.append((input_ids, position_ids, input_embeds))
+        return original(input_ids, feat, position_ids, past_kv, attn_mask, input_embeds)
+
+    draft.step = spy
+    try:
+        SpeculativeEngine(model, draft, "3_1_4").generate(ids, 4, images=images)
+    finally:
+        del draft.step
+        draft.config.extra.pop("image_embeddings")
+    tokens, positions, embeds = seen[0]  # the draft's prefill over the prompt
+    target_positions, delta = rope_positions(model, ids[None], images["image_grid_thw"])
+    assert torch.equal(positions[0], target_positions[:, 0])  # slot p: the target's position of p
+    at = tokens[0] == info.image_token_id
+    assert int(at.sum()) == int((ids == info.image_token_id).sum())
+    if mode == "token":
+        assert embeds is None  # the draft embeds the placeholder token itself
+        return
+    with torch.no_grad():
+        features = torch.cat(model.model.get_image_features(images["pixel_values"], images["image_grid_thw"]).pooler_output)
+    torch.testing.assert_close(embeds[0][at], features)  # slot p reads token p+1's merged embedding
+    torch.testing.assert_close(embeds[0][~at], draft.embed_tokens(tokens[0][~at]))
+    # after the prompt, every draft position is text index + delta in all three components
+    later = seen[1][1]
+    assert later.dim() == 2 and int(later.min()) >= len(ids) + int(delta) - 1
