@@ -424,3 +424,13 @@ def test_truncated_answers_are_kept_as_last_turn_when_configured(target, tmp_pat
         first_answer = next(i for i, m in enumerate(original["messages"]) if m["role"] == "assistant")
         assert [m["role"] for m in row["messages"]] == [m["role"] for m in original["messages"][: first_answer + 1]]
         assert row["messages"][-1]["content"].strip()
+
+
+def test_embedded_regeneration_refuses_vision_language_targets(tiny_vl_dir):
+    """The embedded regenerator is text-only: a VL target is sent to a server that takes images,
+    before any model is loaded."""
+    from specforge.data.regen.embedded import EmbeddedBackend
+
+    target = TargetConfig(name="vl", path=str(tiny_vl_dir), kind="qwen3_vl", dtype="float32")
+    with pytest.raises(ValueError, match="text targets only .*backend=openai"):
+        EmbeddedBackend(RegenerateConfig(enabled=True), target)

@@ -26,6 +26,10 @@ class EmbeddedBackend:
 
         if target_cfg is None:
             raise ValueError("data.regenerate.backend=embedded needs a target (target.path)")
+        if getattr(target_cfg, "kind", "causal_lm") != "causal_lm":
+            raise ValueError(f"data.regenerate.backend=embedded: text targets only (target.kind={target_cfg.kind}); "
+                             "regenerate vision-language answers through a server that takes images: "
+                             "data.regenerate.backend=openai data.regenerate.urls=[http://127.0.0.1:30000] (SGLang)")
         self.cfg, self.seed = cfg, seed
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.tokenizer = load_tokenizer(target_cfg)
