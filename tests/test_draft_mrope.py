@@ -106,19 +106,12 @@ def test_mrope_section_must_match_the_draft_head_dim():
 
 # -- TTT with M-RoPE positions and the embedding override -----------------------------------------
 
-def tiny_vl_draft(vocab=50, draft_vocab=20, hidden=32, target_hidden=32):
-    torch.manual_seed(0)
-    cfg = Eagle3Config(vocab_size=vocab, draft_vocab_size=draft_vocab, hidden_size=hidden,
-                       intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                       target_hidden_size=target_hidden, aux_layer_ids=[0, 1, 2],
-                       rope_scaling={"rope_type": "default", "mrope_section": [2, 1, 1],
-                                     "mrope_interleaved": True})
-    draft = Eagle3Draft(cfg, attention="eager")
-    used = torch.arange(0, 2 * draft_vocab, 2)
-    t2d = torch.zeros(vocab, dtype=torch.bool)
-    t2d[used] = True
-    draft.set_vocab_mapping(used - torch.arange(draft_vocab), t2d)
-    return draft
+def tiny_vl_draft():
+    """test_ttt's tiny draft with interleaved M-RoPE (head_dim 8: sections sum to 4)."""
+    from test_ttt import tiny_draft
+
+    return tiny_draft(target_hidden=32, rope_scaling={"rope_type": "default", "mrope_section": [2, 1, 1],
+                                                      "mrope_interleaved": True})
 
 
 def vl_batch(draft, batch=2, seq=10, seed=1):

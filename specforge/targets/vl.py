@@ -26,6 +26,8 @@ from typing import Iterator, Sequence
 
 import torch
 
+from specforge.targets.loader import deepstack_layers
+
 VL_KINDS = ("qwen3_vl", "qwen2_5_vl")
 
 
@@ -103,7 +105,7 @@ def vl_info(model_config) -> VLInfo:
     image_token_id = _get(model_config, "image_token_id")
     if image_token_id is None:
         raise ValueError(f"target: {model_type} config has no image_token_id")
-    deepstack = len(_get(vision, "deepstack_visual_indexes") or ()) if model_type == "qwen3_vl" else 0
+    deepstack = deepstack_layers(model_config) if model_type == "qwen3_vl" else 0
     interleaved = _get(rope, "mrope_interleaved")
     return VLInfo(
         model_type=model_type,
