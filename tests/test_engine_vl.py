@@ -10,8 +10,8 @@ from specforge.config import TargetConfig
 from specforge.engine.speculative import SpeculativeEngine
 from specforge.models.draft import Eagle3Config, Eagle3Draft
 from specforge.targets.loader import load_target, load_tokenizer
-from specforge.targets.vl import (expand_image_tokens, image_inputs, image_token_counts, load_image_processor,
-                                  mm_token_type_ids, open_images, rope_positions, vl_info)
+from specforge.data.vl_render import prompt_with_images
+from specforge.targets.vl import load_image_processor, mm_token_type_ids, rope_positions, vl_info
 
 AUX = [2, 3, 4]
 
@@ -34,9 +34,7 @@ def setup(tiny_vl_dir, tmp_path_factory):
                                              {"type": "text", "text": "What is the weather in Oslo?"}]}]
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     ids = ids["input_ids"] if hasattr(ids, "keys") else ids
-    images = image_inputs(open_images(paths), load_image_processor(tiny_vl_dir))
-    counts = image_token_counts(images["image_grid_thw"].tolist(), info.spatial_merge_size)
-    ids, _ = expand_image_tokens(list(ids), [0] * len(ids), counts, info.image_token_id)
+    ids, images = prompt_with_images(list(ids), paths, load_image_processor(tiny_vl_dir), info)
     torch.manual_seed(0)
     dcfg = Eagle3Config.from_target(model.config, AUX, draft_vocab_size=len(tok))
     draft = Eagle3Draft(dcfg)

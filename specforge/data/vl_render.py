@@ -19,6 +19,15 @@ def image_paths(messages: list[dict]) -> list[str]:
             for p in m["content"] if p.get("type") == "image"]
 
 
+def prompt_with_images(input_ids: list[int], paths: list[str], image_processor, info) -> tuple[list[int], dict]:
+    """A prompt rendered with one placeholder per image -> (expanded ids, {"pixel_values",
+    "image_grid_thw"}): what the engine's prefill takes."""
+    images = image_inputs(open_images(paths), image_processor)
+    counts = image_token_counts(images["image_grid_thw"].tolist(), info.spatial_merge_size)
+    ids, _ = expand_image_tokens(list(input_ids), [0] * len(input_ids), counts, info.image_token_id)
+    return ids, images
+
+
 def render_vl(tokenizer, messages: list[dict], image_processor, info, max_length: int | None = None,
               overlength: str = "truncate") -> tuple[Rendered, list[str], list[list[int]]]:
     """(rendered sample, image paths, image grids [t, h, w]) of one conversation.
@@ -29,12 +38,11 @@ def render_vl(tokenizer, messages: list[dict], image_processor, info, max_length
         raise ValueError(f"data.overlength: {overlength!r} is not one of {list(OVERLENGTH)}")
     text = render(tokenizer, messages)
     paths = image_paths(messages)
-    grids: list[list[int]] = []
-    if paths:
-        try:
-            grids = image_inputs(open_images(paths), image_processor)["image_grid_thw"].tolist()
-        except (OSError, ValueError) as e:
-            raise DataError(f"image_unreadable: {e}") from None
+    try:
+        images = image_inputs(open_images(paths), image_processor) if paths else None
+    except (OSError, ValueError) as e:
+        raise DataError(f"image_unreadable: {e}") from None
+    grids = images["image_grid_thw"].tolist() if images else []
     counts = image_token_counts(grids, info.spatial_merge_size)
     try:
         ids, mask = expand_image_tokens(text.input_ids, text.loss_mask, counts, info.image_token_id)

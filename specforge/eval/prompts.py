@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specforge.data.vl_render import image_paths
-from specforge.targets.vl import expand_image_tokens, image_inputs, image_token_counts, open_images
+from specforge.data.vl_render import image_paths, prompt_with_images
 from specforge.utils.io import read_jsonl
 
 
@@ -32,12 +31,7 @@ def heldout_prompts(conversations_file: str | Path, tokenizer, limit: int, vl=No
         prompt = {"id": row["id"], "input_ids": list(ids), "messages": head}
         paths = image_paths(head)
         if paths and vl is not None:
-            image_processor, info = vl
-            images = image_inputs(open_images(paths), image_processor)
-            counts = image_token_counts(images["image_grid_thw"].tolist(), info.spatial_merge_size)
-            prompt["input_ids"], _ = expand_image_tokens(prompt["input_ids"], [0] * len(ids), counts,
-                                                         info.image_token_id)
-            prompt["images"] = images
+            prompt["input_ids"], prompt["images"] = prompt_with_images(prompt["input_ids"], paths, *vl)
         prompts.append(prompt)
         if len(prompts) >= limit:
             break

@@ -78,19 +78,30 @@ class EmbeddedExtractor:
         self.device = next(model.parameters()).device
         self.stats = {"tokens": 0, "padded_tokens": 0, "seconds": 0.0}
 
+    def pad(self, sequences: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """Right-padded ids [B, W], attention mask [B, W] and the lengths."""
+        lens = [len(s) for s in sequences]
+        if not sequences or min(lens) == 0:
+            raise ValueError("forward: every sequence needs at least one token")
+        ids = torch.full((len(sequences), max(lens)), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(sequences), max(lens)), dtype=torch.long)
+        for r, s in enumerate(sequences):
+            ids[r, : lens[r]] = torch.as_tensor(s, dtype=torch.long)
+            mask[r, : lens[r]] = 1
+        return ids, mask, lens
+
+    def count(self, lens: list[int], width: int, t0: float) -> None:
+        """Add one forward to `stats` (real and padded tokens, seconds since t0)."""
+        self.stats["tokens"] += sum(lens)
+        self.stats["padded_tokens"] += width * len(lens)
+        self.stats["seconds"] += time.perf_counter() - t0
+
     @torch.inference_mode()
     def forward(self, sequences: Sequence[Sequence[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """One right-padded forward over `sequences`; padding is stripped from the results."""
         t0 = time.perf_counter()
-        lens = [len(s) for s in sequences]
-        if not sequences or min(lens) == 0:
-            raise ValueError("forward: every sequence needs at least one token")
-        width = max(lens)
-        ids = torch.full((len(sequences), width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(sequences), width), dtype=torch.long)
-        for r, s in enumerate(sequences):
-            ids[r, : lens[r]] = torch.as_tensor(s, dtype=torch.long)
-            mask[r, : lens[r]] = 1
+        ids, mask, lens = self.pad(sequences)
+        width = ids.shape[1]
         if self.vocab_size is not None and (ids.min() < 0 or ids.max() >= self.vocab_size):
             raise ValueError(f"input_ids: token ids must be in [0, {self.vocab_size}) for this target")
         # hidden_states[N] must stay the output of the last decoder layer (see module docstring);
@@ -115,9 +126,7 @@ class EmbeddedExtractor:
         last = out.last_hidden_state.to("cpu", self.storage_dtype)
         # clone: a view would keep the whole padded batch alive in the writer's buffer
         result = [(aux[r, :n].clone(), last[r, :n].clone()) for r, n in enumerate(lens)]
-        self.stats["tokens"] += sum(lens)
-        self.stats["padded_tokens"] += width * len(sequences)
-        self.stats["seconds"] += time.perf_counter() - t0
+        self.count(lens, width, t0)
         return result
 
     def forward_rows(self, rows: Sequence[dict]) -> list[dict]:

@@ -27,13 +27,7 @@ class VLExtractor(EmbeddedExtractor):
     @torch.inference_mode()
     def forward_rows(self, rows: Sequence[dict]) -> list[dict]:
         t0 = time.perf_counter()
-        lens = [len(r["input_ids"]) for r in rows]
-        width = max(lens)
-        ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, r in enumerate(rows):
-            ids[i, : lens[i]] = torch.as_tensor(r["input_ids"], dtype=torch.long)
-            mask[i, : lens[i]] = 1
+        ids, mask, lens = self.pad([r["input_ids"] for r in rows])
         paths = [p for r in rows for p in r.get("images", [])]
         pixels = grid = None
         if paths:
@@ -57,7 +51,5 @@ class VLExtractor(EmbeddedExtractor):
         pos = out["position_ids"].to("cpu")
         result = [{"aux": aux[i, :n].clone(), "last": last[i, :n].clone(), "position_ids": pos[:, i, :n].clone(),
                    "image_embeds": image_embeds[i].clone()} for i, n in enumerate(lens)]
-        self.stats["tokens"] += sum(lens)
-        self.stats["padded_tokens"] += width * len(rows)
-        self.stats["seconds"] += time.perf_counter() - t0
+        self.count(lens, ids.shape[1], t0)
         return result
