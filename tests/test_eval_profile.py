@@ -187,3 +187,18 @@ def test_engine_profile_script_end_to_end(tiny_run, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "### Where the time goes" in printed
     assert len(table(printed, "| epoch | tree | ms/round |")) == 2
+
+
+def test_verify_consistency_script_on_a_tiny_run(tiny_run, tmp_path, capsys):
+    """fp32: chunked verify and one-token decode agree to float rounding (no argmax flip); the
+    comparison really covers every greedy position of every prompt."""
+    spec = importlib.util.spec_from_file_location("verify_consistency", ROOT / "benchmarks" / "verify_consistency.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "consistency.json"
+    assert module.main(["--run", str(tiny_run), "--dtypes", "float32", "--prompts", "2", "--tokens", "9",
+                        "--chunk", "4", "--threads", str(torch.get_num_threads()), "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["positions"] == 2 * 9 and row["argmax_flips"] == 0
+    assert row["max_abs_logit_diff"] < 1e-3  # different kernels, same maths
+    assert "| float32 | 18 | 0 |" in capsys.readouterr().out
