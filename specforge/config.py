@@ -127,6 +127,7 @@ class TrainConfig:
 class EvalConfig:
     engine: str = "embedded"  # embedded | server | sglang
     trees: List[str] = field(default_factory=lambda: ["5_1_6", "8_2_16"])
+    epochs: Optional[List[int]] = None  # with a run directory: only these epoch_<k> (None: every one)
     num_prompts: int = 16
     max_new_tokens: int = 128
     temperature: float = 0.0

@@ -202,3 +202,17 @@ def test_verify_consistency_script_on_a_tiny_run(tiny_run, tmp_path, capsys):
     assert row["positions"] == 2 * 9 and row["argmax_flips"] == 0
     assert row["max_abs_logit_diff"] < 1e-3  # different kernels, same maths
     assert "| float32 | 18 | 0 |" in capsys.readouterr().out
+
+
+def test_find_checkpoints_every_epoch_or_the_chosen_ones(tmp_path):
+    from specforge.eval.run import find_checkpoints
+
+    for k in (1, 2, 10):
+        (tmp_path / f"epoch_{k}").mkdir()
+        (tmp_path / f"epoch_{k}" / "config.json").write_text("{}")
+    (tmp_path / "epoch_x").mkdir()
+    assert [p.name for p in find_checkpoints(tmp_path)[1]] == ["epoch_1", "epoch_2", "epoch_10"]
+    assert [p.name for p in find_checkpoints(tmp_path, [10, 1])[1]] == ["epoch_1", "epoch_10"]
+    with pytest.raises(FileNotFoundError, match=r"eval.epochs: .* has no epoch_3 \(it has \[1, 2, 10\]\)"):
+        find_checkpoints(tmp_path, [3])
+    assert find_checkpoints(tmp_path / "epoch_2", [1]) == (tmp_path, [tmp_path / "epoch_2"])  # one checkpoint: as given

@@ -34,14 +34,21 @@ def epoch_of(ckpt: Path) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def find_checkpoints(path: str | Path) -> tuple[Path, list[Path]]:
-    """(run directory, checkpoints): a checkpoint directory itself, or every epoch_* of a run."""
+def find_checkpoints(path: str | Path, epochs=None) -> tuple[Path, list[Path]]:
+    """(run directory, checkpoints): a checkpoint directory itself, or every epoch_* of a run
+    (only those in `epochs` when given, eval.epochs)."""
     path = Path(path)
     if (path / "config.json").exists():
         return path.parent, [path]
     ckpts = sorted((p for p in path.glob("epoch_*") if epoch_of(p) is not None), key=epoch_of)
     if not ckpts:
         raise FileNotFoundError(f"ckpt={path}: neither a checkpoint (config.json) nor a run with epoch_* dirs")
+    if epochs:
+        missing = sorted(set(epochs) - {epoch_of(p) for p in ckpts})
+        if missing:
+            raise FileNotFoundError(f"eval.epochs: {path} has no epoch_{missing[0]} "
+                                    f"(it has {[epoch_of(p) for p in ckpts]})")
+        ckpts = [p for p in ckpts if epoch_of(p) in set(epochs)]
     return path, ckpts
 
 

@@ -9,7 +9,7 @@ def evaluate(run_cfg, ckpt: str | Path, eval_cfg, out_dir: str | Path | None = N
     from specforge.eval.run import evaluate_checkpoints, find_checkpoints
     from specforge.report import write_run_report
 
-    run_dir, ckpts = find_checkpoints(ckpt)
+    run_dir, ckpts = find_checkpoints(ckpt, getattr(eval_cfg, "epochs", None))
     if eval_cfg.engine in ("server", "sglang"):  # a serving benchmark over HTTP (specforge/serving)
         from specforge.serving.runner import evaluate_serving
 
