@@ -19,7 +19,7 @@ from contextlib import contextmanager
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from specforge.targets.loader import text_config
+from specforge.targets.loader import text_config, untied_last_hidden_state
 from specforge.targets.vl import capture_input_embeds, is_vl_config, mm_token_type_ids, rope_positions, vl_info
 
 
@@ -35,18 +35,13 @@ def _forward_settings(config, force_gqa: bool):
     - forced GQA when a mask is passed: otherwise the sdpa path copies the KV heads of the whole
       cache (repeat_kv) in every layer; same maths, less memory traffic.
     """
-    had, old_tie = hasattr(config, "tie_last_hidden_states"), getattr(config, "tie_last_hidden_states", None)
     old_env = os.environ.get(_FORCE_GQA)
-    config.tie_last_hidden_states = False
     if force_gqa:
         os.environ[_FORCE_GQA] = "1"
     try:
-        yield
+        with untied_last_hidden_state(config):
+            yield
     finally:
-        if had:
-            config.tie_last_hidden_states = old_tie
-        else:
-            delattr(config, "tie_last_hidden_states")
         if old_env is None:
             os.environ.pop(_FORCE_GQA, None)
         else:

@@ -19,6 +19,8 @@ from typing import Iterable, Iterator, Sequence
 
 import torch
 
+from specforge.targets.loader import untied_last_hidden_state
+
 
 def plan_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
     """Indices grouped into batches whose padded size (rows x longest row) fits `batch_tokens`.
@@ -104,23 +106,14 @@ class EmbeddedExtractor:
         width = ids.shape[1]
         if self.vocab_size is not None and (ids.min() < 0 or ids.max() >= self.vocab_size):
             raise ValueError(f"input_ids: token ids must be in [0, {self.vocab_size}) for this target")
-        # hidden_states[N] must stay the output of the last decoder layer (see module docstring);
-        # set for this call only, the model may be shared with code that expects the default
-        config = self.base.config
-        had, old = hasattr(config, "tie_last_hidden_states"), getattr(config, "tie_last_hidden_states", None)
-        config.tie_last_hidden_states = False
-        try:
+        # hidden_states[N] must stay the output of the last decoder layer (see module docstring)
+        with untied_last_hidden_state(self.base.config):
             out = self.base(
                 input_ids=ids.to(self.device),
                 attention_mask=mask.to(self.device),
                 output_hidden_states=[layer + 1 for layer in self.aux_layer_ids],
                 use_cache=False,
             )
-        finally:
-            if had:
-                config.tie_last_hidden_states = old
-            else:
-                delattr(config, "tie_last_hidden_states")
         hs = out.hidden_states
         aux = torch.cat([hs[layer + 1] for layer in self.aux_layer_ids], dim=-1).to("cpu", self.storage_dtype)
         last = out.last_hidden_state.to("cpu", self.storage_dtype)

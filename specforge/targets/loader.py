@@ -1,6 +1,7 @@
 """Resolve and load the target model, its tokenizer, and the hidden layers the draft reads."""
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -110,6 +111,22 @@ def load_target(target_cfg, device: str | torch.device = "cpu"):
     )
     model.to(device).eval().requires_grad_(False)
     return model
+
+
+@contextmanager
+def untied_last_hidden_state(config):
+    """transformers 5 replaces hidden_states[N] by the post-norm state unless the (text) config's
+    `tie_last_hidden_states` is False; aux layer N-1 must be the raw output of the last decoder
+    layer (contract §2). Set for the call only: the model may be shared."""
+    had, old = hasattr(config, "tie_last_hidden_states"), getattr(config, "tie_last_hidden_states", None)
+    config.tie_last_hidden_states = False
+    try:
+        yield
+    finally:
+        if had:
+            config.tie_last_hidden_states = old
+        else:
+            delattr(config, "tie_last_hidden_states")
 
 
 def text_config(model_config):

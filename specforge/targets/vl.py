@@ -26,7 +26,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from specforge.targets.loader import deepstack_layers
+from specforge.targets.loader import deepstack_layers, untied_last_hidden_state
 
 VL_KINDS = ("qwen3_vl", "qwen2_5_vl")
 
@@ -308,22 +308,6 @@ def capture_input_embeds(model) -> Iterator[CapturedEmbeds]:
         handle.remove()
 
 
-@contextmanager
-def _untied_last_hidden_state(config):
-    """transformers 5 replaces hidden_states[N] by the post-norm state unless
-    `tie_last_hidden_states` is False; aux layer N-1 must be the raw layer output (as in
-    specforge/extract/embedded.py). Set for the call only: the model may be shared."""
-    had, old = hasattr(config, "tie_last_hidden_states"), getattr(config, "tie_last_hidden_states", None)
-    config.tie_last_hidden_states = False
-    try:
-        yield
-    finally:
-        if had:
-            config.tie_last_hidden_states = old
-        else:
-            delattr(config, "tie_last_hidden_states")
-
-
 @torch.inference_mode()
 def vl_hidden_states(
     model,
@@ -371,7 +355,7 @@ def vl_hidden_states(
     else:
         pixel_values = image_grid_thw = None
     position_ids, _ = rope_positions(model, input_ids, image_grid_thw, attention_mask)
-    with capture_input_embeds(model) as embeds, _untied_last_hidden_state(text_cfg):
+    with capture_input_embeds(model) as embeds, untied_last_hidden_state(text_cfg):
         out = base(
             input_ids=input_ids,
             attention_mask=attention_mask,
