@@ -86,14 +86,14 @@ def url(server):
 
 
 def check_timings(result, n_requests):
-    m = result.metrics
+    m = result.metrics  # upper bounds leave room for a busy machine's scheduling delays
     assert m["completed"] == n_requests and m["failed"] == 0, m["errors"]
     for r in result.requests:
         assert r.output_len == OUTPUT_LEN
-        assert TTFT - 0.005 <= r.ttft <= TTFT + 0.08, r.ttft
+        assert TTFT - 0.005 <= r.ttft <= TTFT + 0.15, r.ttft
         assert len(r.itl) == OUTPUT_LEN - 1
-        assert all(PER_TOKEN - 0.005 <= x <= PER_TOKEN + 0.04 for x in r.itl), r.itl
-        assert PER_TOKEN - 0.005 <= r.tpot <= PER_TOKEN + 0.03, r.tpot
+        assert all(PER_TOKEN - 0.005 <= x <= PER_TOKEN + 0.1 for x in r.itl), r.itl
+        assert PER_TOKEN - 0.005 <= r.tpot <= PER_TOKEN + 0.04, r.tpot
         assert r.latency == pytest.approx(r.ttft + r.tpot * (OUTPUT_LEN - 1))
         assert r.accept_length == OUTPUT_LEN / VERIFY_CT
     assert m["mean_ttft_ms"] == pytest.approx(1000 * TTFT, abs=60)
