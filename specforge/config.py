@@ -95,10 +95,19 @@ class DraftConfig:
 
 @dataclass
 class ExtractConfig:
-    backend: str = "embedded"  # embedded | sglang
-    batch_tokens: int = 4096  # token budget per target forward
+    backend: str = "embedded"  # embedded (transformers here) | server (running servers) | sglang (launched)
+    batch_tokens: int = 4096  # token budget per target forward (per request to the servers)
     shard_samples: int = 256  # samples per shard file
     dtype: str = "bfloat16"  # storage dtype of hidden states
+    # backend=server: two running servers of the target that speak SGLang's /generate
+    aux_url: Optional[str] = None  # returns the aux layers' outputs (aux capture on)
+    final_url: Optional[str] = None  # returns the final post-norm state (aux capture off)
+    request_timeout_s: float = 600.0
+    # backend=sglang: both servers launched on this process's GPU
+    sglang_version: Optional[str] = None  # flag spellings for this SGLang version (default: the installed one)
+    sglang_args: List[str] = field(default_factory=list)  # extra launch_server flags for both servers, verbatim
+    mem_fraction_static: float = 0.4  # GPU memory share of each of the two servers
+    server_startup_timeout_s: float = 900.0
 
 
 @dataclass

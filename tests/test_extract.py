@@ -10,9 +10,11 @@ from safetensors import safe_open
 
 from specforge.config import Config
 from specforge.extract import stage
-from specforge.extract.embedded import EmbeddedExtractor, plan_batches
+from specforge.extract.batching import plan_batches
+from specforge.extract.embedded import EmbeddedExtractor
 from specforge.extract.store import MANIFEST, HiddenStateStore
 from specforge.pipeline import STAGES, stage_fingerprint
+from specforge.serving.sglang_launch import SGLangVersionError
 from specforge.targets.loader import target_fingerprint
 from specforge.utils.io import write_jsonl
 
@@ -314,8 +316,14 @@ def test_stage_changed_data_restarts_and_empty_eval_is_skipped(run_setup):
 
 def test_stage_errors_name_the_problem(run_setup, tiny_dir):
     cfg, run_dir, rows = run_setup
-    cfg.extract.backend = "sglang"
-    with pytest.raises(NotImplementedError, match="sglang backend: not available in this build"):
+    cfg.extract.backend = "sglang"  # SGLang needs CUDA: refused before anything starts
+    with pytest.raises(SGLangVersionError, match="SGLang is not installed here"):
+        stage.run(cfg, run_dir)
+    cfg.extract.backend = "server"
+    with pytest.raises(ValueError, match="needs extract.aux_url"):
+        stage.run(cfg, run_dir)
+    cfg.extract.backend = "vllm"
+    with pytest.raises(ValueError, match="unknown backend; known: embedded, server, sglang"):
         stage.run(cfg, run_dir)
     cfg.extract.backend = "embedded"
 

@@ -73,13 +73,28 @@ def test_sglang_is_never_imported():
     assert "sglang" not in sys.modules
 
 
-def test_extraction_flags():
-    assert sl.extraction_server_args([1, 15, 28], version="0.5.23") == [
-        "--speculative-algorithm", "EAGLE3", "--enable-return-aux-hidden-states",
-        "--return-aux-hidden-state-layer-ids", "1", "15", "28",
-        "--disable-radix-cache", "--chunked-prefill-size", "-1"]
-    assert sl.extraction_engine_kwargs([1, 15, 28], version="0.5.23")["return_aux_hidden_state_layer_ids"] == [1, 15, 28]
+def test_golden_extraction_commands():
+    aux = sl.extraction_server_command(TARGET, 30005, [1, 17, 32], num_layers=36, version="0.5.23", python="python",
+                                       options={"dtype": "bfloat16", "mem_fraction_static": 0.4})
+    assert " ".join(aux) == (
+        "python -m sglang.launch_server --model-path /models/Qwen3-8B --disable-radix-cache --host 127.0.0.1 "
+        "--port 30005 --enable-return-hidden-states --chunked-prefill-size -1 --speculative-algorithm EAGLE3 "
+        "--enable-return-aux-hidden-states --return-aux-hidden-state-layer-ids 1 17 32 --dtype bfloat16 "
+        "--mem-fraction-static 0.4")
+    final = sl.extraction_server_command(TARGET, 30006, num_layers=36, version="0.5.20", python="python")
+    assert " ".join(final) == (
+        "python -m sglang.launch_server --model-path /models/Qwen3-8B --disable-radix-cache --host 127.0.0.1 "
+        "--port 30006 --enable-return-hidden-states --chunked-prefill-size -1")
+
+
+def test_extraction_commands_refuse_what_sglang_cannot_capture():
     with pytest.raises(sl.SGLangVersionError, match=r"SGLang >= 0\.5\.23"):
-        sl.extraction_server_args([1, 15, 28], version="0.5.22")
+        sl.extraction_server_command(TARGET, 1, [1, 15, 28], num_layers=36, version="0.5.22")
     with pytest.raises(ValueError, match="3 distinct ascending"):
-        sl.extraction_server_args([15, 1, 28], version="0.5.23")
+        sl.extraction_server_command(TARGET, 1, [15, 1, 28], num_layers=36, version="0.5.23")
+    with pytest.raises(ValueError, match=r"aux layer id 35: .* must be <= 34"):
+        sl.extraction_server_command(TARGET, 1, [1, 17, 35], num_layers=36, version="0.5.23")
+    with pytest.raises(ValueError, match="set by the builder"):
+        sl.extraction_server_command(TARGET, 1, num_layers=36, version="0.5.23", options={"chunked_prefill_size": 8})
+    with pytest.raises(sl.SGLangVersionError, match="not installed"):  # this CPU machine
+        sl.extraction_server_command(TARGET, 1, [1, 15, 28], num_layers=36)

@@ -15,30 +15,12 @@ the final norm.
 from __future__ import annotations
 
 import time
-from typing import Iterable, Iterator, Sequence
+from typing import Sequence
 
 import torch
 
+from specforge.extract.batching import Extractor
 from specforge.targets.loader import untied_last_hidden_state
-
-
-def plan_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
-    """Indices grouped into batches whose padded size (rows x longest row) fits `batch_tokens`.
-
-    Samples are taken longest first (ties by index, so the plan is deterministic) to limit
-    padding; a sample longer than the budget gets a batch of its own.
-    """
-    if batch_tokens < 1:
-        raise ValueError(f"extract.batch_tokens: must be >= 1, got {batch_tokens}")
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    batches: list[list[int]] = []
-    for i in order:
-        # longest first: the first row of a batch is its longest
-        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= batch_tokens:
-            batches[-1].append(i)
-        else:
-            batches.append([i])
-    return batches
 
 
 def decoder_of(model):
@@ -52,11 +34,9 @@ def decoder_of(model):
     return base
 
 
-class EmbeddedExtractor:
+class EmbeddedExtractor(Extractor):
     """Runs the target over token sequences and returns (aux [S, 3H], last [S, H]) per sample.
-
-    `stats` counts real tokens, padded tokens and forward seconds since construction.
-    """
+    With no aux layers (the embedded server's final-state mode) aux is [S, 0]."""
 
     def __init__(
         self,
@@ -66,19 +46,17 @@ class EmbeddedExtractor:
         storage_dtype: torch.dtype = torch.bfloat16,
         pad_token_id: int | None = None,
     ):
+        super().__init__(batch_tokens, storage_dtype)
         self.model = model
         self.base = decoder_of(model)
         n = self.base.config.num_hidden_layers
         self.aux_layer_ids = list(aux_layer_ids)
         if sorted(set(self.aux_layer_ids)) != self.aux_layer_ids or not all(0 <= i < n for i in self.aux_layer_ids):
             raise ValueError(f"aux_layer_ids: {self.aux_layer_ids} must be distinct ascending ids in [0, {n})")
-        self.batch_tokens = batch_tokens
-        self.storage_dtype = storage_dtype
         pad = pad_token_id if pad_token_id is not None else getattr(self.base.config, "pad_token_id", None)
         self.pad_token_id = 0 if pad is None else int(pad)
         self.vocab_size = getattr(self.base.config, "vocab_size", None)
         self.device = next(model.parameters()).device
-        self.stats = {"tokens": 0, "padded_tokens": 0, "seconds": 0.0}
 
     def pad(self, sequences: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """Right-padded ids [B, W], attention mask [B, W] and the lengths."""
@@ -91,12 +69,6 @@ class EmbeddedExtractor:
             ids[r, : lens[r]] = torch.as_tensor(s, dtype=torch.long)
             mask[r, : lens[r]] = 1
         return ids, mask, lens
-
-    def count(self, lens: list[int], width: int, t0: float) -> None:
-        """Add one forward to `stats` (real and padded tokens, seconds since t0)."""
-        self.stats["tokens"] += sum(lens)
-        self.stats["padded_tokens"] += width * len(lens)
-        self.stats["seconds"] += time.perf_counter() - t0
 
     @torch.inference_mode()
     def forward(self, sequences: Sequence[Sequence[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -111,12 +83,14 @@ class EmbeddedExtractor:
             out = self.base(
                 input_ids=ids.to(self.device),
                 attention_mask=mask.to(self.device),
-                output_hidden_states=[layer + 1 for layer in self.aux_layer_ids],
+                output_hidden_states=[layer + 1 for layer in self.aux_layer_ids] or False,
                 use_cache=False,
             )
-        hs = out.hidden_states
-        aux = torch.cat([hs[layer + 1] for layer in self.aux_layer_ids], dim=-1).to("cpu", self.storage_dtype)
         last = out.last_hidden_state.to("cpu", self.storage_dtype)
+        if self.aux_layer_ids:
+            aux = torch.cat([out.hidden_states[layer + 1] for layer in self.aux_layer_ids], -1).to("cpu", self.storage_dtype)
+        else:
+            aux = last.new_zeros(*last.shape[:2], 0)
         # clone: a view would keep the whole padded batch alive in the writer's buffer
         result = [(aux[r, :n].clone(), last[r, :n].clone()) for r, n in enumerate(lens)]
         self.count(lens, width, t0)
@@ -125,27 +99,3 @@ class EmbeddedExtractor:
     def forward_rows(self, rows: Sequence[dict]) -> list[dict]:
         """What the store keeps of each row: {"aux", "last"} (vision-language extractors add more)."""
         return [{"aux": aux, "last": last} for aux, last in self.forward([r["input_ids"] for r in rows])]
-
-    def run(self, samples: Sequence[dict], chunk: int | None = None) -> Iterator[tuple[dict, dict]]:
-        """Yield (sample, states) for samples with `input_ids`, longest first; `states` holds
-        the tensors the store writer takes ({"aux", "last"}, see forward_rows).
-
-        With `chunk`, samples are planned in consecutive chunks of that many (of the length-sorted
-        order), so batches never cross a shard boundary when chunk == shard size: a resumed run
-        then does exactly the forwards an uninterrupted run would have done.
-        """
-        order = sorted(range(len(samples)), key=lambda i: (-len(samples[i]["input_ids"]), i))
-        step = chunk or max(len(order), 1)
-        for c in range(0, len(order), step):
-            part = [samples[i] for i in order[c : c + step]]
-            for batch in plan_batches([len(s["input_ids"]) for s in part], self.batch_tokens):
-                rows = [part[i] for i in batch]
-                yield from zip(rows, self.forward_rows(rows))
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.stats["tokens"] / self.stats["seconds"] if self.stats["seconds"] else 0.0
-
-
-def total_tokens(samples: Iterable[dict]) -> int:
-    return sum(len(s["input_ids"]) for s in samples)

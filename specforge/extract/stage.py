@@ -1,5 +1,9 @@
 """Extract stage: run_dir/data/{split}.jsonl -> run_dir/extract/{split}/ (hidden-state stores).
 
+Backends (`extract.backend`): `embedded` runs the target through transformers in this process
+(embedded.py, vl.py); `server` asks two running servers that speak SGLang's /generate, and
+`sglang` launches those two SGLang servers itself (server.py). All write the same store.
+
 Resumable: each split's store records what produced it (target fingerprint, aux ids, dtypes, a
 fingerprint of the input JSONL). A re-run with the same inputs keeps the finished shards and only
 extracts the rest; a re-run with different inputs (the pipeline re-runs this stage whenever the
@@ -24,7 +28,8 @@ from pathlib import Path
 import torch
 
 from specforge import dist
-from specforge.extract.embedded import EmbeddedExtractor, total_tokens
+from specforge.extract.batching import Extractor, total_tokens
+from specforge.extract.embedded import EmbeddedExtractor
 from specforge.extract.store import (FORMAT, MANIFEST, STORAGE_DTYPES, VERSION, HiddenStateStore,
                                      HiddenStateStoreWriter, remove_store)
 from specforge.utils.io import file_fingerprint, read_json, read_jsonl, write_json
@@ -100,7 +105,7 @@ def _progress():
     )
 
 
-def extract_split(extractor: EmbeddedExtractor, rows: list[dict], out_dir: Path, meta: dict,
+def extract_split(extractor: Extractor, rows: list[dict], out_dir: Path, meta: dict,
                   shard_samples: int, progress=None, label: str | None = None) -> dict:
     """Extract the rows not yet in the store at `out_dir`; returns the split's summary."""
     label = label or out_dir.name
@@ -144,12 +149,12 @@ def rank_dir_name(rank: int, world_size: int) -> str:
 
 def chunk_plan(rows: list[dict], shard_samples: int) -> list[list[int]]:
     """Row indices, longest first (ties by index), cut into chunks of `shard_samples`: exactly the
-    order and chunks of EmbeddedExtractor.run(rows, chunk=shard_samples) in one process."""
+    order and chunks of Extractor.run(rows, chunk=shard_samples) in one process."""
     order = sorted(range(len(rows)), key=lambda i: (-len(rows[i]["input_ids"]), i))
     return [order[c : c + shard_samples] for c in range(0, len(order), shard_samples)]
 
 
-def extract_split_sharded(extractor: EmbeddedExtractor, rows: list[dict], out_dir: Path, meta: dict,
+def extract_split_sharded(extractor: Extractor, rows: list[dict], out_dir: Path, meta: dict,
                           shard_samples: int, progress=None) -> dict:
     """This rank's chunks into its own store, then (rank 0) one manifest over every rank's shards.
     A collective: every rank calls it; every rank returns the split's summary."""
@@ -224,65 +229,13 @@ def remove_unlisted(out_dir: Path) -> None:
             p.unlink()
 
 
-def run(cfg, run_dir) -> dict:
-    """Extract every split that has rows; returns totals and per-split summaries."""
-    t0 = time.time()
-    if cfg.extract.backend == "sglang":
-        raise NotImplementedError(
-            "extract.backend=sglang: sglang backend: not available in this build; use extract.backend=embedded"
-        )
-    if cfg.extract.backend != "embedded":
-        raise ValueError(f"extract.backend={cfg.extract.backend!r}: unknown backend; known: embedded, sglang")
-    if cfg.extract.dtype not in STORAGE_DTYPES:
-        raise ValueError(f"extract.dtype: {cfg.extract.dtype!r} is not one of {list(STORAGE_DTYPES)}")
-    from specforge.extract.vl import VLExtractor
-    from specforge.targets.loader import aux_layer_ids, load_target, resolve_target_path, target_fingerprint, text_config
-    from specforge.targets.vl import is_vl, load_image_processor, vl_info
-
-    run_dir = Path(run_dir)
-    data_dir = run_dir / "data"
-    splits = {}
-    for split in SPLITS:
-        path = data_dir / f"{split}.jsonl"
-        if not path.exists():
-            if split == "train":
-                raise FileNotFoundError(f"{path}: not found; run the data stage first")
-            continue
-        splits[split] = path
-
-    env = dist.current()  # several processes: each extracts its share (extract_split_sharded)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
-    device = str(env.device)
-    target_path = resolve_target_path(cfg.target)
-    model = load_target(cfg.target, device=device)
-    tcfg = text_config(model.config)
-    aux = aux_layer_ids(cfg.target, model.config)
-    storage = STORAGE_DTYPES[cfg.extract.dtype]
-    vl_meta = {}
-    if is_vl(cfg.target.kind):
-        info = vl_info(model.config)
-        processor = load_image_processor(target_path, cfg.data.image_min_pixels, cfg.data.image_max_pixels)
-        extractor = VLExtractor(model, aux, cfg.extract.batch_tokens, storage, processor, info)
-        vl_meta = {"vl": True, "image_token_id": info.image_token_id, "image_min_pixels": cfg.data.image_min_pixels,
-                   "image_max_pixels": cfg.data.image_max_pixels}
-    else:
-        extractor = EmbeddedExtractor(model, aux, batch_tokens=cfg.extract.batch_tokens, storage_dtype=storage)
-    base_meta = {
-        **vl_meta,
-        "target_fingerprint": target_fingerprint(target_path),
-        "model_type": tcfg.model_type,
-        "aux_layer_ids": aux,
-        "hidden_size": tcfg.hidden_size,
-        "num_layers": tcfg.num_hidden_layers,
-        "vocab_size": tcfg.vocab_size,
-        "target_dtype": cfg.target.dtype,
-        "storage_dtype": cfg.extract.dtype,
-    }
-
+def extract_splits(cfg, run_dir: Path, splits: dict, extractor: Extractor, base_meta: dict, env) -> dict:
+    """Each split's rows into run_dir/extract/<split>; returns the per-split summaries."""
+    vocab_size = base_meta["vocab_size"]
     summaries = {}
     with _progress() if env.is_main else contextlib.nullcontext() as progress:
         for split, path in splits.items():
-            rows = load_rows(path, vocab_size=tcfg.vocab_size)
+            rows = load_rows(path, vocab_size=vocab_size)
             out_dir = run_dir / "extract" / split
             if not rows:
                 if split == "train":
@@ -298,6 +251,113 @@ def run(cfg, run_dir) -> dict:
     for split in SPLITS:  # a stale store from earlier data must not be read as this run's
         if split not in summaries and env.is_main:
             remove_store(run_dir / "extract" / split)
+    return summaries
+
+
+BACKENDS = ("embedded", "server", "sglang")
+
+
+@contextlib.contextmanager
+def open_backend(cfg, run_dir: Path, env):
+    """(extractor, store meta) for `extract.backend`; servers a backend starts are stopped when
+    the block ends. The meta names what produced the states: a store from another target,
+    aux layers, dtype or backend is extracted again rather than resumed."""
+    from specforge.targets.loader import aux_layer_ids, load_target, resolve_target_path, target_fingerprint, text_config
+    from specforge.targets.vl import is_vl
+
+    backend = cfg.extract.backend
+    storage = STORAGE_DTYPES[cfg.extract.dtype]
+    target_path = resolve_target_path(cfg.target)
+    if backend == "embedded":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
+        model = load_target(cfg.target, device=str(env.device))
+        model_config = model.config
+    else:  # the weights live in the servers: the config is enough here
+        from transformers import AutoConfig
+
+        if is_vl(cfg.target.kind):
+            raise ValueError(f"extract.backend={backend}: vision-language targets need the M-RoPE positions and "
+                             "the merged image embeddings, which SGLang's hidden states do not carry; use "
+                             "extract.backend=embedded")
+        model_config = AutoConfig.from_pretrained(target_path, trust_remote_code=cfg.target.trust_remote_code)
+    tcfg = text_config(model_config)
+    aux = aux_layer_ids(cfg.target, model_config)
+    meta = {
+        "backend": backend,
+        "target_fingerprint": target_fingerprint(target_path),
+        "model_type": tcfg.model_type,
+        "aux_layer_ids": aux,
+        "hidden_size": tcfg.hidden_size,
+        "num_layers": tcfg.num_hidden_layers,
+        "vocab_size": tcfg.vocab_size,
+        "target_dtype": cfg.target.dtype,
+        "storage_dtype": cfg.extract.dtype,
+    }
+    if backend == "embedded":
+        if is_vl(cfg.target.kind):
+            from specforge.extract.vl import VLExtractor
+            from specforge.targets.vl import load_image_processor, vl_info
+
+            info = vl_info(model_config)
+            processor = load_image_processor(target_path, cfg.data.image_min_pixels, cfg.data.image_max_pixels)
+            meta.update(vl=True, image_token_id=info.image_token_id, image_min_pixels=cfg.data.image_min_pixels,
+                        image_max_pixels=cfg.data.image_max_pixels)
+            yield VLExtractor(model, aux, cfg.extract.batch_tokens, storage, processor, info), meta
+        else:
+            yield EmbeddedExtractor(model, aux, batch_tokens=cfg.extract.batch_tokens, storage_dtype=storage), meta
+        return
+
+    from specforge.extract.server import ServerExtractor, extraction_servers, gpu_env
+
+    ex = cfg.extract
+    with contextlib.ExitStack() as stack:
+        if backend == "server":
+            if not ex.aux_url or not ex.final_url:
+                raise ValueError("extract.backend=server needs extract.aux_url (a server capturing the aux layers) "
+                                 "and extract.final_url (a server returning final hidden states)")
+            urls = ex.aux_url, ex.final_url
+        else:
+            from functools import partial
+
+            from specforge.serving.sglang_launch import extraction_server_command
+
+            build = partial(extraction_server_command, num_layers=tcfg.num_hidden_layers, version=ex.sglang_version,
+                            options={"dtype": cfg.target.dtype, "trust_remote_code": bool(cfg.target.trust_remote_code),
+                                     "mem_fraction_static": ex.mem_fraction_static},
+                            extra_args=list(ex.sglang_args))
+            build(target_path, 0, aux)  # a version or layer-id problem fails before anything starts
+            log_dir = run_dir / "extract" / "logs" / rank_dir_name(env.rank, env.world_size)
+            urls = stack.enter_context(extraction_servers(build, target_path, aux, log_dir,
+                                                          env=gpu_env(env.local_rank, env.local_world_size),
+                                                          startup_timeout_s=ex.server_startup_timeout_s))
+        extractor = ServerExtractor(*urls, aux, tcfg.hidden_size, ex.batch_tokens, storage, ex.request_timeout_s)
+        stack.callback(extractor.close)
+        extractor.check_servers()
+        yield extractor, meta
+
+
+def run(cfg, run_dir) -> dict:
+    """Extract every split that has rows; returns totals and per-split summaries."""
+    t0 = time.time()
+    if cfg.extract.backend not in BACKENDS:
+        raise ValueError(f"extract.backend={cfg.extract.backend!r}: unknown backend; known: {', '.join(BACKENDS)}")
+    if cfg.extract.dtype not in STORAGE_DTYPES:
+        raise ValueError(f"extract.dtype: {cfg.extract.dtype!r} is not one of {list(STORAGE_DTYPES)}")
+
+    run_dir = Path(run_dir)
+    data_dir = run_dir / "data"
+    splits = {}
+    for split in SPLITS:
+        path = data_dir / f"{split}.jsonl"
+        if not path.exists():
+            if split == "train":
+                raise FileNotFoundError(f"{path}: not found; run the data stage first")
+            continue
+        splits[split] = path
+
+    env = dist.current()  # several processes: each extracts its share (extract_split_sharded)
+    with open_backend(cfg, run_dir, env) as (extractor, base_meta):
+        summaries = extract_splits(cfg, run_dir, splits, extractor, base_meta, env)
 
     extracted = sum(s["extracted_tokens"] for s in summaries.values())
     fwd = sum(s["seconds"] for s in summaries.values())
@@ -305,7 +365,8 @@ def run(cfg, run_dir) -> dict:
     nbytes = sum(s["bytes_per_token"] * s["tokens"] for s in summaries.values())
     summary = {
         "splits": summaries,
-        "aux_layer_ids": aux,
+        "backend": cfg.extract.backend,
+        "aux_layer_ids": base_meta["aux_layer_ids"],
         "tokens": tokens,
         "extracted_tokens": extracted,
         "forward_seconds": round(fwd, 3),

@@ -14,6 +14,13 @@ One target (and optionally one EAGLE3 draft checkpoint with one tree `T_K_N`) se
   {include_usage, continuous_usage_stats} are honoured.
 - `GET /health` (503 while the model loads, 200 after), `GET /server_info` (server args and
   `internal_states[0].avg_spec_accept_length`, cumulative since start), `GET /v1/models`.
+- Hidden states, as SGLang returns them (contract §7), for the `server` extract backend: started
+  with `--enable-return-hidden-states`, a `/generate` request with `return_hidden_states: true`
+  and `max_new_tokens: 1` gets `meta_info.hidden_states = [rows]`, one row per prompt token: the
+  final post-norm state, or, with `--enable-return-aux-hidden-states
+  --return-aux-hidden-state-layer-ids a b c`, the aux layers' outputs concatenated (SGLang's
+  capture returns them in place of the final state). `input_ids` may be a batch (a list of
+  lists): one padded forward, a list of results.
 
 The engine runs batch 1: requests queue (FIFO) for one engine thread; HTTP handling is threaded,
 so any number of clients may connect and stream concurrently.
@@ -42,6 +49,8 @@ NEUTRAL_SAMPLING = {"top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty
                     "frequency_penalty": 0.0, "presence_penalty": 0.0, "n": 1}
 UNSUPPORTED_FEATURES = ("return_logprob", "return_hidden_states", "image_data", "lora_path",
                         "logprobs", "echo", "suffix")
+HIDDEN_STATES_DISABLED = ("The server is not configured to return the hidden states. "
+                          "Please set `--enable-return-hidden-states` to enable this feature.")  # SGLang's words
 
 
 class RequestError(ValueError):
@@ -62,11 +71,15 @@ class LoadedModel:
     eos_token_ids: list[int]
     vocab_size: int
     max_context: int | None
+    hidden_state_extractor: object = None  # EmbeddedExtractor when hidden states may be returned
 
 
 def load_model(target_path, draft_path=None, tree: str | None = None, *, dtype: str = "bfloat16",
-               device: str = "cpu", exact_ancestor_attention: bool = False) -> LoadedModel:
-    """Target (+ draft checkpoint) as a streaming engine, with the tokenizer and the eos ids."""
+               device: str = "cpu", exact_ancestor_attention: bool = False, return_hidden_states: bool = False,
+               aux_hidden_state_layer_ids=None) -> LoadedModel:
+    """Target (+ draft checkpoint) as a streaming engine, with the tokenizer and the eos ids.
+    `return_hidden_states`: answer `return_hidden_states` requests with the final post-norm
+    states, or with the outputs of decoder layers `aux_hidden_state_layer_ids` concatenated."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -89,6 +102,15 @@ def load_model(target_path, draft_path=None, tree: str | None = None, *, dtype: 
     from specforge.engine.speculative import SpeculativeEngine
 
     engine = SpeculativeEngine(target, draft, spec or "1_1_2", exact_ancestor_attention=exact_ancestor_attention)
+    if aux_hidden_state_layer_ids is not None and not return_hidden_states:
+        raise ValueError("aux hidden states are returned through return_hidden_states: enable it too")
+    hidden = None
+    if return_hidden_states:
+        from specforge.extract.embedded import EmbeddedExtractor
+
+        # float32 rows: a bf16 target's values come back exactly, as SGLang's .tolist() gives them
+        hidden = EmbeddedExtractor(target, list(aux_hidden_state_layer_ids or []), batch_tokens=1 << 30,
+                                   storage_dtype=torch.float32)
 
     eos: list[int] = []
     for ids in (getattr(target.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
@@ -103,12 +125,16 @@ def load_model(target_path, draft_path=None, tree: str | None = None, *, dtype: 
         "speculative_eagle_topk": spec.topk if spec else None,
         "speculative_num_draft_tokens": spec.num_draft_tokens if spec else None,
         "exact_ancestor_attention": exact_ancestor_attention,
+        "enable_return_hidden_states": return_hidden_states,
+        "enable_return_aux_hidden_states": aux_hidden_state_layer_ids is not None,
+        "return_aux_hidden_state_layer_ids": list(aux_hidden_state_layer_ids) if aux_hidden_state_layer_ids is not None else None,
         "dtype": dtype,
         "device": device,
         "torch_num_threads": torch.get_num_threads(),
     }
     cfg = text_config(target.config)
-    return LoadedModel(engine, tokenizer, info, eos, cfg.vocab_size, getattr(cfg, "max_position_embeddings", None))
+    return LoadedModel(engine, tokenizer, info, eos, cfg.vocab_size, getattr(cfg, "max_position_embeddings", None),
+                       hidden)
 
 
 # ---- one request -----------------------------------------------------------------------------------
@@ -117,7 +143,9 @@ def load_model(target_path, draft_path=None, tree: str | None = None, *, dtype: 
 @dataclass
 class Job:
     """A generation request queued for the engine thread; its events come back on `events`:
-    ("tokens", [ids]) per committed group, then ("done", stats) or ("error", message)."""
+    ("tokens", [ids]) per committed group, then ("done", stats) or ("error", message).
+    A hidden-states request has `batch` (the prompts of one forward); it ends with
+    ("done", [(rows [S, D] float32, next token)]) per prompt."""
 
     input_ids: list[int]
     max_new_tokens: int
@@ -128,6 +156,7 @@ class Job:
     arrival: float = field(default_factory=time.perf_counter)
     events: "queue.Queue" = field(default_factory=queue.Queue)
     cancelled: bool = False
+    batch: list[list[int]] | None = None
 
 
 class _Cancelled(Exception):
@@ -192,6 +221,8 @@ class EngineWorker:
         generator = None
         if job.temperature > 0 and job.seed is not None:
             generator = torch.Generator(device=engine.device).manual_seed(int(job.seed))
+        if job.batch is not None:
+            return self._hidden_states(job, generator)
         generate = engine.generate if engine.draft is not None else engine.generate_base
         _, stats = generate(job.input_ids, job.max_new_tokens, temperature=job.temperature,
                             eos_token_id=job.stop_token_ids, generator=generator, on_tokens=on_tokens)
@@ -200,6 +231,26 @@ class EngineWorker:
             self.spec_rounds += stats.spec_verify_ct
             self.spec_round_tokens += sum(a + 1 for a in stats.accepted_drafts)
         job.events.put(("done", stats))
+
+    def _hidden_states(self, job: Job, generator):
+        """One padded prefill over job.batch: the rows SGLang would return, and one sampled token."""
+        import torch
+
+        extractor = self.model.hidden_state_extractor
+        head = extractor.model.get_output_embeddings()
+        results = []
+        for aux, last in extractor.forward(job.batch):
+            with torch.inference_mode():
+                logits = head(last[-1].to(head.weight.device, head.weight.dtype)).float()
+            if job.temperature > 0:
+                probs = torch.softmax(logits / job.temperature, -1)
+                token = int(torch.multinomial(probs, 1, generator=generator))
+            else:
+                token = int(logits.argmax())
+            results.append((aux if extractor.aux_layer_ids else last, token))
+        with self.lock:
+            self.num_requests += len(job.batch)
+        job.events.put(("done", results))
 
     def internal_state(self) -> dict:
         with self.lock:
@@ -409,17 +460,14 @@ class Handler(BaseHTTPRequestHandler):
             raise
 
     @staticmethod
-    def _check_features(body: dict):
+    def _check_features(body: dict, allowed=()):
         for key in UNSUPPORTED_FEATURES:
-            if body.get(key):
+            if body.get(key) and key not in allowed:
                 raise RequestError(f"{key} is not supported by the embedded server")
 
-    # -- /generate
-    def _generate(self, body: dict):
-        self._check_features(body)
-        prompt = body.get("input_ids") if body.get("input_ids") is not None else body.get("text")
-        if prompt is None:
-            raise RequestError("give `text` or `input_ids`")
+    @staticmethod
+    def _sampling(body: dict) -> tuple[dict, bool, object]:
+        """/generate's sampling_params -> (params for _job, ignore_eos, seed)."""
         sp = dict(body.get("sampling_params") or {})
         params = {"max_new_tokens": sp.pop("max_new_tokens", DEFAULT_MAX_NEW_TOKENS),
                   "temperature": sp.pop("temperature", 1.0),
@@ -429,6 +477,17 @@ class Handler(BaseHTTPRequestHandler):
         if unknown:
             raise RequestError(f"unsupported sampling_params {sorted(unknown)}")
         params.update(sp)
+        return params, ignore_eos, seed
+
+    # -- /generate
+    def _generate(self, body: dict):
+        self._check_features(body, allowed=("return_hidden_states",))
+        prompt = body.get("input_ids") if body.get("input_ids") is not None else body.get("text")
+        if prompt is None:
+            raise RequestError("give `text` or `input_ids`")
+        if body.get("return_hidden_states"):
+            return self._generate_hidden_states(body, prompt)
+        params, ignore_eos, seed = self._sampling(body)
         job = self._job(prompt, params, ignore_eos, seed)
         model = self.server.worker.model
         text = _TextDeltas(model.tokenizer)
@@ -450,6 +509,38 @@ class Handler(BaseHTTPRequestHandler):
         except RuntimeError as e:
             self._sse({"error": {"message": str(e), "code": 500}})
         self._end_stream()
+
+    def _generate_hidden_states(self, body: dict, prompt):
+        """return_hidden_states: prefill only (max_new_tokens=1, what extraction sends); a batch of
+        prompts is one forward and gets a list of results, in order."""
+        model = self.server.worker.model
+        if model.hidden_state_extractor is None:
+            raise RequestError(HIDDEN_STATES_DISABLED)
+        if body.get("stream"):
+            raise RequestError("return_hidden_states with stream is not supported by the embedded server")
+        params, ignore_eos, seed = self._sampling(body)
+        if params["max_new_tokens"] != 1:
+            raise RequestError("the embedded server returns hidden states of the prompt only: send "
+                               f"sampling_params.max_new_tokens=1 (got {params['max_new_tokens']!r})")
+        batched = isinstance(prompt, list) and bool(prompt) and all(isinstance(p, (list, str)) for p in prompt)
+        jobs = [self._job(p, params, ignore_eos, seed) for p in (prompt if batched else [prompt])]
+        job = Job(jobs[0].input_ids, 1, jobs[0].temperature, jobs[0].stop_token_ids, seed,
+                  batch=[j.input_ids for j in jobs])
+        try:
+            _, results = self._run_job(job, lambda _: None)
+        except RuntimeError as e:
+            return self._send_error(HTTPStatus.INTERNAL_SERVER_ERROR, str(e))
+        latency = time.perf_counter() - job.arrival
+        out = []
+        for i, (ids, (rows, token)) in enumerate(zip(job.batch, results)):
+            stop = bool(job.stop_token_ids) and token in job.stop_token_ids
+            out.append({"text": model.tokenizer.decode([token], skip_special_tokens=True), "output_ids": [token],
+                        "meta_info": {"id": f"{job.rid}-{i}" if batched else job.rid, "prompt_tokens": len(ids),
+                                      "completion_tokens": 1, "cached_tokens": 0, "e2e_latency": latency,
+                                      "finish_reason": {"type": "stop", "matched": token} if stop
+                                      else {"type": "length", "length": 1},
+                                      "hidden_states": [rows.tolist()]}})
+        self._send_json(out if batched else out[0])
 
     # -- /v1/completions
     def _completions(self, body: dict):
@@ -603,6 +694,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--exact-ancestor-attention", action="store_true",
                    help="draft beams attend to their real ancestors (default: SGLang's lanes)")
     p.add_argument("--served-model-name", default=None)
+    p.add_argument("--enable-return-hidden-states", action="store_true",
+                   help="answer /generate requests with return_hidden_states (prefill rows, as SGLang)")
+    p.add_argument("--enable-return-aux-hidden-states", action="store_true",
+                   help="return the aux layers' outputs (concatenated) in place of the final state")
+    p.add_argument("--return-aux-hidden-state-layer-ids", type=int, nargs="+", default=None,
+                   help="decoder layers whose outputs are the aux hidden states (with the flag above)")
     p.add_argument("--log-level", default="info")
 
 
@@ -622,6 +719,16 @@ def build_serve_command(target_path, draft_path=None, tree=None, port: int = 300
     return cmd + [str(a) for a in extra_args]
 
 
+def extraction_serve_command(target_path, port: int, aux_layer_ids=None, *, dtype: str = "bfloat16",
+                             threads: int | None = None, python: str | None = None) -> list[str]:
+    """A server for the `server` extract backend: final post-norm states (aux_layer_ids None) or
+    the aux layers' outputs, with SGLang's flag names (sglang_launch.extraction_server_command)."""
+    flags = ["--enable-return-hidden-states"]
+    if aux_layer_ids is not None:
+        flags += ["--enable-return-aux-hidden-states", "--return-aux-hidden-state-layer-ids", *map(str, aux_layer_ids)]
+    return build_serve_command(target_path, port=port, dtype=dtype, threads=threads, extra_args=flags, python=python)
+
+
 def _interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -638,6 +745,13 @@ def serve(args: argparse.Namespace) -> None:
             raise SystemExit(f"serve: {path} is not a directory")
     if args.draft:
         TreeSpec.parse(args.tree)  # a bad tree fails before anything loads
+    aux_ids = None
+    if args.enable_return_aux_hidden_states or args.return_aux_hidden_state_layer_ids:
+        if not (args.enable_return_aux_hidden_states and args.return_aux_hidden_state_layer_ids
+                and args.enable_return_hidden_states):
+            raise SystemExit("serve: aux hidden states need --enable-return-hidden-states, "
+                             "--enable-return-aux-hidden-states and --return-aux-hidden-state-layer-ids")
+        aux_ids = args.return_aux_hidden_state_layer_ids
     if args.threads:
         import torch
 
@@ -645,7 +759,8 @@ def serve(args: argparse.Namespace) -> None:
 
     def loader():
         return load_model(args.target, args.draft, args.tree if args.draft else None, dtype=args.dtype,
-                          device=args.device, exact_ancestor_attention=args.exact_ancestor_attention)
+                          device=args.device, exact_ancestor_attention=args.exact_ancestor_attention,
+                          return_hidden_states=args.enable_return_hidden_states, aux_hidden_state_layer_ids=aux_ids)
 
     name = args.served_model_name or Path(args.target).name
     try:

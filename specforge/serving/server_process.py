@@ -9,6 +9,7 @@ last resort for servers still running when the interpreter exits.
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import os
 import signal
@@ -55,6 +56,25 @@ def http_status(url: str, timeout: float = 5.0) -> int | None:
         return e.code
     except (OSError, ValueError):
         return None
+
+
+def http_json(url: str, body=None, timeout: float = 600.0):
+    """GET url (body None) or POST body as JSON; the decoded JSON answer. An HTTP error raises
+    RuntimeError with the server's own message; nothing answering raises ConnectionError."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with _DIRECT.open(req, timeout=timeout) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        detail = e.read().decode(errors="replace")
+        try:
+            detail = json.loads(detail)["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            pass
+        raise RuntimeError(f"{url}: HTTP {e.code}: {detail}") from None
+    except (urllib.error.URLError, OSError) as e:
+        raise ConnectionError(f"{url}: no answer ({getattr(e, 'reason', e)})") from None
 
 
 def _tail(path: Path, lines: int = 30) -> str:

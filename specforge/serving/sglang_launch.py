@@ -197,28 +197,36 @@ def _check_aux_support(version: str | None) -> None:
         )
 
 
-def _check_layer_ids(layer_ids: Sequence[int]) -> list[int]:
+def _check_layer_ids(layer_ids: Sequence[int], num_layers: int) -> list[int]:
+    """SGLang captures aux id L as the input of decoder layer L+1, so the last layer (N-1) has no
+    capture point: ids must lie in [0, N-2]."""
     ids = [int(i) for i in layer_ids]
     if len(ids) != 3 or ids != sorted(set(ids)) or ids[0] < 0:
         raise ValueError(f"aux layer ids must be 3 distinct ascending layer ids >= 0, got {list(layer_ids)}")
+    if ids[-1] > num_layers - 2:
+        raise ValueError(f"aux layer id {ids[-1]}: SGLang captures id L at the input of layer L+1, so with "
+                         f"{num_layers} layers the ids must be <= {num_layers - 2} (use extract.backend=embedded "
+                         "for the last layer)")
     return ids
 
 
-def extraction_server_args(layer_ids: Sequence[int], version: str | None = None) -> list[str]:
-    """Flags of a target-only SGLang server that returns the EAGLE3 aux hidden states of
-    decoder-layer outputs `layer_ids` (our convention and SGLang's agree: id L = output of layer L).
-    For extraction, send `max_new_tokens=1` and `return_hidden_states=True` (contract §7)."""
-    _check_aux_support(version)
-    return render_options(extraction_engine_kwargs(layer_ids, version), version)
-
-
-def extraction_engine_kwargs(layer_ids: Sequence[int], version: str | None = None) -> dict[str, Any]:
-    """The same settings as keyword arguments of `sglang.Engine(**kwargs)` (ServerArgs fields)."""
-    _check_aux_support(version)
-    return {
-        "speculative_algorithm": "EAGLE3",  # names the capture convention; no draft is loaded
-        "enable_return_aux_hidden_states": True,
-        "return_aux_hidden_state_layer_ids": _check_layer_ids(layer_ids),
-        "disable_radix_cache": True,
-        "chunked_prefill_size": -1,
-    }
+def extraction_server_command(target_path, port: int, aux_layer_ids: Sequence[int] | None = None, *,
+                              num_layers: int, host: str = "127.0.0.1", version: str | None = None,
+                              options: Mapping[str, Any] | None = None, extra_args: Sequence[str] = (),
+                              python: str | None = None) -> list[str]:
+    """A target-only server for extraction (contract §7): with `aux_layer_ids`, it returns the
+    outputs of those decoder layers, concatenated (SGLang >= 0.5.23; our convention and SGLang's
+    agree: id L = output of layer L); without, the final post-norm state. Both recompute every
+    prompt in one chunk (radix cache off, chunked prefill off)."""
+    opts: dict[str, Any] = {"enable_return_hidden_states": True, "chunked_prefill_size": -1}
+    if aux_layer_ids is not None:
+        _check_aux_support(version)
+        opts.update(speculative_algorithm="EAGLE3",  # the capture convention; no draft is given
+                    enable_return_aux_hidden_states=True,
+                    return_aux_hidden_state_layer_ids=_check_layer_ids(aux_layer_ids, num_layers))
+    for name, value in (options or {}).items():
+        if name in opts:
+            raise ValueError(f"extraction_server_command: option {name!r} is set by the builder itself")
+        opts[name] = value
+    return build_server_command(target_path, port=port, host=host, version=version, options=opts,
+                                extra_args=extra_args, python=python)

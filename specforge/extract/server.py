@@ -1,0 +1,162 @@
+"""Hidden states from servers that speak SGLang's /generate (the `server` and `sglang` backends).
+
+A server returns one kind of hidden state (contract §7): `return_hidden_states` gives the final
+post-norm state, and a server launched with aux capture gives the aux layers' outputs,
+concatenated, *in place of* the final state. The store needs both, so extraction talks to two
+servers of the same target, an aux server and a final server. Each batch goes to both at once as
+SGLang's batched request (`input_ids` a list of lists, `max_new_tokens` 1, temperature 0,
+`return_hidden_states`), and each answer holds one row per prompt token.
+
+- `extract.backend=server`: running servers at `extract.aux_url` and `extract.final_url`
+  (SGLang, or `specforge serve` with the same flags: serving/server.py).
+- `extract.backend=sglang`: this process launches the two SGLang servers on its GPU, waits for
+  /health, and always stops them (`extraction_servers`); under torchrun every rank launches its
+  own pair on its own GPU and extracts its share of the samples (stage.py).
+
+Why servers and not `sglang.Engine` in this process: the capture mode is a setting of the whole
+engine, so the two modes need two engines, and SGLang keeps one engine per process.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from specforge.extract.batching import Extractor
+from specforge.serving.server_process import ServerProcess, free_port, http_json
+
+SAMPLING = {"max_new_tokens": 1, "temperature": 0.0}
+
+
+def prompt_rows(meta_info, n: int, width: int, where: str) -> torch.Tensor:
+    """The first n rows of meta_info["hidden_states"] as float32 [n, width]. SGLang appends one
+    element per forward: a block of rows per prefill chunk, then one row per decoded token."""
+    blocks = meta_info.get("hidden_states") if isinstance(meta_info, dict) else None
+    if not blocks:
+        raise ValueError(f"{where}: the answer has no meta_info.hidden_states (start the server with "
+                         "--enable-return-hidden-states)")
+    rows, got = [], 0
+    for block in blocks:
+        t = torch.from_numpy(np.asarray(block, dtype=np.float32))  # 2.5x faster than torch.tensor(list)
+        t = t[None] if t.dim() == 1 else t
+        if t.dim() != 2:
+            raise ValueError(f"{where}: hidden_states holds a block of shape {list(t.shape)}, expected rows")
+        rows.append(t)
+        got += t.shape[0]
+        if got >= n:
+            break
+    if got < n:
+        raise ValueError(f"{where}: {got} hidden-state rows for {n} prompt tokens; the server must compute "
+                         "the whole prompt (launch it with --disable-radix-cache)")
+    out = torch.cat(rows)[:n]
+    if out.shape[1] != width:
+        raise ValueError(f"{where}: rows of {out.shape[1]} values, expected {width}")
+    return out
+
+
+def server_info(url: str, timeout: float = 30.0) -> dict:
+    """GET /server_info (SGLang's older name: /get_server_info)."""
+    try:
+        return http_json(url + "/server_info", timeout=timeout)
+    except RuntimeError:
+        return http_json(url + "/get_server_info", timeout=timeout)
+
+
+class ServerExtractor(Extractor):
+    """aux [S, len(aux) * H] from the aux server and last [S, H] from the final server, per row."""
+
+    def __init__(self, aux_url: str, final_url: str, aux_layer_ids: Sequence[int], hidden_size: int,
+                 batch_tokens: int, storage_dtype: torch.dtype = torch.bfloat16, timeout_s: float = 600.0):
+        super().__init__(batch_tokens, storage_dtype)
+        self.aux_layer_ids = list(aux_layer_ids)
+        self.urls = {"aux": aux_url.rstrip("/"), "last": final_url.rstrip("/")}
+        self.widths = {"aux": len(self.aux_layer_ids) * hidden_size, "last": hidden_size}
+        self.timeout_s = timeout_s
+        self.pool = ThreadPoolExecutor(2, thread_name_prefix="extract-http")
+
+    def check_servers(self) -> None:
+        """Refuse servers whose /server_info says they return other states than this run needs
+        (servers that do not say are checked by the width of their rows)."""
+        for kind, url in self.urls.items():
+            name = "extract.aux_url" if kind == "aux" else "extract.final_url"
+            info = server_info(url)
+            if info.get("enable_return_hidden_states") is False:
+                raise ValueError(f"{name}={url}: the server does not return hidden states; start it with "
+                                 "--enable-return-hidden-states")
+            captures = info.get("enable_return_aux_hidden_states")
+            if kind == "aux":
+                ids = info.get("return_aux_hidden_state_layer_ids")
+                if captures is False:
+                    raise ValueError(f"{name}={url}: the server does not capture aux hidden states; start it with "
+                                     "--enable-return-aux-hidden-states --return-aux-hidden-state-layer-ids "
+                                     + " ".join(map(str, self.aux_layer_ids)))
+                if ids is not None and list(ids) != self.aux_layer_ids:
+                    raise ValueError(f"{name}={url}: the server captures layers {list(ids)}, this run needs "
+                                     f"{self.aux_layer_ids} (target.aux_layer_ids)")
+            elif captures:
+                raise ValueError(f"{name}={url}: the server captures aux hidden states, which replace the final "
+                                 "state; give a server started without --enable-return-aux-hidden-states")
+
+    def forward_rows(self, rows: Sequence[dict]) -> list[dict]:
+        t0 = time.perf_counter()
+        seqs = [r["input_ids"].tolist() if torch.is_tensor(r["input_ids"]) else list(r["input_ids"]) for r in rows]
+        body = {"input_ids": seqs, "sampling_params": SAMPLING, "return_hidden_states": True}
+        pending = {k: self.pool.submit(http_json, url + "/generate", body, self.timeout_s)
+                   for k, url in self.urls.items()}
+        answers = {k: f.result() for k, f in pending.items()}
+        out = [{} for _ in rows]
+        for kind, answer in answers.items():
+            url = self.urls[kind]
+            if not isinstance(answer, list) or len(answer) != len(rows):
+                raise ValueError(f"{url}/generate: expected a list of {len(rows)} results for a batch of {len(rows)} prompts")
+            for i, (row, seq, result) in enumerate(zip(rows, seqs, answer)):
+                where = f"{url}/generate, sample {row['id']!r}"
+                states = prompt_rows(result.get("meta_info") if isinstance(result, dict) else None,
+                                     len(seq), self.widths[kind], where)
+                out[i][kind] = states.to(self.storage_dtype)
+        self.count([len(s) for s in seqs], max(len(s) for s in seqs), t0)
+        return out
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False)
+
+
+# (target_path, port, aux_layer_ids | None) -> the command of an aux (ids) or final (None) server
+ExtractionCommand = Callable[..., list]
+
+
+@contextlib.contextmanager
+def extraction_servers(build: ExtractionCommand, target_path, aux_layer_ids: Sequence[int], log_dir: Path, *,
+                       env: dict | None = None, startup_timeout_s: float = 900.0):
+    """Start the aux and the final server on free ports, wait until both answer /health, yield
+    (aux_url, final_url); both are always stopped when the block ends (also on errors, Ctrl-C,
+    SIGTERM). Their output goes to `log_dir/{aux,final}.log`."""
+    with contextlib.ExitStack() as stack:
+        procs = []
+        for name, ids in (("aux", list(aux_layer_ids)), ("final", None)):
+            port = free_port()
+            proc = ServerProcess(build(target_path, port, ids), port, Path(log_dir) / f"{name}.log", env=env,
+                                 startup_timeout_s=startup_timeout_s)
+            stack.callback(proc.stop)
+            procs.append(proc.start())  # both load at once
+        for proc in procs:
+            proc.wait_healthy()
+        yield procs[0].base_url, procs[1].base_url
+
+
+def gpu_env(local_rank: int, local_world_size: int) -> dict | None:
+    """CUDA_VISIBLE_DEVICES for this rank's servers when several ranks share a node: the
+    local_rank-th visible GPU (of CUDA_VISIBLE_DEVICES when set, as Slurm does)."""
+    if local_world_size <= 1:
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = [g for g in visible.split(",") if g.strip()] if visible else [str(i) for i in range(local_world_size)]
+    if local_rank >= len(gpus):
+        raise ValueError(f"rank {local_rank} of {local_world_size} on this node, but only GPUs {gpus} are visible")
+    return {"CUDA_VISIBLE_DEVICES": gpus[local_rank]}
