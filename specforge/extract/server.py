@@ -14,7 +14,9 @@ SGLang's batched request (`input_ids` a list of lists, `max_new_tokens` 1, tempe
   own pair on its own GPU and extracts its share of the samples (stage.py).
 
 Why servers and not `sglang.Engine` in this process: the capture mode is a setting of the whole
-engine, so the two modes need two engines, and SGLang keeps one engine per process.
+engine, so the two modes need two engines on one GPU, and SGLang's way to run two instances on
+one GPU is two processes with their own ports and `mem_fraction_static`. As servers, the same
+client is also exercised against `specforge serve` where SGLang cannot run.
 """
 from __future__ import annotations
 
