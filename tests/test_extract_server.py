@@ -164,6 +164,14 @@ def test_stage_through_servers_equals_the_embedded_stage(run_setup, servers, tmp
     assert again["extracted_tokens"] == 0
 
 
+def test_vision_language_targets_stay_on_the_embedded_backend(run_setup):  # noqa: F811
+    cfg, run_dir, _ = run_setup
+    cfg.target.kind = "qwen3_vl"
+    cfg.extract.backend, cfg.extract.aux_url, cfg.extract.final_url = "server", "http://127.0.0.1:9", "http://127.0.0.1:9"
+    with pytest.raises(ValueError, match="vision-language targets need the M-RoPE positions"):
+        stage.run(cfg, run_dir)
+
+
 def test_extraction_servers_are_processes_always_stopped(tiny_target_dir, tmp_path):
     """The launch path of backend=sglang, with `specforge serve` in SGLang's place: both servers
     start, answer with the states they were launched for, and are stopped when the block ends,
