@@ -24,6 +24,7 @@ import contextlib
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -162,3 +163,34 @@ def gpu_env(local_rank: int, local_world_size: int) -> dict | None:
     if local_rank >= len(gpus):
         raise ValueError(f"rank {local_rank} of {local_world_size} on this node, but only GPUs {gpus} are visible")
     return {"CUDA_VISIBLE_DEVICES": gpus[local_rank]}
+
+
+@contextlib.contextmanager
+def open_server_extractor(cfg, target_path, aux_layer_ids: Sequence[int], text_config, storage_dtype: torch.dtype,
+                          log_dir: Path, env):
+    """The ServerExtractor of `extract.backend` server (the running servers at extract.aux_url and
+    extract.final_url) or sglang (this process's two SGLang servers, launched on its GPU and
+    stopped when the block ends), checked against the servers' /server_info."""
+    ex = cfg.extract
+    with contextlib.ExitStack() as stack:
+        if ex.backend == "server":
+            if not ex.aux_url or not ex.final_url:
+                raise ValueError("extract.backend=server needs extract.aux_url (a server capturing the aux layers) "
+                                 "and extract.final_url (a server returning final hidden states)")
+            urls = ex.aux_url, ex.final_url
+        else:
+            from specforge.serving.sglang_launch import extraction_server_command
+
+            build = partial(extraction_server_command, num_layers=text_config.num_hidden_layers,
+                            version=ex.sglang_version, extra_args=list(ex.sglang_args),
+                            options={"dtype": cfg.target.dtype, "trust_remote_code": bool(cfg.target.trust_remote_code),
+                                     "mem_fraction_static": ex.mem_fraction_static})
+            build(target_path, 0, aux_layer_ids)  # a version or layer-id problem fails before anything starts
+            urls = stack.enter_context(extraction_servers(build, target_path, aux_layer_ids, log_dir,
+                                                          env=gpu_env(env.local_rank, env.local_world_size),
+                                                          startup_timeout_s=ex.server_startup_timeout_s))
+        extractor = ServerExtractor(*urls, aux_layer_ids, text_config.hidden_size, ex.batch_tokens, storage_dtype,
+                                    ex.request_timeout_s)
+        stack.callback(extractor.close)
+        extractor.check_servers()
+        yield extractor

@@ -307,32 +307,10 @@ def open_backend(cfg, run_dir: Path, env):
             yield EmbeddedExtractor(model, aux, batch_tokens=cfg.extract.batch_tokens, storage_dtype=storage), meta
         return
 
-    from specforge.extract.server import ServerExtractor, extraction_servers, gpu_env
+    from specforge.extract.server import open_server_extractor
 
-    ex = cfg.extract
-    with contextlib.ExitStack() as stack:
-        if backend == "server":
-            if not ex.aux_url or not ex.final_url:
-                raise ValueError("extract.backend=server needs extract.aux_url (a server capturing the aux layers) "
-                                 "and extract.final_url (a server returning final hidden states)")
-            urls = ex.aux_url, ex.final_url
-        else:
-            from functools import partial
-
-            from specforge.serving.sglang_launch import extraction_server_command
-
-            build = partial(extraction_server_command, num_layers=tcfg.num_hidden_layers, version=ex.sglang_version,
-                            options={"dtype": cfg.target.dtype, "trust_remote_code": bool(cfg.target.trust_remote_code),
-                                     "mem_fraction_static": ex.mem_fraction_static},
-                            extra_args=list(ex.sglang_args))
-            build(target_path, 0, aux)  # a version or layer-id problem fails before anything starts
-            log_dir = run_dir / "extract" / "logs" / rank_dir_name(env.rank, env.world_size)
-            urls = stack.enter_context(extraction_servers(build, target_path, aux, log_dir,
-                                                          env=gpu_env(env.local_rank, env.local_world_size),
-                                                          startup_timeout_s=ex.server_startup_timeout_s))
-        extractor = ServerExtractor(*urls, aux, tcfg.hidden_size, ex.batch_tokens, storage, ex.request_timeout_s)
-        stack.callback(extractor.close)
-        extractor.check_servers()
+    log_dir = run_dir / "extract" / "logs" / rank_dir_name(env.rank, env.world_size)
+    with open_server_extractor(cfg, target_path, aux, tcfg, storage, log_dir, env) as extractor:
         yield extractor, meta
 
 
