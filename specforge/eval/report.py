@@ -153,7 +153,9 @@ def plot(results: dict, plots_dir: Path) -> list[str]:
     rows = [r for r in configs if r["epoch"] == last]
     if rows:
         fig, ax = plt.subplots(figsize=(max(5, 0.9 * len(rows)), 3.5))
-        ax.bar([r["tree"] for r in rows], [r["accept_length"] for r in rows])
+        # positions + labels: tree names like "2_1_3" parse as numbers, and matplotlib says so
+        ax.bar(range(len(rows)), [r["accept_length"] for r in rows])
+        ax.set_xticks(range(len(rows)), [r["tree"] for r in rows])
         ax.set(xlabel="tree (steps_topk_drafttokens)", ylabel="accept length",
                title=f"accept length over trees ({'epoch_%s' % last if last else 'checkpoint'})")
         fig.tight_layout()
