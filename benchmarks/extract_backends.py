@@ -39,6 +39,8 @@ def parse_args(argv=None):
     p.add_argument("--min-len", type=int, default=32)
     p.add_argument("--max-len", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--decode-workers", type=int, nargs="+", default=[1, 2],
+                   help="extract.decode_workers settings of the server backend to compare")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "extract_backends.json"))
     return p.parse_args(argv)
 
@@ -49,24 +51,43 @@ def timed(extractor, rows) -> tuple[dict, float]:
     return states, time.perf_counter() - t0
 
 
-def answer_cost(url: str, rows) -> tuple[float, float]:
-    """(JSON bytes, client seconds to decode them into tensors) per prompt token, for one answer
-    of `url` to the longest row: the part of the server backend no GPU makes faster."""
-    import urllib.request
+def record_answers(ex, rows) -> list[tuple]:
+    """The raw JSON answers of both servers for every batch of the plan, as decode_answer's args."""
+    from specforge.extract.server import SAMPLING
+    from specforge.serving.server_process import http_json
 
-    from specforge.extract.server import prompt_rows
+    answers = []
+    for batch in ex.batches(rows):
+        body = {"input_ids": [r["input_ids"].tolist() for r in batch], "sampling_params": SAMPLING,
+                "return_hidden_states": True}
+        for kind, url in ex.urls.items():
+            answers.append((http_json(url + "/generate", body, raw=True), [r["id"] for r in batch],
+                            [len(r["input_ids"]) for r in batch], ex.widths[kind], url))
+    return answers
 
-    ids = max(rows, key=lambda r: len(r["input_ids"]))["input_ids"].tolist()
-    body = {"input_ids": [ids], "sampling_params": {"max_new_tokens": 1, "temperature": 0}, "return_hidden_states": True}
-    req = urllib.request.Request(url + "/generate", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req, timeout=600) as r:
-        raw = r.read()
-    t0 = time.perf_counter()
-    for _ in range(3):
-        meta = json.loads(raw)[0]["meta_info"]
-        prompt_rows(meta, len(ids), len(meta["hidden_states"][0][0]), url).to(torch.bfloat16)
-    return len(raw) / len(ids), (time.perf_counter() - t0) / 3 / len(ids)
+
+def decode_seconds(answers, workers: int) -> float:
+    """Wall time to decode every recorded answer into bf16 tensors with `workers` processes (1: in
+    this process, as decode_workers=1 does): the client's share when the servers are instant."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    from specforge.extract.server import decode_answer
+
+    def finish(arrays):
+        return [torch.from_numpy(a).to(torch.bfloat16) for a in arrays]
+
+    if workers == 1:
+        t0 = time.perf_counter()
+        for args in answers:
+            finish(decode_answer(*args))
+        return time.perf_counter() - t0
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        list(pool.map(decode_answer, *zip(*answers[:workers])))  # workers started and warm
+        t0 = time.perf_counter()
+        for arrays in pool.map(decode_answer, *zip(*answers)):
+            finish(arrays)
+        return time.perf_counter() - t0
 
 
 def main(argv=None) -> dict:
@@ -95,22 +116,26 @@ def main(argv=None) -> dict:
     del model
 
     build = partial(extraction_serve_command, dtype=args.dtype, threads=1)
+    server_runs, identical = [], True
     with extraction_servers(build, model_dir, aux, Path(tmp.name) / "logs") as urls:
-        ex = ServerExtractor(*urls, aux, config.hidden_size, args.batch_tokens)
-        ex.check_servers()
-        got, t_server = timed(ex, rows)
-        ex.close()
-        costs = [answer_cost(url, rows) for url in urls]
-    identical = all(torch.equal(got[k]["aux"], v["aux"]) and torch.equal(got[k]["last"], v["last"])
-                    for k, v in ref.items())
+        for workers in args.decode_workers:
+            ex = ServerExtractor(*urls, aux, config.hidden_size, args.batch_tokens, decode_workers=workers)
+            ex.check_servers()
+            got, t_server = timed(ex, rows)
+            ex.close()
+            server_runs.append((workers, t_server))
+            identical &= all(torch.equal(got[k]["aux"], v["aux"]) and torch.equal(got[k]["last"], v["last"])
+                             for k, v in ref.items())
+        answers = record_answers(ex, rows)
+    json_bytes = sum(len(a[0]) for a in answers) / tokens
+    ceilings = {w: tokens / decode_seconds(answers, w) for w in args.decode_workers}
 
-    decode_s = sum(c[1] for c in costs)  # per token, aux + final answers
     results = [
         {"backend": "embedded", "tok_s": tokens / t_embedded, "ratio": 1.0, "json_bytes_per_token": None,
          "client_decode_ceiling_tok_s": None},
-        {"backend": "server (2 x specforge serve)", "tok_s": tokens / t_server, "ratio": t_embedded / t_server,
-         "json_bytes_per_token": sum(c[0] for c in costs), "client_decode_ceiling_tok_s": 1 / decode_s},
-    ]
+    ] + [{"backend": f"server (2 x specforge serve), decode_workers {w}", "tok_s": tokens / t, "ratio": t_embedded / t,
+          "json_bytes_per_token": json_bytes, "client_decode_ceiling_tok_s": ceilings[w]}
+         for w, t in server_runs]
     print(f"{model_dir.name}, {args.dtype}, {args.samples} samples, {tokens} tokens, aux {aux}, "
           f"batch_tokens {args.batch_tokens}, {os.cpu_count()} cores; stored tensors identical: {identical}")
     print("| backend | tok/s | vs embedded | JSON bytes/token | client decode ceiling tok/s |")

@@ -103,6 +103,7 @@ class ExtractConfig:
     aux_url: Optional[str] = None  # returns the aux layers' outputs (aux capture on)
     final_url: Optional[str] = None  # returns the final post-norm state (aux capture off)
     request_timeout_s: float = 600.0
+    decode_workers: int = 2  # server|sglang: processes decoding the servers' JSON (the bottleneck on a GPU)
     # backend=sglang: both servers launched on this process's GPU
     sglang_version: Optional[str] = None  # flag spellings for this SGLang version (default: the installed one)
     sglang_args: List[str] = field(default_factory=list)  # extra launch_server flags for both servers, verbatim

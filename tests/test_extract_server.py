@@ -4,8 +4,6 @@ real against the embedded server (tiny target, fp32), and the extraction servers
 SGLang itself needs CUDA; its launch commands are golden-tested in test_sglang_launch.py."""
 from __future__ import annotations
 
-import json
-import urllib.error
 from functools import partial
 
 import pytest
@@ -95,19 +93,23 @@ def test_a_server_without_hidden_states_says_so(servers):
         generate(servers[2].url, [[5, 6, 7]])
 
 
-def test_server_extractor_equals_the_embedded_extractor(servers, reference):
+@pytest.mark.parametrize("decode_workers", [1, 2])  # 2: batches in flight, decoded in worker processes
+def test_server_extractor_equals_the_embedded_extractor(servers, reference, decode_workers):
     aux_server, final_server, _ = servers
     _, ref = reference
     rows = [{"id": f"s{i}", "input_ids": torch.tensor(s, dtype=torch.int32)} for i, s in enumerate(seqs(12, 3, 7, 7, 1))]
-    ex = ServerExtractor(aux_server.url, final_server.url, AUX, 64, batch_tokens=24, storage_dtype=torch.float32)
+    ex = ServerExtractor(aux_server.url, final_server.url, AUX, 64, batch_tokens=24, storage_dtype=torch.float32,
+                         decode_workers=decode_workers)
     ex.check_servers()
+    order = [sample["id"] for sample, _ in ex.run(rows)]
     got = {sample["id"]: states for sample, states in ex.run(rows)}
+    assert order == [s["id"] for b in ex.batches(rows) for s in b]  # the plan's order, whatever is in flight
     same_plan = EmbeddedExtractor(ref.model, AUX, batch_tokens=24, storage_dtype=torch.float32)
     want = {sample["id"]: states for sample, states in same_plan.run(rows)}  # the same padded batches
     assert got.keys() == want.keys()
     for sid, states in want.items():
         assert torch.equal(got[sid]["aux"], states["aux"]) and torch.equal(got[sid]["last"], states["last"])
-    assert ex.stats["tokens"] == 30 and ex.tokens_per_s > 0
+    assert ex.stats["tokens"] == 60 and ex.tokens_per_s > 0  # two runs of 30 tokens
     ex.close()
 
 
@@ -122,15 +124,19 @@ def test_server_extractor_refuses_the_wrong_servers(servers):
         ServerExtractor(aux_server.url, aux_server.url, AUX, 64, 64).check_servers()
     with pytest.raises(ValueError, match=r"extract.aux_url=.*does not return hidden states"):
         ServerExtractor(plain.url, final_server.url, AUX, 64, 64).check_servers()
-    # a server that does not describe itself is caught by the width of its rows
+    # a server that does not describe itself is caught by the width of its rows (also in a worker process)
     with pytest.raises(ValueError, match=r"sample 'x': rows of 64 values, expected 192"):
         swapped.forward_rows([{"id": "x", "input_ids": torch.tensor([5, 6, 7])}])
+    in_workers = ServerExtractor(final_server.url, aux_server.url, AUX, 64, 64, decode_workers=2)
+    with pytest.raises(ValueError, match=r"sample 'y': rows of 64 values, expected 192"):
+        list(in_workers.run([{"id": "y", "input_ids": torch.tensor([5, 6, 7])}]))
+    in_workers.close()
 
 
 def test_prompt_rows_reads_chunked_prefill_and_names_problems():
     a, b = torch.randn(3, 4), torch.randn(2, 4)
     meta = {"hidden_states": [a.tolist(), b.tolist(), torch.randn(4).tolist()]}  # 2 prefill chunks, 1 decode row
-    assert torch.equal(prompt_rows(meta, 5, 4, "here"), torch.cat([a, b]))
+    assert torch.equal(torch.from_numpy(prompt_rows(meta, 5, 4, "here")), torch.cat([a, b]))
     with pytest.raises(ValueError, match="here: 5 hidden-state rows for 7 prompt tokens.*--disable-radix-cache"):
         prompt_rows({"hidden_states": [a.tolist(), b.tolist()]}, 7, 4, "here")
     with pytest.raises(ValueError, match="here: rows of 4 values, expected 8"):

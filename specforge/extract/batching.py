@@ -54,8 +54,8 @@ class Extractor:
         self.stats["padded_tokens"] += width * len(lens)
         self.stats["seconds"] += time.perf_counter() - t0
 
-    def run(self, samples: Sequence[dict], chunk: int | None = None) -> Iterator[tuple[dict, dict]]:
-        """Yield (sample, states) for samples with `input_ids`, longest first.
+    def batches(self, samples: Sequence[dict], chunk: int | None = None) -> Iterator[list[dict]]:
+        """The rows of each forward, longest samples first.
 
         With `chunk`, samples are planned in consecutive chunks of that many (of the length-sorted
         order), so batches never cross a shard boundary when chunk == shard size: a resumed run
@@ -66,8 +66,12 @@ class Extractor:
         for c in range(0, len(order), step):
             part = [samples[i] for i in order[c : c + step]]
             for batch in plan_batches([len(s["input_ids"]) for s in part], self.batch_tokens):
-                rows = [part[i] for i in batch]
-                yield from zip(rows, self.forward_rows(rows))
+                yield [part[i] for i in batch]
+
+    def run(self, samples: Sequence[dict], chunk: int | None = None) -> Iterator[tuple[dict, dict]]:
+        """Yield (sample, states) for samples with `input_ids`, in the order of `batches`."""
+        for rows in self.batches(samples, chunk):
+            yield from zip(rows, self.forward_rows(rows))
 
     @property
     def tokens_per_s(self) -> float:

@@ -21,9 +21,12 @@ client is also exercised against `specforge serve` where SGLang cannot run.
 from __future__ import annotations
 
 import contextlib
+import json
+import multiprocessing
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import Callable, Sequence
@@ -37,7 +40,7 @@ from specforge.serving.server_process import ServerProcess, free_port, http_json
 SAMPLING = {"max_new_tokens": 1, "temperature": 0.0}
 
 
-def prompt_rows(meta_info, n: int, width: int, where: str) -> torch.Tensor:
+def prompt_rows(meta_info, n: int, width: int, where: str) -> np.ndarray:
     """The first n rows of meta_info["hidden_states"] as float32 [n, width]. SGLang appends one
     element per forward: a block of rows per prefill chunk, then one row per decoded token."""
     blocks = meta_info.get("hidden_states") if isinstance(meta_info, dict) else None
@@ -46,9 +49,9 @@ def prompt_rows(meta_info, n: int, width: int, where: str) -> torch.Tensor:
                          "--enable-return-hidden-states)")
     rows, got = [], 0
     for block in blocks:
-        t = torch.from_numpy(np.asarray(block, dtype=np.float32))  # 2.5x faster than torch.tensor(list)
-        t = t[None] if t.dim() == 1 else t
-        if t.dim() != 2:
+        t = np.asarray(block, dtype=np.float32)  # 2.5x faster than torch.tensor(list)
+        t = t[None] if t.ndim == 1 else t
+        if t.ndim != 2:
             raise ValueError(f"{where}: hidden_states holds a block of shape {list(t.shape)}, expected rows")
         rows.append(t)
         got += t.shape[0]
@@ -57,10 +60,20 @@ def prompt_rows(meta_info, n: int, width: int, where: str) -> torch.Tensor:
     if got < n:
         raise ValueError(f"{where}: {got} hidden-state rows for {n} prompt tokens; the server must compute "
                          "the whole prompt (launch it with --disable-radix-cache)")
-    out = torch.cat(rows)[:n]
+    out = np.concatenate(rows)[:n]
     if out.shape[1] != width:
         raise ValueError(f"{where}: rows of {out.shape[1]} values, expected {width}")
     return out
+
+
+def decode_answer(content: bytes, ids: Sequence[str], lengths: Sequence[int], width: int, where: str) -> list:
+    """One batched /generate answer (JSON bytes) -> float32 [n, width] rows per prompt. Parsing the
+    JSON is the costly part of this backend (docs/benchmarks.md), so it runs in worker processes."""
+    answer = json.loads(content)
+    if not isinstance(answer, list) or len(answer) != len(ids):
+        raise ValueError(f"{where}: expected a list of {len(ids)} results for a batch of {len(ids)} prompts")
+    return [prompt_rows(r.get("meta_info") if isinstance(r, dict) else None, n, width, f"{where}, sample {sid!r}")
+            for sid, n, r in zip(ids, lengths, answer)]
 
 
 def server_info(url: str, timeout: float = 30.0) -> dict:
@@ -72,16 +85,25 @@ def server_info(url: str, timeout: float = 30.0) -> dict:
 
 
 class ServerExtractor(Extractor):
-    """aux [S, len(aux) * H] from the aux server and last [S, H] from the final server, per row."""
+    """aux [S, len(aux) * H] from the aux server and last [S, H] from the final server, per row.
+
+    `run` keeps decode_workers + 1 batches in flight: while the servers compute one, the client
+    decodes the JSON of others, in `decode_workers` processes when > 1 (one process decodes
+    ~3,000 SmolLM2 tokens/s: docs/benchmarks.md)."""
 
     def __init__(self, aux_url: str, final_url: str, aux_layer_ids: Sequence[int], hidden_size: int,
-                 batch_tokens: int, storage_dtype: torch.dtype = torch.bfloat16, timeout_s: float = 600.0):
+                 batch_tokens: int, storage_dtype: torch.dtype = torch.bfloat16, timeout_s: float = 600.0,
+                 decode_workers: int = 1):
         super().__init__(batch_tokens, storage_dtype)
         self.aux_layer_ids = list(aux_layer_ids)
         self.urls = {"aux": aux_url.rstrip("/"), "last": final_url.rstrip("/")}
         self.widths = {"aux": len(self.aux_layer_ids) * hidden_size, "last": hidden_size}
         self.timeout_s = timeout_s
-        self.pool = ThreadPoolExecutor(2, thread_name_prefix="extract-http")
+        self.in_flight = max(1, decode_workers) + 1  # also overlaps the servers' compute with decoding
+        self.http = ThreadPoolExecutor(2 * self.in_flight, thread_name_prefix="extract-http")
+        # spawn: the workers only parse JSON; a fork of a process holding torch threads is unsafe
+        self.decoders = (ProcessPoolExecutor(decode_workers, mp_context=multiprocessing.get_context("spawn"))
+                         if decode_workers > 1 else None)
 
     def check_servers(self) -> None:
         """Refuse servers whose /server_info says they return other states than this run needs
@@ -106,28 +128,55 @@ class ServerExtractor(Extractor):
                 raise ValueError(f"{name}={url}: the server captures aux hidden states, which replace the final "
                                  "state; give a server started without --enable-return-aux-hidden-states")
 
-    def forward_rows(self, rows: Sequence[dict]) -> list[dict]:
-        t0 = time.perf_counter()
+    def _fetch(self, kind: str, body: dict, ids: list[str], lengths: list[int]) -> list:
+        url = self.urls[kind] + "/generate"
+        args = (http_json(url, body, self.timeout_s, raw=True), ids, lengths, self.widths[kind], url)
+        return self.decoders.submit(decode_answer, *args).result() if self.decoders else decode_answer(*args)
+
+    def _submit(self, rows: Sequence[dict]) -> dict:
+        """Both requests of one batch, started: {kind: future of the rows}."""
         seqs = [r["input_ids"].tolist() if torch.is_tensor(r["input_ids"]) else list(r["input_ids"]) for r in rows]
         body = {"input_ids": seqs, "sampling_params": SAMPLING, "return_hidden_states": True}
-        pending = {k: self.pool.submit(http_json, url + "/generate", body, self.timeout_s)
-                   for k, url in self.urls.items()}
-        answers = {k: f.result() for k, f in pending.items()}
-        out = [{} for _ in rows]
-        for kind, answer in answers.items():
-            url = self.urls[kind]
-            if not isinstance(answer, list) or len(answer) != len(rows):
-                raise ValueError(f"{url}/generate: expected a list of {len(rows)} results for a batch of {len(rows)} prompts")
-            for i, (row, seq, result) in enumerate(zip(rows, seqs, answer)):
-                where = f"{url}/generate, sample {row['id']!r}"
-                states = prompt_rows(result.get("meta_info") if isinstance(result, dict) else None,
-                                     len(seq), self.widths[kind], where)
-                out[i][kind] = states.to(self.storage_dtype)
-        self.count([len(s) for s in seqs], max(len(s) for s in seqs), t0)
+        ids, lengths = [r["id"] for r in rows], [len(q) for q in seqs]
+        return {kind: self.http.submit(self._fetch, kind, body, ids, lengths) for kind in self.urls}
+
+    def _collect(self, rows: Sequence[dict], pending: dict) -> list[dict]:
+        arrays = {kind: f.result() for kind, f in pending.items()}
+        return [{kind: torch.from_numpy(a[i]).to(self.storage_dtype) for kind, a in arrays.items()}
+                for i in range(len(rows))]
+
+    def forward_rows(self, rows: Sequence[dict]) -> list[dict]:
+        t0 = time.perf_counter()
+        out = self._collect(rows, self._submit(rows))
+        lens = [len(r["input_ids"]) for r in rows]
+        self.count(lens, max(lens), t0)
         return out
 
+    def run(self, samples: Sequence[dict], chunk: int | None = None):
+        """Extractor.run with batches in flight; results in the same order."""
+        window: deque = deque()
+        t0 = time.perf_counter()
+
+        def collect():
+            nonlocal t0
+            rows, pending = window.popleft()
+            out = self._collect(rows, pending)
+            lens = [len(r["input_ids"]) for r in rows]
+            self.count(lens, max(lens), t0)  # wall time between collected batches
+            t0 = time.perf_counter()
+            return zip(rows, out)
+
+        for rows in self.batches(samples, chunk):
+            window.append((rows, self._submit(rows)))
+            if len(window) >= self.in_flight:
+                yield from collect()
+        while window:
+            yield from collect()
+
     def close(self) -> None:
-        self.pool.shutdown(wait=False)
+        self.http.shutdown(wait=False, cancel_futures=True)
+        if self.decoders is not None:
+            self.decoders.shutdown(wait=False, cancel_futures=True)
 
 
 # (target_path, port, aux_layer_ids | None) -> the command of an aux (ids) or final (None) server
@@ -190,7 +239,7 @@ def open_server_extractor(cfg, target_path, aux_layer_ids: Sequence[int], text_c
                                                           env=gpu_env(env.local_rank, env.local_world_size),
                                                           startup_timeout_s=ex.server_startup_timeout_s))
         extractor = ServerExtractor(*urls, aux_layer_ids, text_config.hidden_size, ex.batch_tokens, storage_dtype,
-                                    ex.request_timeout_s)
+                                    ex.request_timeout_s, ex.decode_workers)
         stack.callback(extractor.close)
         extractor.check_servers()
         yield extractor

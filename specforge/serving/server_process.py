@@ -58,14 +58,15 @@ def http_status(url: str, timeout: float = 5.0) -> int | None:
         return None
 
 
-def http_json(url: str, body=None, timeout: float = 600.0):
-    """GET url (body None) or POST body as JSON; the decoded JSON answer. An HTTP error raises
-    RuntimeError with the server's own message; nothing answering raises ConnectionError."""
+def http_json(url: str, body=None, timeout: float = 600.0, *, raw: bool = False):
+    """GET url (body None) or POST body as JSON; the decoded JSON answer (raw: its bytes). An HTTP
+    error raises RuntimeError with the server's own message; nothing answering, ConnectionError."""
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
     try:
         with _DIRECT.open(req, timeout=timeout) as r:
-            return json.loads(r.read())
+            content = r.read()
+            return content if raw else json.loads(content)
     except urllib.error.HTTPError as e:
         detail = e.read().decode(errors="replace")
         try:
