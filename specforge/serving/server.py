@@ -14,6 +14,9 @@ One target (and optionally one EAGLE3 draft checkpoint with one tree `T_K_N`) se
   {include_usage, continuous_usage_stats} are honoured.
 - `GET /health` (503 while the model loads, 200 after), `GET /server_info` (server args and
   `internal_states[0].avg_spec_accept_length`, cumulative since start), `GET /v1/models`.
+- Vision-language targets (Qwen3-VL, Qwen2.5-VL): `/generate` takes `image_data` (local image
+  paths, one per image placeholder of the prompt, as SGLang takes them); the placeholders are
+  expanded to the images' token counts and the engine prefills with the pixels.
 - Hidden states, as SGLang returns them (contract §7), for the `server` extract backend: started
   with `--enable-return-hidden-states`, a `/generate` request with `return_hidden_states: true`
   and `max_new_tokens: 1` gets `meta_info.hidden_states = [rows]`, one row per prompt token: the
@@ -72,27 +75,37 @@ class LoadedModel:
     vocab_size: int
     max_context: int | None
     hidden_state_extractor: object = None  # EmbeddedExtractor when hidden states may be returned
+    vl: tuple | None = None  # (image processor, VLInfo) of a vision-language target
 
 
 def load_model(target_path, draft_path=None, tree: str | None = None, *, dtype: str = "bfloat16",
                device: str = "cpu", exact_ancestor_attention: bool = False, return_hidden_states: bool = False,
-               aux_hidden_state_layer_ids=None) -> LoadedModel:
+               aux_hidden_state_layer_ids=None, image_min_pixels: int | None = None,
+               image_max_pixels: int | None = None) -> LoadedModel:
     """Target (+ draft checkpoint) as a streaming engine, with the tokenizer and the eos ids.
     `return_hidden_states`: answer `return_hidden_states` requests with the final post-norm
-    states, or with the outputs of decoder layers `aux_hidden_state_layer_ids` concatenated."""
+    states, or with the outputs of decoder layers `aux_hidden_state_layer_ids` concatenated.
+    A vision-language target (by its config.json) loads with its image processor (pixel bounds:
+    `image_*_pixels`, as data.image_*_pixels; None: the processor's own)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from specforge.checkpoint import load_draft
     from specforge.engine.tree import TreeSpec
-    from specforge.targets.loader import text_config, torch_dtype
+    from specforge.targets.loader import model_class, text_config, torch_dtype
+    from specforge.targets.vl import is_vl_config, load_image_processor, vl_info
 
     if draft_path is not None and tree is None:
         raise ValueError("serve: a draft needs a tree T_K_N (e.g. --tree 8_2_16)")
     spec = TreeSpec.parse(tree) if draft_path is not None else None
     torch_type = torch_dtype(dtype)
+    config_file = Path(target_path) / "config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    kind = config["model_type"] if is_vl_config(config) else "causal_lm"
+    if kind != "causal_lm" and return_hidden_states:
+        raise ValueError("hidden states of vision-language targets: use the embedded extract backend")
     with _LOAD_LOCK:  # from_pretrained's meta-device init is process-global: one load at a time
-        target = AutoModelForCausalLM.from_pretrained(str(target_path), dtype=torch_type)
+        target = model_class(kind).from_pretrained(str(target_path), dtype=torch_type)
     target.to(device).eval().requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(str(target_path))
     draft = None
@@ -133,8 +146,11 @@ def load_model(target_path, draft_path=None, tree: str | None = None, *, dtype: 
         "torch_num_threads": torch.get_num_threads(),
     }
     cfg = text_config(target.config)
+    vl = None
+    if kind != "causal_lm":
+        vl = (load_image_processor(target_path, image_min_pixels, image_max_pixels), vl_info(target.config))
     return LoadedModel(engine, tokenizer, info, eos, cfg.vocab_size, getattr(cfg, "max_position_embeddings", None),
-                       hidden)
+                       hidden, vl)
 
 
 # ---- one request -----------------------------------------------------------------------------------
@@ -157,6 +173,7 @@ class Job:
     events: "queue.Queue" = field(default_factory=queue.Queue)
     cancelled: bool = False
     batch: list[list[int]] | None = None
+    images: dict | None = None  # {"pixel_values", "image_grid_thw"} of a vision-language prompt
 
 
 class _Cancelled(Exception):
@@ -225,7 +242,8 @@ class EngineWorker:
             return self._hidden_states(job, generator)
         generate = engine.generate if engine.draft is not None else engine.generate_base
         _, stats = generate(job.input_ids, job.max_new_tokens, temperature=job.temperature,
-                            eos_token_id=job.stop_token_ids, generator=generator, on_tokens=on_tokens)
+                            eos_token_id=job.stop_token_ids, generator=generator, on_tokens=on_tokens,
+                            images=job.images)
         with self.lock:
             self.num_requests += 1
             self.spec_rounds += stats.spec_verify_ct
@@ -425,6 +443,28 @@ class Handler(BaseHTTPRequestHandler):
         stop = ([] if ignore_eos else list(model.eos_token_ids)) + [int(t) for t in params.get("stop_token_ids") or []]
         return Job(ids, max_new, float(temperature), stop or None, seed)
 
+    def _attach_images(self, job: Job, image_data) -> None:
+        """SGLang's `image_data` (one local path per image placeholder of the prompt, in order):
+        the placeholders expanded to the images' token counts, the pixels kept for the prefill."""
+        from specforge.data.vl_render import prompt_with_images
+
+        model = self.server.worker.model
+        if model.vl is None:
+            raise RequestError("image_data needs a vision-language target; this server serves a text model")
+        paths = [image_data] if isinstance(image_data, str) else image_data
+        if not isinstance(paths, list) or not paths or not all(isinstance(p, str) for p in paths):
+            raise RequestError("image_data must be an image path or a list of image paths")
+        if any(p.startswith(("http://", "https://", "data:")) for p in paths):
+            raise RequestError("image_data: the embedded server reads local image files only (no URLs or base64)")
+        try:
+            ids, images = prompt_with_images(job.input_ids, paths, *model.vl)
+        except (OSError, ValueError) as e:
+            raise RequestError(f"image_data: {e}") from None
+        if model.max_context and len(ids) + job.max_new_tokens > model.max_context:
+            raise RequestError(f"prompt with images ({len(ids)} tokens) + max_new_tokens ({job.max_new_tokens}) "
+                               f"exceeds the model's context length {model.max_context}")
+        job.input_ids, job.images = ids, images
+
     def _wait_events(self, job: Job):
         """Yield ("tokens", ids) ... then ("done", stats); raise on errors. Token groups that
         queued up while the client was being written to are merged into one chunk."""
@@ -481,14 +521,18 @@ class Handler(BaseHTTPRequestHandler):
 
     # -- /generate
     def _generate(self, body: dict):
-        self._check_features(body, allowed=("return_hidden_states",))
+        self._check_features(body, allowed=("return_hidden_states", "image_data"))
         prompt = body.get("input_ids") if body.get("input_ids") is not None else body.get("text")
         if prompt is None:
             raise RequestError("give `text` or `input_ids`")
         if body.get("return_hidden_states"):
+            if body.get("image_data"):
+                raise RequestError("return_hidden_states with image_data is not supported by the embedded server")
             return self._generate_hidden_states(body, prompt)
         params, ignore_eos, seed = self._sampling(body)
         job = self._job(prompt, params, ignore_eos, seed)
+        if body.get("image_data"):
+            self._attach_images(job, body["image_data"])
         model = self.server.worker.model
         text = _TextDeltas(model.tokenizer)
 
@@ -694,6 +738,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--exact-ancestor-attention", action="store_true",
                    help="draft beams attend to their real ancestors (default: SGLang's lanes)")
     p.add_argument("--served-model-name", default=None)
+    p.add_argument("--image-min-pixels", type=int, default=None,
+                   help="vision-language targets: resize images to at least this many pixels (data.image_min_pixels)")
+    p.add_argument("--image-max-pixels", type=int, default=None,
+                   help="vision-language targets: resize images to at most this many pixels (data.image_max_pixels)")
     p.add_argument("--enable-return-hidden-states", action="store_true",
                    help="answer /generate requests with return_hidden_states (prefill rows, as SGLang)")
     p.add_argument("--enable-return-aux-hidden-states", action="store_true",
@@ -760,7 +808,8 @@ def serve(args: argparse.Namespace) -> None:
     def loader():
         return load_model(args.target, args.draft, args.tree if args.draft else None, dtype=args.dtype,
                           device=args.device, exact_ancestor_attention=args.exact_ancestor_attention,
-                          return_hidden_states=args.enable_return_hidden_states, aux_hidden_state_layer_ids=aux_ids)
+                          return_hidden_states=args.enable_return_hidden_states, aux_hidden_state_layer_ids=aux_ids,
+                          image_min_pixels=args.image_min_pixels, image_max_pixels=args.image_max_pixels)
 
     name = args.served_model_name or Path(args.target).name
     try:

@@ -73,7 +73,7 @@ def target_kind(target_cfg) -> str:
     return kind
 
 
-def _model_class(kind: str):
+def model_class(kind: str):
     """The transformers class for a target kind. Vision-language kinds load the concrete
     conditional-generation class (vision tower + language model + lm_head), so a mismatching
     directory fails here with a clear type error rather than later in a forward."""
@@ -104,7 +104,7 @@ def load_target(target_cfg, device: str | torch.device = "cpu"):
             raise ValueError(
                 f"target.kind: {kind!r} but {path}/config.json has model_type {model_type!r}"
             )
-    model = _model_class(kind).from_pretrained(
+    model = model_class(kind).from_pretrained(
         path,
         dtype=torch_dtype(target_cfg.dtype),
         trust_remote_code=target_cfg.trust_remote_code,
