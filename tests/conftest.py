@@ -36,3 +36,21 @@ def tiny_vl_dir(tmp_path_factory):
     from specforge.targets.tiny import build_tiny_qwen3vl
 
     return build_tiny_qwen3vl(tmp_path_factory.mktemp("tiny_vl_target"))
+
+
+@pytest.fixture(scope="session")
+def two_image_prompt(tmp_path_factory):
+    """(image paths, messages): a user turn with two small drawn images (64x64, 96x64) and a question."""
+    from PIL import Image, ImageDraw
+
+    d = tmp_path_factory.mktemp("prompt_images")
+    paths = []
+    for i, size in enumerate([(64, 64), (96, 64)]):
+        im = Image.new("RGB", size, (40 * i, 120, 200 - 50 * i))
+        ImageDraw.Draw(im).ellipse([8, 8, 40, 40], fill=(250, 200, 0))
+        im.save(d / f"{i}.png")
+        paths.append(str(d / f"{i}.png"))
+    messages = [{"role": "user", "content": [{"type": "image", "image": paths[0]}, {"type": "text", "text": "and"},
+                                             {"type": "image", "image": paths[1]},
+                                             {"type": "text", "text": "What is the weather in Oslo?"}]}]
+    return paths, messages

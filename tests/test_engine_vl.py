@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from PIL import Image, ImageDraw
 
 from specforge.config import TargetConfig
 from specforge.engine.speculative import SpeculativeEngine
@@ -17,21 +16,12 @@ AUX = [2, 3, 4]
 
 
 @pytest.fixture(scope="module")
-def setup(tiny_vl_dir, tmp_path_factory):
+def setup(tiny_vl_dir, two_image_prompt):
     """(model, draft, prompt ids, images) with a two-image prompt; the draft is random."""
     cfg = TargetConfig(name="tiny-vl", path=str(tiny_vl_dir), kind="qwen3_vl", dtype="float32")
     model, tok = load_target(cfg, "cpu"), load_tokenizer(cfg)
     info = vl_info(model.config)
-    d = tmp_path_factory.mktemp("imgs")
-    paths = []
-    for i, size in enumerate([(64, 64), (96, 64)]):
-        im = Image.new("RGB", size, (40 * i, 120, 200 - 50 * i))
-        ImageDraw.Draw(im).ellipse([8, 8, 40, 40], fill=(250, 200, 0))
-        im.save(d / f"{i}.png")
-        paths.append(str(d / f"{i}.png"))
-    messages = [{"role": "user", "content": [{"type": "image", "image": paths[0]}, {"type": "text", "text": "and"},
-                                             {"type": "image", "image": paths[1]},
-                                             {"type": "text", "text": "What is the weather in Oslo?"}]}]
+    paths, messages = two_image_prompt
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     ids = ids["input_ids"] if hasattr(ids, "keys") else ids
     ids, images = prompt_with_images(list(ids), paths, load_image_processor(tiny_vl_dir), info)

@@ -9,7 +9,6 @@ import urllib.request
 
 import pytest
 import torch
-from PIL import Image, ImageDraw
 
 from specforge.checkpoint import save_checkpoint
 from specforge.config import TargetConfig
@@ -27,20 +26,12 @@ MAX_NEW = 12
 
 
 @pytest.fixture(scope="module")
-def setup(tiny_vl_dir, tmp_path_factory):
+def setup(tiny_vl_dir, two_image_prompt, tmp_path_factory):
     """(model, tokenizer, draft checkpoint dir, messages with two images, their paths)."""
     cfg = TargetConfig(name="tiny-vl", path=str(tiny_vl_dir), kind="qwen3_vl", dtype="float32")
     model, tok = load_target(cfg, "cpu"), load_tokenizer(cfg)
     d = tmp_path_factory.mktemp("served_vl")
-    paths = []
-    for i, size in enumerate([(64, 64), (96, 64)]):
-        im = Image.new("RGB", size, (40 * i, 120, 200 - 50 * i))
-        ImageDraw.Draw(im).ellipse([8, 8, 40, 40], fill=(250, 200, 0))
-        im.save(d / f"{i}.png")
-        paths.append(str(d / f"{i}.png"))
-    messages = [{"role": "user", "content": [{"type": "image", "image": paths[0]}, {"type": "text", "text": "and"},
-                                             {"type": "image", "image": paths[1]},
-                                             {"type": "text", "text": "What is the weather in Oslo?"}]}]
+    paths, messages = two_image_prompt
     torch.manual_seed(0)
     draft = Eagle3Draft(Eagle3Config.from_target(model.config, AUX, draft_vocab_size=len(tok)))
     for p in draft.parameters():  # sharper than the default init: the draft proposes varied trees
