@@ -1,7 +1,9 @@
 """Extract stage: target hidden states (3 aux layers + final post-norm state) into a sharded store.
 
-store.py: the on-disk format (writer with resume, lazy reader); embedded.py: the transformers
-backend; stage.py: the pipeline entry (`run(cfg, run_dir)`).
+store.py: the on-disk format (writer with resume, lazy reader); batching.py: the batch plan every
+backend shares; embedded.py (+ vl.py for vision-language targets): the transformers backend;
+server.py: the `server` and `sglang` backends (SGLang's /generate); stage.py: the pipeline entry
+(`run(cfg, run_dir)`).
 """
 from specforge.extract.store import HiddenStateStore, HiddenStateStoreWriter, StoreMetaMismatch
 
