@@ -107,6 +107,7 @@ class ExtractConfig:
     # backend=sglang: both servers launched on this process's GPU
     sglang_version: Optional[str] = None  # flag spellings for this SGLang version (default: the installed one)
     sglang_args: List[str] = field(default_factory=list)  # extra launch_server flags for both servers, verbatim
+    sglang_aux_args: List[str] = field(default_factory=list)  # extra flags for the aux server only
     mem_fraction_static: float = 0.4  # GPU memory share of each of the two servers
     server_startup_timeout_s: float = 900.0
 

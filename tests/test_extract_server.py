@@ -229,3 +229,24 @@ def test_two_ranks_share_the_servers_and_store_what_one_process_stores(tiny_targ
         for i in range(len(a)):
             for key, t in a[i].items():
                 assert torch.equal(b[i][key], t), (split, i, key)
+
+
+def test_sglang_backend_launches_both_servers_with_their_flags(run_setup):  # noqa: F811
+    """extract=sglang for a given SGLang version: both launch commands run here as they would on a
+    GPU machine; SGLang is not installed, so they exit, and the error shows the log (the command
+    first). The aux server alone gets the aux capture flags and extract.sglang_aux_args."""
+    from specforge.serving.server_process import ServerStartError
+
+    cfg, run_dir, _ = run_setup
+    cfg.target.aux_layer_ids = AUX
+    cfg.extract.backend, cfg.extract.sglang_version = "sglang", "0.5.23"
+    cfg.extract.sglang_args, cfg.extract.sglang_aux_args = ["--log-level", "debug"], ["--speculative-draft-model-path", "/d"]
+    with pytest.raises(ServerStartError, match=r"(?s)exited with code 1 before it was healthy.*No module named 'sglang'"):
+        stage.run(cfg, run_dir)
+    logs = run_dir / "extract" / "logs" / "rank00000of00001"
+    aux, final = ((logs / f"{name}.log").read_text().splitlines()[0] for name in ("aux", "final"))
+    assert "-m sglang.launch_server --model-path" in aux and "-m sglang.launch_server --model-path" in final
+    assert "--enable-return-aux-hidden-states --return-aux-hidden-state-layer-ids 0 1 2" in aux
+    assert aux.endswith("--log-level debug --speculative-draft-model-path /d")
+    assert final.endswith("--enable-return-hidden-states --chunked-prefill-size -1 --dtype float32 "
+                          "--mem-fraction-static 0.4 --log-level debug")

@@ -27,7 +27,6 @@ import os
 import time
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
-from functools import partial
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -230,10 +229,13 @@ def open_server_extractor(cfg, target_path, aux_layer_ids: Sequence[int], text_c
         else:
             from specforge.serving.sglang_launch import extraction_server_command
 
-            build = partial(extraction_server_command, num_layers=text_config.num_hidden_layers,
-                            version=ex.sglang_version, extra_args=list(ex.sglang_args),
-                            options={"dtype": cfg.target.dtype, "trust_remote_code": bool(cfg.target.trust_remote_code),
-                                     "mem_fraction_static": ex.mem_fraction_static})
+            def build(target, port, ids):
+                extra = list(ex.sglang_args) + (list(ex.sglang_aux_args) if ids is not None else [])
+                return extraction_server_command(
+                    target, port, ids, num_layers=text_config.num_hidden_layers, version=ex.sglang_version,
+                    extra_args=extra, options={"dtype": cfg.target.dtype, "mem_fraction_static": ex.mem_fraction_static,
+                                               "trust_remote_code": bool(cfg.target.trust_remote_code)})
+
             build(target_path, 0, aux_layer_ids)  # a version or layer-id problem fails before anything starts
             urls = stack.enter_context(extraction_servers(build, target_path, aux_layer_ids, log_dir,
                                                           env=gpu_env(env.local_rank, env.local_world_size),
