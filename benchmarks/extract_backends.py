@@ -53,13 +53,11 @@ def timed(extractor, rows) -> tuple[dict, float]:
 
 def record_answers(ex, rows) -> list[tuple]:
     """The raw JSON answers of both servers for every batch of the plan, as decode_answer's args."""
-    from specforge.extract.server import SAMPLING
     from specforge.serving.server_process import http_json
 
     answers = []
     for batch in ex.batches(rows):
-        body = {"input_ids": [r["input_ids"].tolist() for r in batch], "sampling_params": SAMPLING,
-                "return_hidden_states": True}
+        body = ex.request_body(batch)
         for kind, url in ex.urls.items():
             answers.append((http_json(url + "/generate", body, raw=True), [r["id"] for r in batch],
                             [len(r["input_ids"]) for r in batch], ex.widths[kind], url))

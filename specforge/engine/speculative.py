@@ -168,7 +168,8 @@ def _as_prompt(input_ids, device) -> torch.Tensor:
     return ids.to(device)
 
 
-def _sample(logits: torch.Tensor, temperature: float, generator) -> torch.Tensor:
+def sample_token(logits: torch.Tensor, temperature: float, generator) -> torch.Tensor:
+    """Greedy at temperature 0, else a draw from target_probs: the one sampling rule of the engine."""
     if temperature <= 0:
         return logits.argmax(dim=-1)
     probs = target_probs(logits, temperature)
@@ -338,7 +339,7 @@ class SpeculativeEngine:
         """Target prefill (first token sampled there), then the draft over the prompt pairing
         (token p+1, feature p). Returns the first token [1] and the draft state of round 1."""
         logits, aux = self.runner.prefill(prompt, images=images)
-        token = _sample(logits, temperature, generator).reshape(1)
+        token = sample_token(logits, temperature, generator).reshape(1)
         tokens = torch.cat([prompt[1:], token])
         if self.runner.vl is None:
             return token, self.draft_extend(tokens, aux)
@@ -398,7 +399,7 @@ class SpeculativeEngine:
         prompt, req = self._start(input_ids, max_new_tokens, eos_token_id, 0, on_tokens)
         timer = req.timer
         logits, _ = self.runner.prefill(prompt, need_aux=False, images=images)
-        token = _sample(logits, temperature, generator)
+        token = sample_token(logits, temperature, generator)
         timer.lap("prefill")
         req.emit([int(token)])
         req.first_token_done()
@@ -406,6 +407,6 @@ class SpeculativeEngine:
             timer.skip()
             logits, _ = self.runner.decode(token)
             timer.lap("decode")
-            token = _sample(logits, temperature, generator)
+            token = sample_token(logits, temperature, generator)
             req.emit([int(token)])
         return req.finish(self.device)

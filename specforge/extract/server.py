@@ -132,24 +132,28 @@ class ServerExtractor(Extractor):
         args = (http_json(url, body, self.timeout_s, raw=True), ids, lengths, self.widths[kind], url)
         return self.decoders.submit(decode_answer, *args).result() if self.decoders else decode_answer(*args)
 
+    @staticmethod
+    def request_body(rows: Sequence[dict]) -> dict:
+        """SGLang's batched /generate request for the prompts of `rows`."""
+        seqs = [r["input_ids"].tolist() if torch.is_tensor(r["input_ids"]) else list(r["input_ids"]) for r in rows]
+        return {"input_ids": seqs, "sampling_params": SAMPLING, "return_hidden_states": True}
+
     def _submit(self, rows: Sequence[dict]) -> dict:
         """Both requests of one batch, started: {kind: future of the rows}."""
-        seqs = [r["input_ids"].tolist() if torch.is_tensor(r["input_ids"]) else list(r["input_ids"]) for r in rows]
-        body = {"input_ids": seqs, "sampling_params": SAMPLING, "return_hidden_states": True}
-        ids, lengths = [r["id"] for r in rows], [len(q) for q in seqs]
+        ids, lengths = [r["id"] for r in rows], [len(r["input_ids"]) for r in rows]
+        body = self.request_body(rows)
         return {kind: self.http.submit(self._fetch, kind, body, ids, lengths) for kind in self.urls}
 
-    def _collect(self, rows: Sequence[dict], pending: dict) -> list[dict]:
+    def _collect(self, rows: Sequence[dict], pending: dict, t0: float) -> list[dict]:
+        """The batch's states as stored tensors; its tokens and the seconds since t0 counted."""
         arrays = {kind: f.result() for kind, f in pending.items()}
+        lens = [len(r["input_ids"]) for r in rows]
+        self.count(lens, max(lens), t0)
         return [{kind: torch.from_numpy(a[i]).to(self.storage_dtype) for kind, a in arrays.items()}
                 for i in range(len(rows))]
 
     def forward_rows(self, rows: Sequence[dict]) -> list[dict]:
-        t0 = time.perf_counter()
-        out = self._collect(rows, self._submit(rows))
-        lens = [len(r["input_ids"]) for r in rows]
-        self.count(lens, max(lens), t0)
-        return out
+        return self._collect(rows, self._submit(rows), time.perf_counter())
 
     def run(self, samples: Sequence[dict], chunk: int | None = None):
         """Extractor.run with batches in flight; results in the same order."""
@@ -159,9 +163,7 @@ class ServerExtractor(Extractor):
         def collect():
             nonlocal t0
             rows, pending = window.popleft()
-            out = self._collect(rows, pending)
-            lens = [len(r["input_ids"]) for r in rows]
-            self.count(lens, max(lens), t0)  # wall time between collected batches
+            out = self._collect(rows, pending, t0)  # wall time between collected batches
             t0 = time.perf_counter()
             return zip(rows, out)
 

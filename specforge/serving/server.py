@@ -254,17 +254,15 @@ class EngineWorker:
         """One padded prefill over job.batch: the rows SGLang would return, and one sampled token."""
         import torch
 
+        from specforge.engine.speculative import sample_token
+
         extractor = self.model.hidden_state_extractor
         head = extractor.model.get_output_embeddings()
         results = []
         for aux, last in extractor.forward(job.batch):
             with torch.inference_mode():
                 logits = head(last[-1].to(head.weight.device, head.weight.dtype)).float()
-            if job.temperature > 0:
-                probs = torch.softmax(logits / job.temperature, -1)
-                token = int(torch.multinomial(probs, 1, generator=generator))
-            else:
-                token = int(logits.argmax())
+            token = int(sample_token(logits, job.temperature, generator))
             results.append((aux if extractor.aux_layer_ids else last, token))
         with self.lock:
             self.num_requests += len(job.batch)
@@ -429,9 +427,7 @@ class Handler(BaseHTTPRequestHandler):
         max_new = params["max_new_tokens"]
         if not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 1:
             raise RequestError(f"max_new_tokens must be an integer >= 1, got {max_new!r}")
-        if model.max_context and len(ids) + max_new > model.max_context:
-            raise RequestError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new}) exceeds the "
-                               f"model's context length {model.max_context}")
+        self._check_context(len(ids), max_new, "prompt")
         temperature = params["temperature"]
         if not isinstance(temperature, (int, float)) or temperature < 0:
             raise RequestError(f"temperature must be a number >= 0, got {temperature!r}")
@@ -460,10 +456,14 @@ class Handler(BaseHTTPRequestHandler):
             ids, images = prompt_with_images(job.input_ids, paths, *model.vl)
         except (OSError, ValueError) as e:
             raise RequestError(f"image_data: {e}") from None
-        if model.max_context and len(ids) + job.max_new_tokens > model.max_context:
-            raise RequestError(f"prompt with images ({len(ids)} tokens) + max_new_tokens ({job.max_new_tokens}) "
-                               f"exceeds the model's context length {model.max_context}")
+        self._check_context(len(ids), job.max_new_tokens, "prompt with images")
         job.input_ids, job.images = ids, images
+
+    def _check_context(self, prompt_tokens: int, max_new: int, what: str) -> None:
+        limit = self.server.worker.model.max_context
+        if limit and prompt_tokens + max_new > limit:
+            raise RequestError(f"{what} ({prompt_tokens} tokens) + max_new_tokens ({max_new}) exceeds the "
+                               f"model's context length {limit}")
 
     def _wait_events(self, job: Job):
         """Yield ("tokens", ids) ... then ("done", stats); raise on errors. Token groups that
