@@ -15,11 +15,11 @@ sys.argv = quote_trees(sys.argv)  # T_K_N trees stay text (see cli_args)
 
 @hydra.main(version_base=None, config_path="conf", config_name="evaluate")
 def main(cfg) -> None:
-    from specforge.eval.run import find_checkpoints, load_run_config
-    from specforge.eval.stage import evaluate
+    from specforge.eval.engine_eval import find_checkpoints, load_run_config
+    from specforge.eval.stage import run_evaluation
 
     run_dir, _ = find_checkpoints(cfg.ckpt)
-    evaluate(load_run_config(run_dir), cfg.ckpt, cfg.eval, cfg.out_dir)
+    run_evaluation(load_run_config(run_dir), cfg.ckpt, cfg.eval, cfg.out_dir)
 
 
 if __name__ == "__main__":

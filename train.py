@@ -19,7 +19,7 @@ sys.argv = quote_trees(sys.argv)  # T_K_N trees stay text (see cli_args)
 
 @hydra.main(version_base=None, config_path="conf", config_name="config")
 def main(cfg) -> None:
-    from specforge.dist.preemption import TrainingInterrupted
+    from specforge.distributed.preemption import TrainingInterrupted
     from specforge.pipeline import run_pipeline
 
     try:

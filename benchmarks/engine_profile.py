@@ -1,7 +1,7 @@
 """Where the time goes in speculative decoding: per-phase profile of the embedded engine.
 
 Runs the base model and the speculative engine (one checkpoint x each tree) on the run's held-out
-prompts with the evaluation code itself (`specforge.eval.run.evaluate_checkpoints`: base before
+prompts with the evaluation code itself (`specforge.eval.engine_eval.eval_with_engine`: base before
 and after, same prompts, same warm-up), then prints per verify round the ms of each phase (draft,
 verify, accept, cache, other), the base model's ms per decode step, and the cost of a round in
 base decode steps: decode speed-up ~= accept length / round cost. Writes the figures as JSON.
@@ -46,7 +46,7 @@ def main(argv=None) -> int:
 
     from specforge.config import EvalConfig
     from specforge.eval.report import profile_lines
-    from specforge.eval.run import evaluate_checkpoints, find_checkpoints, load_run_config
+    from specforge.eval.engine_eval import eval_with_engine, find_checkpoints, load_run_config
     from specforge.utils.io import write_json
 
     try:
@@ -63,7 +63,7 @@ def main(argv=None) -> int:
 
     load_before = os.getloadavg()[0]
     t_start = time.perf_counter()
-    results = evaluate_checkpoints(run_cfg, ckpts, eval_cfg)
+    results = eval_with_engine(run_cfg, ckpts, eval_cfg)
     for row in results["configs"]:
         row.pop("requests_detail", None)  # per-token times: results.json of evaluate.py keeps them
     load_after = os.getloadavg()[0]

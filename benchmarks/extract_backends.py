@@ -53,7 +53,7 @@ def timed(extractor, rows) -> tuple[dict, float]:
 
 def record_answers(ex, rows) -> list[tuple]:
     """The raw JSON answers of both servers for every batch of the plan, as decode_answer's args."""
-    from specforge.serving.server_process import http_json
+    from specforge.launch.process import http_json
 
     answers = []
     for batch in ex.batches(rows):
@@ -70,7 +70,7 @@ def decode_seconds(answers, workers: int) -> float:
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    from specforge.extract.server import decode_answer
+    from specforge.extract.server_backend import decode_answer
 
     def finish(arrays):
         return [torch.from_numpy(a).to(torch.bfloat16) for a in arrays]
@@ -93,8 +93,8 @@ def main(argv=None) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from specforge.extract.embedded import EmbeddedExtractor
-    from specforge.extract.server import ServerExtractor, extraction_servers
-    from specforge.serving.server import extraction_serve_command
+    from specforge.extract.server_backend import ServerExtractor, extraction_servers
+    from specforge.launch.embedded_commands import embedded_extraction_command
     from specforge.targets.loader import aux_layer_ids, torch_dtype
 
     tmp = tempfile.TemporaryDirectory()
@@ -113,7 +113,7 @@ def main(argv=None) -> dict:
     ref, t_embedded = timed(EmbeddedExtractor(model, aux, args.batch_tokens), rows)
     del model
 
-    build = partial(extraction_serve_command, dtype=args.dtype, threads=1)
+    build = partial(embedded_extraction_command, dtype=args.dtype, threads=1)
     server_runs, identical = [], True
     with extraction_servers(build, model_dir, aux, Path(tmp.name) / "logs") as urls:
         for workers in args.decode_workers:

@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from specforge.engine.target import TargetRunner  # noqa: E402
 from specforge.eval.prompts import heldout_prompts  # noqa: E402
-from specforge.eval.run import load_run_config  # noqa: E402
+from specforge.eval.engine_eval import load_run_config  # noqa: E402
 from specforge.targets.loader import aux_layer_ids, load_target, load_tokenizer  # noqa: E402
 
 

@@ -8,7 +8,8 @@ import sys
 
 
 def main(argv=None) -> None:
-    from specforge.serving import bench_client, server
+    from specforge.eval import bench_client
+    from specforge.serving import server
 
     parser = argparse.ArgumentParser(prog="specforge", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)

@@ -20,7 +20,7 @@ from typing import Callable
 
 from omegaconf import OmegaConf
 
-from specforge import dist
+from specforge import distributed as dist
 from specforge.utils.io import fingerprint, read_json, write_json, write_text
 
 

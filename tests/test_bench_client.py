@@ -10,8 +10,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from specforge.serving import bench_client as bc
-from specforge.serving.scenarios import SCENARIOS, get_scenario
+from specforge.eval import bench_client as bc
+from specforge.eval.scenarios import SCENARIOS, get_scenario
 
 TTFT, PER_TOKEN, PER_CHUNK, OUTPUT_LEN, VERIFY_CT = 0.200, 0.050, 2, 9, 4
 
@@ -205,7 +205,7 @@ def test_conversation_requests_send_images_as_sglang_image_data(tmp_path, tiny_v
     `image_data` (the server expands the placeholders); text prompts stay token ids."""
     from PIL import Image
 
-    from specforge.serving.bench_client import conversation_requests, request_openai
+    from specforge.eval.bench_client import conversation_requests, request_openai
     from specforge.targets.loader import load_tokenizer
     from specforge.config import TargetConfig
     from specforge.utils.io import write_jsonl

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dist_helpers import BATCH, EPOCHS, checkpoint_weights, launch, master_weights, metrics, prepared, reference_run
-from specforge.dist.env import DistEnv
+from specforge.distributed.env import DistEnv
 from specforge.train.batches import epoch_batches, eval_batches, global_batches, steps_per_epoch
 
 
@@ -69,7 +69,7 @@ def test_micro_batches_dealt_round_robin_equal_one_process_with_accumulation():
 
 def test_one_strategy_needs_one_process():
     from specforge.config import TrainConfig
-    from specforge.dist.strategy import make_strategy
+    from specforge.distributed.strategy import make_strategy
 
     with pytest.raises(ValueError, match="train.strategy=single but 2 processes"):
         make_strategy(torch.nn.Linear(2, 2), TrainConfig(strategy="single"), DistEnv(0, 2, 0, 2, "torchrun"),
@@ -138,8 +138,8 @@ def test_deepspeed_zero2_matches_and_writes_a_servable_checkpoint(prep):
 
 
 def test_errors_name_their_rank(monkeypatch, capsys):
-    import specforge.dist.env as dist_env
-    from specforge.dist.preemption import TrainingInterrupted
+    import specforge.distributed.env as dist_env
+    from specforge.distributed.preemption import TrainingInterrupted
 
     monkeypatch.setattr(dist_env, "_CURRENT", DistEnv(3, 8, 1, 4, "slurm", "gloo"))
     with pytest.raises(ValueError) as err:

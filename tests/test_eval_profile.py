@@ -13,7 +13,7 @@ import torch
 
 from specforge.engine.speculative import GenerationStats
 from specforge.eval.report import markdown, write_results
-from specforge.eval.run import aggregate, round_cost
+from specforge.eval.engine_eval import aggregate, round_cost
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -205,7 +205,7 @@ def test_verify_consistency_script_on_a_tiny_run(tiny_run, tmp_path, capsys):
 
 
 def test_find_checkpoints_every_epoch_or_the_chosen_ones(tmp_path):
-    from specforge.eval.run import find_checkpoints
+    from specforge.eval.engine_eval import find_checkpoints
 
     for k in (1, 2, 10):
         (tmp_path / f"epoch_{k}").mkdir()

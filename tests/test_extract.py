@@ -14,7 +14,7 @@ from specforge.extract.batching import plan_batches
 from specforge.extract.embedded import EmbeddedExtractor
 from specforge.extract.store import MANIFEST, HiddenStateStore
 from specforge.pipeline import STAGES, stage_fingerprint
-from specforge.serving.sglang_launch import SGLangVersionError
+from specforge.launch.sglang_commands import SGLangVersionError
 from specforge.targets.loader import target_fingerprint
 from specforge.utils.io import write_jsonl
 

@@ -12,10 +12,11 @@ from transformers import AutoModelForCausalLM
 
 from specforge.extract import stage
 from specforge.extract.embedded import EmbeddedExtractor
-from specforge.extract.server import ServerExtractor, extraction_servers, gpu_env, prompt_rows
+from specforge.extract.server_backend import ServerExtractor, extraction_servers, gpu_env, prompt_rows
 from specforge.extract.store import HiddenStateStore
-from specforge.serving.server import HIDDEN_STATES_DISABLED, EmbeddedServer, extraction_serve_command, load_model
-from specforge.serving.server_process import http_json, http_status
+from specforge.launch.embedded_commands import embedded_extraction_command
+from specforge.serving.server import HIDDEN_STATES_DISABLED, EmbeddedServer, load_model
+from specforge.launch.process import http_json, http_status
 from test_extract import run_setup, tiny_dir  # noqa: F401 (fixtures)
 
 AUX = [0, 1, 2]  # capturable by SGLang too (the last layer, 3, is not: test_sglang_launch.py)
@@ -182,7 +183,7 @@ def test_extraction_servers_are_processes_always_stopped(tiny_target_dir, tmp_pa
     """The launch path of backend=sglang, with `specforge serve` in SGLang's place: both servers
     start, answer with the states they were launched for, and are stopped when the block ends,
     also when it raises."""
-    build = partial(extraction_serve_command, dtype="float32")
+    build = partial(embedded_extraction_command, dtype="float32")
     urls = None
     with pytest.raises(KeyError, match="boom"):
         with extraction_servers(build, tiny_target_dir, AUX, tmp_path / "logs", startup_timeout_s=300) as urls:
@@ -235,7 +236,7 @@ def test_sglang_backend_launches_both_servers_with_their_flags(run_setup):  # no
     """extract=sglang for a given SGLang version: both launch commands run here as they would on a
     GPU machine; SGLang is not installed, so they exit, and the error shows the log (the command
     first). The aux server alone gets the aux capture flags and extract.sglang_aux_args."""
-    from specforge.serving.server_process import ServerStartError
+    from specforge.launch.process import ServerStartError
 
     cfg, run_dir, _ = run_setup
     cfg.target.aux_layer_ids = AUX

@@ -22,10 +22,11 @@ from specforge.checkpoint import load_draft, save_checkpoint
 from specforge.config import Config
 from specforge.engine.speculative import SpeculativeEngine
 from specforge.models.draft import Eagle3Config, Eagle3Draft
-from specforge.serving import bench_client as bc
-from specforge.serving.runner import evaluate_serving
-from specforge.serving.server import EmbeddedServer, build_serve_command, load_model
-from specforge.serving.server_process import ServerProcess, ServerStartError, free_port, http_status
+from specforge.eval import bench_client as bc
+from specforge.eval.server_eval import eval_with_servers
+from specforge.launch.embedded_commands import embedded_server_command
+from specforge.serving.server import EmbeddedServer, load_model
+from specforge.launch.process import ServerProcess, ServerStartError, free_port, http_status
 
 TREE = "4_2_8"
 MAX_NEW = 24
@@ -214,7 +215,7 @@ def test_evaluate_serving_against_running_servers(model_dirs, servers, tmp_path)
     cfg.run_name, cfg.target.name, cfg.target.path = "t", "tiny", str(target)
     cfg.eval.engine, cfg.eval.url, cfg.eval.baseline_url = "server", eagle.url, base.url
     cfg.eval.num_prompts, cfg.eval.max_new_tokens = 3, 12
-    summary = evaluate_serving(cfg, [], cfg.eval, tmp_path)
+    summary = eval_with_servers(cfg, [], cfg.eval, tmp_path)
     assert summary["scenario"]["max_concurrency"] == 1 and summary["metrics"]["server"]["completed"] == 3
     assert summary["comparisons"]["server"]["accept_length"]["eagle3"] > 1
     report = (tmp_path / "eval" / "serving" / "report.md").read_text()
@@ -241,8 +242,8 @@ def test_evaluate_serving_launches_and_stops_every_server(model_dirs, tmp_path):
     cfg.run_name, cfg.target.name, cfg.target.path = "t", "tiny", str(target)
     cfg.eval.engine, cfg.eval.trees, cfg.eval.prompts = "sglang", [TREE], "random"
     cfg.eval.num_prompts, cfg.eval.max_new_tokens, cfg.eval.bench_input_len = 2, 16, 12
-    builder = partial(build_serve_command, dtype="float32", threads=1)
-    summary = evaluate_serving(cfg, [ckpt], cfg.eval, tmp_path, command_builder=builder)
+    builder = partial(embedded_server_command, dtype="float32", threads=1)
+    summary = eval_with_servers(cfg, [ckpt], cfg.eval, tmp_path, command_builder=builder)
     out = tmp_path / "eval" / "serving"
     runs = {label: json.loads((out / f"{label}.json").read_text()) for label in ("baseline", f"ckpt_{TREE}")}
     assert summary["metrics"][f"ckpt_{TREE}"]["accept_length"] > 1.0
@@ -289,7 +290,7 @@ def test_server_is_stopped_when_the_benchmark_raises(tmp_path):
 
 PARENT = textwrap.dedent("""
     import sys, time
-    from specforge.serving.server_process import ServerProcess
+    from specforge.launch.process import ServerProcess
     port, log, child = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     cmd = ["sh", "-c", f"sleep 300 & echo $! > {child}; exec {sys.executable} -m http.server --bind 127.0.0.1 {port}"]
     with ServerProcess(cmd, port, log, health_path="/", startup_timeout_s=30) as server:

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from dist_helpers import REPO, master_weights, new_run, prepared, reference_run, train_command, wait_for
-from specforge.dist.env import DistEnv, DistEnvError, env_from
-from specforge.dist.slurm import SlurmEnvError, expand_nodelist, expand_tasks_per_node
+from specforge.distributed.env import DistEnv, DistEnvError, env_from
+from specforge.distributed.slurm import SlurmEnvError, expand_nodelist, expand_tasks_per_node
 
 SBATCH = REPO / "scripts" / "slurm" / "train.sbatch"
 

@@ -15,7 +15,7 @@ COLUMNS = [("epoch", "epoch"), ("tree", "tree"), ("prefill_s", "prefill s"), ("a
            ("speedup", "speed-up"), ("tpot_ms_mean", "TPOT ms"), ("tpot_ms_p99", "TPOT p99 ms"),
            ("lossless", "lossless")]
 
-ROUND_PHASES = ("draft", "verify", "accept", "cache", "other")  # as specforge.eval.run.ROUND_PHASES
+ROUND_PHASES = ("draft", "verify", "accept", "cache", "other")  # as specforge.eval.engine_eval.ROUND_PHASES
 PROFILE_KEYS = (["ms_per_round"] + [f"{p}_ms_per_round" for p in ROUND_PHASES]
                 + ["round_cost_steps", "verify_cost_steps", "draft_cost_steps", "ms_per_step",
                    "decode_ms_per_step", "other_ms_per_step"]

@@ -4,22 +4,22 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def evaluate(run_cfg, ckpt: str | Path, eval_cfg, out_dir: str | Path | None = None) -> dict:
+def run_evaluation(run_cfg, ckpt: str | Path, eval_cfg, out_dir: str | Path | None = None) -> dict:
     from specforge.eval.report import best_config, write_results
-    from specforge.eval.run import evaluate_checkpoints, find_checkpoints
-    from specforge.report import write_run_report
+    from specforge.eval.engine_eval import eval_with_engine, find_checkpoints
+    from specforge.run_report import write_run_report
 
     run_dir, ckpts = find_checkpoints(ckpt, getattr(eval_cfg, "epochs", None))
     if eval_cfg.engine in ("server", "sglang"):  # a serving benchmark over HTTP (specforge/serving)
-        from specforge.serving.runner import evaluate_serving
+        from specforge.eval.server_eval import eval_with_servers
 
-        summary = evaluate_serving(run_cfg, ckpts, eval_cfg, run_dir,
+        summary = eval_with_servers(run_cfg, ckpts, eval_cfg, run_dir,
                                    Path(out_dir) / "serving" if out_dir else None)
         print(Path(summary["report"]).read_text(), flush=True)
         return {"report": summary["report"], "engine": eval_cfg.engine}
     if eval_cfg.engine != "embedded":
         raise ValueError(f"eval.engine={eval_cfg.engine!r} is not one of embedded, server, sglang")
-    results = evaluate_checkpoints(run_cfg, ckpts, eval_cfg)
+    results = eval_with_engine(run_cfg, ckpts, eval_cfg)
     out_dir = Path(out_dir) if out_dir else run_dir / "eval"
     report = write_results(results, out_dir)
     if out_dir == run_dir / "eval":
@@ -32,4 +32,4 @@ def evaluate(run_cfg, ckpt: str | Path, eval_cfg, out_dir: str | Path | None = N
 
 
 def run(cfg, run_dir: Path) -> dict:
-    return evaluate(cfg, run_dir, cfg.eval)
+    return run_evaluation(cfg, run_dir, cfg.eval)

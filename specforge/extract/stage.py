@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from specforge import dist
+from specforge import distributed as dist
 from specforge.extract.batching import Extractor, total_tokens
 from specforge.extract.embedded import EmbeddedExtractor
 from specforge.extract.store import (FORMAT, MANIFEST, STORAGE_DTYPES, VERSION, HiddenStateStore,
@@ -307,7 +307,7 @@ def open_backend(cfg, run_dir: Path, env):
             yield EmbeddedExtractor(model, aux, batch_tokens=cfg.extract.batch_tokens, storage_dtype=storage), meta
         return
 
-    from specforge.extract.server import open_server_extractor
+    from specforge.extract.server_backend import open_server_extractor
 
     log_dir = run_dir / "extract" / "logs" / rank_dir_name(env.rank, env.world_size)
     with open_server_extractor(cfg, target_path, aux, tcfg, storage, log_dir, env) as extractor:

@@ -751,32 +751,6 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info")
 
 
-def build_serve_command(target_path, draft_path=None, tree=None, port: int = 30000, *,
-                        dtype: str = "bfloat16", threads: int | None = None,
-                        extra_args=(), python: str | None = None) -> list[str]:
-    """The command that runs this server as a process (the embedded counterpart of
-    sglang_launch.build_server_command, with the same arguments)."""
-    if (draft_path is None) != (tree is None):
-        raise ValueError("build_serve_command: give both draft_path and tree (EAGLE3) or neither (base)")
-    cmd = [python or sys.executable, "-m", "specforge.cli", "serve", "--target", str(target_path),
-           "--host", "127.0.0.1", "--port", str(int(port)), "--dtype", dtype]
-    if draft_path is not None:
-        cmd += ["--draft", str(draft_path), "--tree", str(tree)]
-    if threads is not None:
-        cmd += ["--threads", str(threads)]
-    return cmd + [str(a) for a in extra_args]
-
-
-def extraction_serve_command(target_path, port: int, aux_layer_ids=None, *, dtype: str = "bfloat16",
-                             threads: int | None = None, python: str | None = None) -> list[str]:
-    """A server for the `server` extract backend: final post-norm states (aux_layer_ids None) or
-    the aux layers' outputs, with SGLang's flag names (sglang_launch.extraction_server_command)."""
-    flags = ["--enable-return-hidden-states"]
-    if aux_layer_ids is not None:
-        flags += ["--enable-return-aux-hidden-states", "--return-aux-hidden-state-layer-ids", *map(str, aux_layer_ids)]
-    return build_serve_command(target_path, port=port, dtype=dtype, threads=threads, extra_args=flags, python=python)
-
-
 def _interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 

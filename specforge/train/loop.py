@@ -2,7 +2,7 @@
 evaluation and a servable checkpoint at every epoch end, training states for resuming.
 
 One loop for every `train.strategy`: how the model is spread over processes lives in
-specforge/dist/strategy.py. What is distributed-aware here: each rank reads its own micro-batches
+specforge/distributed/strategy.py. What is distributed-aware here: each rank reads its own micro-batches
 (batches.py), metrics are summed over ranks before rank 0 logs them, rank 0 alone writes files.
 """
 from __future__ import annotations
@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from specforge import dist
+from specforge import distributed as dist
 from specforge.checkpoint import read_checkpoint, save_checkpoint
-from specforge.dist.preemption import StopRequests, TrainingInterrupted
-from specforge.dist.strategy import make_strategy
+from specforge.distributed.preemption import StopRequests, TrainingInterrupted
+from specforge.distributed.strategy import make_strategy
 from specforge.extract.store import HiddenStateStore
 from specforge.models.draft import Eagle3Config, Eagle3Draft
 from specforge.targets.loader import load_target
@@ -211,7 +211,7 @@ def train_row(tc, epoch: int, step: int, lr: float, grad_norm: float, meter: Met
 
 
 @torch.no_grad()
-def evaluate(strategy, store: HiddenStateStore, cfg, device, amp) -> dict:
+def heldout_metrics(strategy, store: HiddenStateStore, cfg, device, amp) -> dict:
     """Held-out TTT metrics, each rank on its share of the batches, summed over ranks."""
     env = dist.current()
     strategy.train(False)
@@ -396,7 +396,7 @@ def train(cfg, run_dir: Path) -> dict:
 
                 epoch_row = {"split": "eval", "epoch": epoch, "step": position.step}
                 if eval_store is not None:
-                    epoch_row.update(evaluate(strategy, eval_store, cfg, device, amp))
+                    epoch_row.update(heldout_metrics(strategy, eval_store, cfg, device, amp))
                     if main:
                         logger.log(epoch_row)
                         print(f"[train] epoch {epoch}: held-out sim accept length "

@@ -1,14 +1,14 @@
 """Pipeline stage `train`: the EAGLE3 head from the extracted hidden states."""
 from pathlib import Path
 
-from specforge import dist
+from specforge import distributed as dist
 from specforge.train.loop import train
 
 
 def run(cfg, run_dir: Path) -> dict:
     summary = train(cfg, run_dir)
     if dist.current().is_main:
-        from specforge.report import write_run_report
+        from specforge.run_report import write_run_report
 
         write_run_report(run_dir)
     return summary

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from specforge.dist import barrier, current
+from specforge.distributed import barrier, current
 from specforge.utils.io import read_json, replace_dir, write_json
 
 STATE_NAME = "training_state.pt"

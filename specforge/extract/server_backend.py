@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from specforge.extract.batching import Extractor
-from specforge.serving.server_process import ServerProcess, free_port, http_json
+from specforge.launch.process import ServerProcess, free_port, http_json
 
 SAMPLING = {"max_new_tokens": 1, "temperature": 0.0}
 
@@ -229,11 +229,11 @@ def open_server_extractor(cfg, target_path, aux_layer_ids: Sequence[int], text_c
                                  "and extract.final_url (a server returning final hidden states)")
             urls = ex.aux_url, ex.final_url
         else:
-            from specforge.serving.sglang_launch import extraction_server_command
+            from specforge.launch.sglang_commands import sglang_extraction_command
 
             def build(target, port, ids):
                 extra = list(ex.sglang_args) + (list(ex.sglang_aux_args) if ids is not None else [])
-                return extraction_server_command(
+                return sglang_extraction_command(
                     target, port, ids, num_layers=text_config.num_hidden_layers, version=ex.sglang_version,
                     extra_args=extra, options={"dtype": cfg.target.dtype, "mem_fraction_static": ex.mem_fraction_static,
                                                "trust_remote_code": bool(cfg.target.trust_remote_code)})

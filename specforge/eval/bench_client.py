@@ -30,7 +30,7 @@ from typing import Iterable, Sequence
 import httpx
 import numpy as np
 
-from specforge.serving.scenarios import Scenario
+from specforge.eval.scenarios import Scenario
 
 BACKENDS = ("sglang", "openai")
 
@@ -422,7 +422,7 @@ def add_bench_args(p) -> None:
 
 
 def bench(args) -> dict:
-    from specforge.serving.scenarios import get_scenario
+    from specforge.eval.scenarios import get_scenario
 
     scenario = get_scenario(args.scenario).scaled(
         num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,

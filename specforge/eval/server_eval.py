@@ -2,7 +2,7 @@
 
 - `run_server_benchmark(server, requests, ...)`: `server` is a base URL (any running server) or a
   `Launch` (a command to start: wait for /health, bench, always stop; log in the run dir).
-- `evaluate_serving(run_cfg, checkpoints, eval_cfg, run_dir)`: what `eval.engine=server` and
+- `eval_with_servers(run_cfg, checkpoints, eval_cfg, run_dir)`: what `eval.engine=server` and
   `eval.engine=sglang` do. `server`: bench `eval.url` (and `eval.baseline_url` when given).
   `sglang`: launch the base target, then every checkpoint x tree, one server at a time (the
   server-wide accept length is cumulative since start, so one server per configuration).
@@ -20,13 +20,13 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from specforge.utils.io import write_json, write_text
-from specforge.serving.bench_client import (
+from specforge.eval.bench_client import (
     BenchRequest, BenchResult, comparison, comparison_table, conversation_requests,
     random_token_requests, run_benchmark,
 )
-from specforge.serving.scenarios import Scenario, get_scenario
+from specforge.eval.scenarios import Scenario, get_scenario
 from specforge.targets.vl import is_vl
-from specforge.serving.server_process import ServerProcess, free_port
+from specforge.launch.process import ServerProcess, free_port
 
 # (target_path, draft_path | None, tree | None, port) -> command
 CommandBuilder = Callable[..., list]
@@ -102,16 +102,16 @@ def checkpoint_label(checkpoint: Path, tree: str) -> str:
 
 
 def sglang_command_builder(run_cfg, eval_cfg) -> CommandBuilder:
-    """build_server_command with eval.dtype (else target.dtype), eval.sglang_args, eval.sglang_version."""
-    from specforge.serving.sglang_launch import build_server_command
+    """sglang_server_command with eval.dtype (else target.dtype), eval.sglang_args, eval.sglang_version."""
+    from specforge.launch.sglang_commands import sglang_server_command
 
     dtype = getattr(eval_cfg, "dtype", None) or run_cfg.target.dtype
     options = {"dtype": dtype, "trust_remote_code": bool(run_cfg.target.trust_remote_code)}
-    return partial(build_server_command, options=options, version=getattr(eval_cfg, "sglang_version", None),
+    return partial(sglang_server_command, options=options, version=getattr(eval_cfg, "sglang_version", None),
                    extra_args=list(getattr(eval_cfg, "sglang_args", None) or []))
 
 
-def evaluate_serving(run_cfg, checkpoints: Sequence[Path], eval_cfg, run_dir, out_dir=None, *,
+def eval_with_servers(run_cfg, checkpoints: Sequence[Path], eval_cfg, run_dir, out_dir=None, *,
                      tokenizer=None, command_builder: CommandBuilder | None = None) -> dict:
     """Serving benchmark for eval_cfg.engine = server | sglang (see the module doc). `run_cfg` gives
     the target (and the seed of random prompts / Poisson arrivals), `run_dir` the held-out
@@ -145,7 +145,7 @@ def evaluate_serving(run_cfg, checkpoints: Sequence[Path], eval_cfg, run_dir, ou
             runs.append((label, Launch(build(target, ckpt, tree, port), port, out_dir / "logs" / f"{label}.log",
                                        startup_timeout_s=timeout)))
     else:
-        raise ValueError(f"evaluate_serving: eval.engine={ev.engine!r} is not a server engine (server | sglang)")
+        raise ValueError(f"eval_with_servers: eval.engine={ev.engine!r} is not a server engine (server | sglang)")
 
     results: dict[str, BenchResult] = {}
     for label, server in runs:

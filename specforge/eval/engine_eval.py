@@ -155,7 +155,7 @@ def _run_pass(engine, prompts, eval_cfg, eos, speculative: bool, bar, task):
     return outputs, stats
 
 
-def evaluate_checkpoints(run_cfg, ckpts: list[Path], eval_cfg) -> dict:
+def eval_with_engine(run_cfg, ckpts: list[Path], eval_cfg) -> dict:
     """Run base + every checkpoint x tree; returns {"base": ..., "configs": [...], "meta": ...}."""
     trees = [TreeSpec.parse(t) for t in eval_cfg.trees]  # refuse bad trees before loading anything
     if eval_cfg.engine != "embedded":

@@ -25,7 +25,7 @@ from typing import Any, Iterator, Mapping
 import torch
 import torch.distributed as dist
 
-from specforge.dist.slurm import is_slurm_step, slurm_dist_vars
+from specforge.distributed.slurm import is_slurm_step, slurm_dist_vars
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 

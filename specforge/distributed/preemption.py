@@ -14,7 +14,7 @@ import signal
 import threading
 from types import FrameType
 
-from specforge.dist.env import CleanStop, any_rank
+from specforge.distributed.env import CleanStop, any_rank
 
 EXIT_REQUEUE = 75  # EX_TEMPFAIL: state saved, run again (with train.resume=auto) to continue
 

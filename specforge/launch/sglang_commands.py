@@ -148,7 +148,7 @@ def render_options(options: Mapping[str, Any], version: str | None = None) -> li
     return args
 
 
-def build_server_command(
+def sglang_server_command(
     target_path,
     draft_path=None,
     tree=None,
@@ -166,7 +166,7 @@ def build_server_command(
     (e.g. {"dtype": "bfloat16", "mem_fraction_static": 0.8, "cuda_graph_max_bs": 8});
     `extra_args` are appended verbatim."""
     if (draft_path is None) != (tree is None):
-        raise ValueError("build_server_command: give both draft_path and tree (EAGLE3) or neither (base)")
+        raise ValueError("sglang_server_command: give both draft_path and tree (EAGLE3) or neither (base)")
     opts: dict[str, Any] = {"model_path": str(target_path)}
     if draft_path is not None:
         from specforge.engine.tree import TreeSpec  # imports torch: only when a tree is needed
@@ -182,7 +182,7 @@ def build_server_command(
     opts.update(disable_radix_cache=True, host=host, port=int(port))
     for name, value in (options or {}).items():
         if name in opts:
-            raise ValueError(f"build_server_command: option {name!r} is set by the builder itself")
+            raise ValueError(f"sglang_server_command: option {name!r} is set by the builder itself")
         opts[name] = value
     return [python or sys.executable, "-m", "sglang.launch_server",
             *render_options(opts, version), *map(str, extra_args)]
@@ -210,7 +210,7 @@ def _check_layer_ids(layer_ids: Sequence[int], num_layers: int) -> list[int]:
     return ids
 
 
-def extraction_server_command(target_path, port: int, aux_layer_ids: Sequence[int] | None = None, *,
+def sglang_extraction_command(target_path, port: int, aux_layer_ids: Sequence[int] | None = None, *,
                               num_layers: int, host: str = "127.0.0.1", version: str | None = None,
                               options: Mapping[str, Any] | None = None, extra_args: Sequence[str] = (),
                               python: str | None = None) -> list[str]:
@@ -226,7 +226,7 @@ def extraction_server_command(target_path, port: int, aux_layer_ids: Sequence[in
                     return_aux_hidden_state_layer_ids=_check_layer_ids(aux_layer_ids, num_layers))
     for name, value in (options or {}).items():
         if name in opts:
-            raise ValueError(f"extraction_server_command: option {name!r} is set by the builder itself")
+            raise ValueError(f"sglang_extraction_command: option {name!r} is set by the builder itself")
         opts[name] = value
-    return build_server_command(target_path, port=port, host=host, version=version, options=opts,
+    return sglang_server_command(target_path, port=port, host=host, version=version, options=opts,
                                 extra_args=extra_args, python=python)
