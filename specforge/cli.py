@@ -9,17 +9,17 @@ import sys
 
 def main(argv=None) -> None:
     from specforge.eval import bench_client
-    from specforge.serving import server
+    from specforge.serving import app
 
     parser = argparse.ArgumentParser(prog="specforge", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p_serve = sub.add_parser("serve", help="serve a target (+ EAGLE3 draft) on 127.0.0.1 with SGLang's protocol")
-    server.add_serve_args(p_serve)
+    app.add_serve_args(p_serve)
     p_bench = sub.add_parser("bench", help="streaming serving benchmark (sglang.bench_serving figures)")
     bench_client.add_bench_args(p_bench)
     args = parser.parse_args(argv)
     if args.command == "serve":
-        server.serve(args)
+        app.serve(args)
     else:
         bench_client.bench(args)
 

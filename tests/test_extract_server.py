@@ -15,7 +15,9 @@ from specforge.extract.embedded import EmbeddedExtractor
 from specforge.extract.server_backend import ServerExtractor, extraction_servers, gpu_env, prompt_rows
 from specforge.extract.store import HiddenStateStore
 from specforge.launch.embedded_commands import embedded_extraction_command
-from specforge.serving.server import HIDDEN_STATES_DISABLED, EmbeddedServer, load_model
+from specforge.serving.app import EmbeddedServer
+from specforge.serving.handler import HIDDEN_STATES_DISABLED
+from specforge.serving.model import load_model
 from specforge.launch.process import http_json, http_status
 from test_extract import run_setup, tiny_dir  # noqa: F401 (fixtures)
 

@@ -25,7 +25,8 @@ from specforge.models.draft import Eagle3Config, Eagle3Draft
 from specforge.eval import bench_client as bc
 from specforge.eval.server_eval import eval_with_servers
 from specforge.launch.embedded_commands import embedded_server_command
-from specforge.serving.server import EmbeddedServer, load_model
+from specforge.serving.app import EmbeddedServer
+from specforge.serving.model import load_model
 from specforge.launch.process import ServerProcess, ServerStartError, free_port, http_status
 
 TREE = "4_2_8"

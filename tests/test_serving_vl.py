@@ -16,7 +16,8 @@ from specforge.data.vl_render import prompt_with_images
 from specforge.engine.speculative import SpeculativeEngine
 from specforge.models.draft import Eagle3Config, Eagle3Draft
 from specforge.eval import bench_client as bc
-from specforge.serving.server import EmbeddedServer, load_model
+from specforge.serving.app import EmbeddedServer
+from specforge.serving.model import load_model
 from specforge.targets.loader import load_target, load_tokenizer
 from specforge.targets.vl import load_image_processor, vl_info
 

@@ -8,7 +8,7 @@ SGLang's batched request (`input_ids` a list of lists, `max_new_tokens` 1, tempe
 `return_hidden_states`), and each answer holds one row per prompt token.
 
 - `extract.backend=server`: running servers at `extract.aux_url` and `extract.final_url`
-  (SGLang, or `specforge serve` with the same flags: serving/server.py).
+  (SGLang, or `specforge serve` with the same flags: serving/app.py, serving/handler.py).
 - `extract.backend=sglang`: this process launches the two SGLang servers on its GPU, waits for
   /health, and always stops them (`extraction_servers`); under torchrun every rank launches its
   own pair on its own GPU and extracts its share of the samples (stage.py).

@@ -1,4 +1,5 @@
-"""`specforge serve`: the embedded engine behind an HTTP server that speaks SGLang's protocol.
+"""The HTTP routes of `specforge serve`: requests in SGLang's protocol turned into engine jobs,
+and the engine's tokens and statistics turned into SGLang's answers.
 
 One target (and optionally one EAGLE3 draft checkpoint with one tree `T_K_N`) served on
 127.0.0.1, so base and EAGLE3 are measured by the same client as a real SGLang server:
@@ -30,19 +31,15 @@ so any number of clients may connect and stream concurrently.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
-import queue
-import sys
-import threading
 import time
-import uuid
-from dataclasses import dataclass, field
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
+from http.server import BaseHTTPRequestHandler
 from typing import Callable
+
+from specforge.serving.model import LoadedModel
+from specforge.serving.worker import Job
 
 log = logging.getLogger("specforge.serve")
 
@@ -58,222 +55,6 @@ HIDDEN_STATES_DISABLED = ("The server is not configured to return the hidden sta
 
 class RequestError(ValueError):
     """A bad request: answered with HTTP 400 and this message."""
-
-
-# ---- the engine ------------------------------------------------------------------------------------
-
-
-_LOAD_LOCK = threading.Lock()
-
-
-@dataclass
-class LoadedModel:
-    engine: object  # SpeculativeEngine
-    tokenizer: object
-    info: dict  # server_info fields: model_path, speculative_*, dtype, ...
-    eos_token_ids: list[int]
-    vocab_size: int
-    max_context: int | None
-    hidden_state_extractor: object = None  # EmbeddedExtractor when hidden states may be returned
-    vl: tuple | None = None  # (image processor, VLInfo) of a vision-language target
-
-
-def load_model(target_path, draft_path=None, tree: str | None = None, *, dtype: str = "bfloat16",
-               device: str = "cpu", exact_ancestor_attention: bool = False, return_hidden_states: bool = False,
-               aux_hidden_state_layer_ids=None, image_min_pixels: int | None = None,
-               image_max_pixels: int | None = None) -> LoadedModel:
-    """Target (+ draft checkpoint) as a streaming engine, with the tokenizer and the eos ids.
-    `return_hidden_states`: answer `return_hidden_states` requests with the final post-norm
-    states, or with the outputs of decoder layers `aux_hidden_state_layer_ids` concatenated.
-    A vision-language target (by its config.json) loads with its image processor (pixel bounds:
-    `image_*_pixels`, as data.image_*_pixels; None: the processor's own)."""
-    import torch
-    from transformers import AutoTokenizer
-
-    from specforge.checkpoint import load_draft
-    from specforge.engine.tree import TreeSpec
-    from specforge.targets.loader import model_class, text_config, torch_dtype
-    from specforge.targets.vl import is_vl_config, load_image_processor, vl_info
-
-    if draft_path is not None and tree is None:
-        raise ValueError("serve: a draft needs a tree T_K_N (e.g. --tree 8_2_16)")
-    spec = TreeSpec.parse(tree) if draft_path is not None else None
-    torch_type = torch_dtype(dtype)
-    config_file = Path(target_path) / "config.json"
-    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
-    kind = config["model_type"] if is_vl_config(config) else "causal_lm"
-    if kind != "causal_lm" and return_hidden_states:
-        raise ValueError("hidden states of vision-language targets: use the embedded extract backend")
-    with _LOAD_LOCK:  # from_pretrained's meta-device init is process-global: one load at a time
-        target = model_class(kind).from_pretrained(str(target_path), dtype=torch_type)
-    target.to(device).eval().requires_grad_(False)
-    tokenizer = AutoTokenizer.from_pretrained(str(target_path))
-    draft = None
-    if draft_path is not None:
-        draft = load_draft(draft_path, device=device, dtype=torch_type,
-                           embed_tokens=target.get_input_embeddings().weight.detach())
-    from specforge.engine.speculative import SpeculativeEngine
-
-    engine = SpeculativeEngine(target, draft, spec or "1_1_2", exact_ancestor_attention=exact_ancestor_attention)
-    if aux_hidden_state_layer_ids is not None and not return_hidden_states:
-        raise ValueError("aux hidden states are returned through return_hidden_states: enable it too")
-    hidden = None
-    if return_hidden_states:
-        from specforge.extract.embedded import EmbeddedExtractor
-
-        # float32 rows: a bf16 target's values come back exactly, as SGLang's .tolist() gives them
-        hidden = EmbeddedExtractor(target, list(aux_hidden_state_layer_ids or []), batch_tokens=1 << 30,
-                                   storage_dtype=torch.float32)
-
-    eos: list[int] = []
-    for ids in (getattr(target.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
-        for i in ([ids] if isinstance(ids, int) else ids or []):
-            if i not in eos:
-                eos.append(int(i))
-    info = {
-        "model_path": str(target_path),
-        "speculative_algorithm": "EAGLE3" if draft is not None else None,
-        "speculative_draft_model_path": str(draft_path) if draft_path is not None else None,
-        "speculative_num_steps": spec.steps if spec else None,
-        "speculative_eagle_topk": spec.topk if spec else None,
-        "speculative_num_draft_tokens": spec.num_draft_tokens if spec else None,
-        "exact_ancestor_attention": exact_ancestor_attention,
-        "enable_return_hidden_states": return_hidden_states,
-        "enable_return_aux_hidden_states": aux_hidden_state_layer_ids is not None,
-        "return_aux_hidden_state_layer_ids": list(aux_hidden_state_layer_ids) if aux_hidden_state_layer_ids is not None else None,
-        "dtype": dtype,
-        "device": device,
-        "torch_num_threads": torch.get_num_threads(),
-    }
-    cfg = text_config(target.config)
-    vl = None
-    if kind != "causal_lm":
-        vl = (load_image_processor(target_path, image_min_pixels, image_max_pixels), vl_info(target.config))
-    return LoadedModel(engine, tokenizer, info, eos, cfg.vocab_size, getattr(cfg, "max_position_embeddings", None),
-                       hidden, vl)
-
-
-# ---- one request -----------------------------------------------------------------------------------
-
-
-@dataclass
-class Job:
-    """A generation request queued for the engine thread; its events come back on `events`:
-    ("tokens", [ids]) per committed group, then ("done", stats) or ("error", message).
-    A hidden-states request has `batch` (the prompts of one forward); it ends with
-    ("done", [(rows [S, D] float32, next token)]) per prompt."""
-
-    input_ids: list[int]
-    max_new_tokens: int
-    temperature: float
-    stop_token_ids: list[int] | None  # None: no stop (ignore_eos)
-    seed: int | None = None
-    rid: str = field(default_factory=lambda: uuid.uuid4().hex)
-    arrival: float = field(default_factory=time.perf_counter)
-    events: "queue.Queue" = field(default_factory=queue.Queue)
-    cancelled: bool = False
-    batch: list[list[int]] | None = None
-    images: dict | None = None  # {"pixel_values", "image_grid_thw"} of a vision-language prompt
-
-
-class _Cancelled(Exception):
-    pass
-
-
-class EngineWorker:
-    """The one thread that loads the model and runs the engine, one job at a time (FIFO)."""
-
-    def __init__(self, loader: Callable[[], LoadedModel]):
-        self.loader = loader
-        self.model: LoadedModel | None = None
-        self.load_error: str | None = None
-        self.ready = threading.Event()
-        self.jobs: "queue.Queue[Job | None]" = queue.Queue()
-        self.lock = threading.Lock()
-        self.num_requests = 0
-        self.spec_rounds = 0  # verify rounds, all requests since start
-        self.spec_round_tokens = 0  # tokens those rounds produced (accepted drafts + bonus)
-        self.thread = threading.Thread(target=self._main, name="specforge-engine", daemon=True)
-
-    def start(self):
-        self.thread.start()
-
-    def stop(self):
-        self.jobs.put(None)
-
-    def submit(self, job: Job) -> Job:
-        self.jobs.put(job)
-        return job
-
-    def _main(self):
-        try:
-            self.model = self.loader()
-        except BaseException as e:  # reported by /health and every request
-            self.load_error = f"{type(e).__name__}: {e}"
-            log.exception("loading the model failed")
-            return
-        self.ready.set()
-        log.info("model ready: %s", self.model.info)
-        while (job := self.jobs.get()) is not None:
-            if job.cancelled:
-                continue
-            try:
-                self._run(job)
-            except _Cancelled:
-                log.info("request %s cancelled (client gone)", job.rid)
-            except Exception as e:
-                log.exception("request %s failed", job.rid)
-                job.events.put(("error", f"{type(e).__name__}: {e}"))
-
-    def _run(self, job: Job):
-        import torch
-
-        engine = self.model.engine
-
-        def on_tokens(tokens):
-            if job.cancelled:
-                raise _Cancelled()
-            job.events.put(("tokens", list(tokens)))
-
-        generator = None
-        if job.temperature > 0 and job.seed is not None:
-            generator = torch.Generator(device=engine.device).manual_seed(int(job.seed))
-        if job.batch is not None:
-            return self._hidden_states(job, generator)
-        generate = engine.generate if engine.draft is not None else engine.generate_base
-        _, stats = generate(job.input_ids, job.max_new_tokens, temperature=job.temperature,
-                            eos_token_id=job.stop_token_ids, generator=generator, on_tokens=on_tokens,
-                            images=job.images)
-        with self.lock:
-            self.num_requests += 1
-            self.spec_rounds += stats.spec_verify_ct
-            self.spec_round_tokens += sum(a + 1 for a in stats.accepted_drafts)
-        job.events.put(("done", stats))
-
-    def _hidden_states(self, job: Job, generator):
-        """One padded prefill over job.batch: the rows SGLang would return, and one sampled token."""
-        import torch
-
-        from specforge.engine.speculative import sample_token
-
-        extractor = self.model.hidden_state_extractor
-        head = extractor.model.get_output_embeddings()
-        results = []
-        for aux, last in extractor.forward(job.batch):
-            with torch.inference_mode():
-                logits = head(last[-1].to(head.weight.device, head.weight.dtype)).float()
-            token = int(sample_token(logits, job.temperature, generator))
-            results.append((aux if extractor.aux_layer_ids else last, token))
-        with self.lock:
-            self.num_requests += len(job.batch)
-        job.events.put(("done", results))
-
-    def internal_state(self) -> dict:
-        with self.lock:
-            state = {"num_finished_requests": self.num_requests, "queued_requests": self.jobs.qsize()}
-            if self.model is not None and self.model.engine.draft is not None and self.spec_rounds:
-                state["avg_spec_accept_length"] = self.spec_round_tokens / self.spec_rounds
-        return state
 
 
 def _meta_info(job: Job, prompt_tokens: int, output_ids: list[int], stats, model: LoadedModel) -> dict:
@@ -322,7 +103,7 @@ class _TextDeltas:
 
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
-    server: "_HTTPServer"
+    server: "_HTTPServer"  # specforge.serving.app._HTTPServer: .worker, .model_name, .version
 
     def log_message(self, fmt, *args):
         log.debug("%s - %s", self.address_string(), fmt % args)
@@ -379,7 +160,7 @@ class Handler(BaseHTTPRequestHandler):
             info = dict(worker.model.info) if worker.model else {}
             info.update(host=self.server.server_address[0], port=self.server.server_address[1],
                         internal_states=[worker.internal_state()],
-                        version=_version(), frontend="specforge-embedded")
+                        version=self.server.version, frontend="specforge-embedded")
             return self._send_json(info)
         if path in ("/v1/models", "/model_info", "/get_model_info"):
             if not worker.ready.is_set():
@@ -655,159 +436,3 @@ class Handler(BaseHTTPRequestHandler):
         except RuntimeError as e:
             self._sse({"error": {"message": str(e), "code": 500}})
         self._end_stream()
-
-
-class _HTTPServer(ThreadingHTTPServer):
-    daemon_threads = True
-    worker: EngineWorker
-    model_name: str
-
-    def handle_error(self, request, client_address):
-        exc = sys.exc_info()[1]
-        if isinstance(exc, (ConnectionResetError, BrokenPipeError)):  # a client went away
-            return
-        log.exception("error while serving %s", client_address)
-
-
-def _version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return f"specforge-eagle3 {version('specforge-eagle3')}"
-    except Exception:
-        return "specforge-eagle3"
-
-
-class EmbeddedServer:
-    """The HTTP server and its engine thread. `loader` builds the LoadedModel in the engine
-    thread, after the port is open (so /health answers 503 meanwhile). Use as a context manager
-    or call start() / close(). port=0 picks a free port."""
-
-    def __init__(self, loader: Callable[[], LoadedModel], *, host: str = "127.0.0.1", port: int = 0,
-                 model_name: str = "default"):
-        self.worker = EngineWorker(loader)
-        self.httpd = _HTTPServer((host, port), Handler)
-        self.httpd.worker = self.worker
-        self.httpd.model_name = model_name
-        self._thread = threading.Thread(target=self.httpd.serve_forever, name="specforge-http", daemon=True)
-
-    @property
-    def url(self) -> str:
-        host, port = self.httpd.server_address[:2]
-        return f"http://{host}:{port}"
-
-    def start(self) -> "EmbeddedServer":
-        self._thread.start()
-        self.worker.start()
-        return self
-
-    def wait_ready(self, timeout_s: float = 600.0) -> "EmbeddedServer":
-        deadline = time.monotonic() + timeout_s
-        while not self.worker.ready.wait(0.1):
-            if self.worker.load_error is not None:
-                raise RuntimeError(f"the model failed to load: {self.worker.load_error}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the model did not load within {timeout_s:.0f} s")
-        return self
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        self.worker.stop()
-
-    def __enter__(self):
-        return self.start()
-
-    def __exit__(self, *exc):
-        self.close()
-
-
-# ---- command line ----------------------------------------------------------------------------------
-
-
-def add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", "--model-path", dest="target", required=True, help="target model directory")
-    p.add_argument("--draft", "--speculative-draft-model-path", dest="draft", default=None,
-                   help="EAGLE3 draft checkpoint directory (omit to serve the base model)")
-    p.add_argument("--tree", default="8_2_16", help="draft tree T_K_N (steps_topk_drafttokens)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
-    p.add_argument("--exact-ancestor-attention", action="store_true",
-                   help="draft beams attend to their real ancestors (default: SGLang's lanes)")
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--image-min-pixels", type=int, default=None,
-                   help="vision-language targets: resize images to at least this many pixels (data.image_min_pixels)")
-    p.add_argument("--image-max-pixels", type=int, default=None,
-                   help="vision-language targets: resize images to at most this many pixels (data.image_max_pixels)")
-    p.add_argument("--enable-return-hidden-states", action="store_true",
-                   help="answer /generate requests with return_hidden_states (prefill rows, as SGLang)")
-    p.add_argument("--enable-return-aux-hidden-states", action="store_true",
-                   help="return the aux layers' outputs (concatenated) in place of the final state")
-    p.add_argument("--return-aux-hidden-state-layer-ids", type=int, nargs="+", default=None,
-                   help="decoder layers whose outputs are the aux hidden states (with the flag above)")
-    p.add_argument("--log-level", default="info")
-
-
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
-def serve(args: argparse.Namespace) -> None:
-    """Run until SIGINT/SIGTERM; exit non-zero when the model cannot be loaded."""
-    import signal
-
-    from specforge.engine.tree import TreeSpec
-
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    for path in (args.target, args.draft):
-        if path is not None and not Path(path).is_dir():
-            raise SystemExit(f"serve: {path} is not a directory")
-    if args.draft:
-        TreeSpec.parse(args.tree)  # a bad tree fails before anything loads
-    aux_ids = None
-    if args.enable_return_aux_hidden_states or args.return_aux_hidden_state_layer_ids:
-        if not (args.enable_return_aux_hidden_states and args.return_aux_hidden_state_layer_ids
-                and args.enable_return_hidden_states):
-            raise SystemExit("serve: aux hidden states need --enable-return-hidden-states, "
-                             "--enable-return-aux-hidden-states and --return-aux-hidden-state-layer-ids")
-        aux_ids = args.return_aux_hidden_state_layer_ids
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
-
-    def loader():
-        return load_model(args.target, args.draft, args.tree if args.draft else None, dtype=args.dtype,
-                          device=args.device, exact_ancestor_attention=args.exact_ancestor_attention,
-                          return_hidden_states=args.enable_return_hidden_states, aux_hidden_state_layer_ids=aux_ids,
-                          image_min_pixels=args.image_min_pixels, image_max_pixels=args.image_max_pixels)
-
-    name = args.served_model_name or Path(args.target).name
-    try:
-        server = EmbeddedServer(loader, host=args.host, port=args.port, model_name=name)
-    except OSError as e:
-        raise SystemExit(f"serve: cannot listen on {args.host}:{args.port}: {e.strerror}") from None
-    signal.signal(signal.SIGTERM, _interrupt)
-    log.info("serving %s%s on %s", args.target, f" + {args.draft} ({args.tree})" if args.draft else "", server.url)
-    server.start()
-    try:
-        while server.worker.load_error is None:
-            time.sleep(0.5)
-        raise SystemExit(f"serve: the model failed to load: {server.worker.load_error}")
-    except KeyboardInterrupt:
-        log.info("shutting down")
-    finally:
-        server.close()
-
-
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="specforge serve", description=__doc__.split("\n")[0])
-    add_serve_args(p)
-    serve(p.parse_args(argv))
-
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,100 @@
+"""Loading `specforge serve`'s model: the target (+ an EAGLE3 draft checkpoint and its tree) as a
+SpeculativeEngine, with the tokenizer, eos ids, hidden-state extractor and image processor that
+the HTTP handler needs. Separate so that the engine thread and the tests load models the same way
+without pulling in HTTP.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+_LOAD_LOCK = threading.Lock()
+
+
+@dataclass
+class LoadedModel:
+    engine: object  # SpeculativeEngine
+    tokenizer: object
+    info: dict  # server_info fields: model_path, speculative_*, dtype, ...
+    eos_token_ids: list[int]
+    vocab_size: int
+    max_context: int | None
+    hidden_state_extractor: object = None  # EmbeddedExtractor when hidden states may be returned
+    vl: tuple | None = None  # (image processor, VLInfo) of a vision-language target
+
+
+def load_model(target_path, draft_path=None, tree: str | None = None, *, dtype: str = "bfloat16",
+               device: str = "cpu", exact_ancestor_attention: bool = False, return_hidden_states: bool = False,
+               aux_hidden_state_layer_ids=None, image_min_pixels: int | None = None,
+               image_max_pixels: int | None = None) -> LoadedModel:
+    """Target (+ draft checkpoint) as a streaming engine, with the tokenizer and the eos ids.
+    `return_hidden_states`: answer `return_hidden_states` requests with the final post-norm
+    states, or with the outputs of decoder layers `aux_hidden_state_layer_ids` concatenated.
+    A vision-language target (by its config.json) loads with its image processor (pixel bounds:
+    `image_*_pixels`, as data.image_*_pixels; None: the processor's own)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from specforge.checkpoint import load_draft
+    from specforge.engine.tree import TreeSpec
+    from specforge.targets.loader import model_class, text_config, torch_dtype
+    from specforge.targets.vl import is_vl_config, load_image_processor, vl_info
+
+    if draft_path is not None and tree is None:
+        raise ValueError("serve: a draft needs a tree T_K_N (e.g. --tree 8_2_16)")
+    spec = TreeSpec.parse(tree) if draft_path is not None else None
+    torch_type = torch_dtype(dtype)
+    config_file = Path(target_path) / "config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    kind = config["model_type"] if is_vl_config(config) else "causal_lm"
+    if kind != "causal_lm" and return_hidden_states:
+        raise ValueError("hidden states of vision-language targets: use the embedded extract backend")
+    with _LOAD_LOCK:  # from_pretrained's meta-device init is process-global: one load at a time
+        target = model_class(kind).from_pretrained(str(target_path), dtype=torch_type)
+    target.to(device).eval().requires_grad_(False)
+    tokenizer = AutoTokenizer.from_pretrained(str(target_path))
+    draft = None
+    if draft_path is not None:
+        draft = load_draft(draft_path, device=device, dtype=torch_type,
+                           embed_tokens=target.get_input_embeddings().weight.detach())
+    from specforge.engine.speculative import SpeculativeEngine
+
+    engine = SpeculativeEngine(target, draft, spec or "1_1_2", exact_ancestor_attention=exact_ancestor_attention)
+    if aux_hidden_state_layer_ids is not None and not return_hidden_states:
+        raise ValueError("aux hidden states are returned through return_hidden_states: enable it too")
+    hidden = None
+    if return_hidden_states:
+        from specforge.extract.embedded import EmbeddedExtractor
+
+        # float32 rows: a bf16 target's values come back exactly, as SGLang's .tolist() gives them
+        hidden = EmbeddedExtractor(target, list(aux_hidden_state_layer_ids or []), batch_tokens=1 << 30,
+                                   storage_dtype=torch.float32)
+
+    eos: list[int] = []
+    for ids in (getattr(target.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
+        for i in ([ids] if isinstance(ids, int) else ids or []):
+            if i not in eos:
+                eos.append(int(i))
+    info = {
+        "model_path": str(target_path),
+        "speculative_algorithm": "EAGLE3" if draft is not None else None,
+        "speculative_draft_model_path": str(draft_path) if draft_path is not None else None,
+        "speculative_num_steps": spec.steps if spec else None,
+        "speculative_eagle_topk": spec.topk if spec else None,
+        "speculative_num_draft_tokens": spec.num_draft_tokens if spec else None,
+        "exact_ancestor_attention": exact_ancestor_attention,
+        "enable_return_hidden_states": return_hidden_states,
+        "enable_return_aux_hidden_states": aux_hidden_state_layer_ids is not None,
+        "return_aux_hidden_state_layer_ids": list(aux_hidden_state_layer_ids) if aux_hidden_state_layer_ids is not None else None,
+        "dtype": dtype,
+        "device": device,
+        "torch_num_threads": torch.get_num_threads(),
+    }
+    cfg = text_config(target.config)
+    vl = None
+    if kind != "causal_lm":
+        vl = (load_image_processor(target_path, image_min_pixels, image_max_pixels), vl_info(target.config))
+    return LoadedModel(engine, tokenizer, info, eos, cfg.vocab_size, getattr(cfg, "max_position_embeddings", None),
+                       hidden, vl)
