@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 from specforge.engine.target import TargetRunner  # noqa: E402
 from specforge.eval.prompts import heldout_prompts  # noqa: E402
 from specforge.eval.engine_eval import load_run_config  # noqa: E402
+from specforge.run_layout import RunLayout  # noqa: E402
 from specforge.targets.loader import aux_layer_ids, load_target, load_tokenizer  # noqa: E402
 
 
@@ -78,7 +79,7 @@ def main(argv=None) -> int:
         target_cfg.dtype = dtype
         model, tok = load_target(target_cfg), load_tokenizer(target_cfg)
         runner = TargetRunner(model, aux_layer_ids(target_cfg, model.config))
-        prompts = heldout_prompts(Path(args.run) / "data" / "eval.conversations.jsonl", tok, args.prompts)
+        prompts = heldout_prompts(RunLayout(args.run).conversations("eval"), tok, args.prompts)
         with torch.inference_mode():
             pairs = [pair for p in prompts for pair in compare(runner, p["input_ids"], args.tokens, args.chunk,
                                                                   args.decode_mask)]

@@ -14,6 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from specforge.models.draft import ARCHITECTURE, Eagle3Config, Eagle3Draft
+from specforge.targets.layers import check_aux_layer_ids
 from specforge.utils.io import atomic_dir
 
 CONFIG_NAME = "config.json"
@@ -68,9 +69,11 @@ def validate_config(d: dict, where: str = CONFIG_NAME) -> Eagle3Config:
     if d["draft_vocab_size"] > d["vocab_size"]:
         fail(f"draft_vocab_size {d['draft_vocab_size']} > vocab_size {d['vocab_size']}")
     ids = (d.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    if not (isinstance(ids, list) and len(ids) == 3 and all(isinstance(i, int) for i in ids)
-            and ids == sorted(set(ids))):
-        fail(f"eagle_config.eagle_aux_hidden_state_layer_ids must be 3 ascending ids, got {ids!r}")
+    try:  # the target's layer count is not recorded here: the engine checks the range on loading
+        check_aux_layer_ids(ids, what="eagle_config.eagle_aux_hidden_state_layer_ids", count=3, min_id=None,
+                            hint=" (any 3 ascending ids: their range is checked against the target when it is loaded)")
+    except ValueError as e:
+        raise CheckpointError(f"{where}: {e}") from None
     if (d.get("eagle_config") or {}).get("use_aux_hidden_state") is not True:
         fail("eagle_config.use_aux_hidden_state must be true")
     return Eagle3Config.from_json_dict(d)

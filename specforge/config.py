@@ -6,10 +6,35 @@ what an experiment changes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
+
+
+class _Choice(str, Enum):
+    """One of fixed strings: composing a config with any other value fails, naming the key. A
+    member is its string everywhere else: ==, hashing, f-strings, str() and JSON give the value
+    (OmegaConf.to_yaml writes the name, the same word)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+class ExtractBackend(_Choice):
+    embedded = "embedded"  # the target through transformers in this process
+    server = "server"  # two running servers (extract.aux_url, extract.final_url)
+    sglang = "sglang"  # two SGLang servers launched on this process's GPU
+
+
+class EvalEngine(_Choice):
+    embedded = "embedded"  # the embedded speculative engine (specforge/engine)
+    server = "server"  # serving benchmark of running servers (eval.url, eval.baseline_url)
+    sglang = "sglang"  # serving benchmark of SGLang servers launched here
 
 
 @dataclass
@@ -95,7 +120,7 @@ class DraftConfig:
 
 @dataclass
 class ExtractConfig:
-    backend: str = "embedded"  # embedded (transformers here) | server (running servers) | sglang (launched)
+    backend: ExtractBackend = ExtractBackend.embedded  # embedded | server | sglang (see ExtractBackend)
     batch_tokens: int = 4096  # token budget per target forward (per request to the servers)
     shard_samples: int = 256  # samples per shard file
     dtype: str = "bfloat16"  # storage dtype of hidden states
@@ -136,7 +161,7 @@ class TrainConfig:
 
 @dataclass
 class EvalConfig:
-    engine: str = "embedded"  # embedded | server | sglang
+    engine: EvalEngine = EvalEngine.embedded  # embedded | server | sglang
     trees: List[str] = field(default_factory=lambda: ["5_1_6", "8_2_16"])
     epochs: Optional[List[int]] = None  # with a run directory: only these epoch_<k> (None: every one)
     num_prompts: int = 16

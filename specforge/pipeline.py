@@ -21,13 +21,16 @@ from typing import Callable
 from omegaconf import OmegaConf
 
 from specforge import distributed as dist
+from specforge.run_layout import RunLayout
 from specforge.utils.io import fingerprint, read_json, write_json, write_text
 
 
 @dataclass(frozen=True)
 class Stage:
     name: str
-    module: str  # exposes run(cfg, run_dir) -> dict and optionally extra_inputs(cfg) -> dict
+    # exposes run(cfg, run_dir, fingerprint) -> dict (train keeps its fingerprint in its training states,
+    # so that only the same run resumes them) and optionally extra_inputs(cfg) -> dict
+    module: str
     config_keys: tuple[str, ...]
     depends: tuple[str, ...]
     ranks: str = "main"  # main: rank 0 runs it, the others wait | all: every rank runs it
@@ -55,7 +58,7 @@ def run_dir_of(cfg) -> Path:
 
 
 def marker_path(run_dir: Path, stage: str) -> Path:
-    return run_dir / f".stage_{stage}.json"
+    return RunLayout(run_dir).marker(stage)
 
 
 def stage_fingerprint(cfg, stage: Stage, run_dir: Path) -> str:
@@ -112,7 +115,7 @@ def _decide(cfg, stage: Stage, run_dir: Path) -> tuple[str, str, dict]:
 def _check_shared_run_dir(run_dir: Path) -> None:
     """Every rank must see rank 0's files (multi-node runs need a shared file system)."""
     token = dist.broadcast_object(f"{time.time_ns()}" if dist.current().is_main else None)
-    probe = run_dir / ".rank_probe"
+    probe = RunLayout(run_dir).rank_probe
     if dist.current().is_main:
         write_text(probe, token)
     dist.barrier()
@@ -130,7 +133,7 @@ def _run_stages(cfg, env) -> dict[str, dict]:
     run_dir = run_dir_of(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     if env.is_main:
-        write_text(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+        write_text(RunLayout(run_dir).config, OmegaConf.to_yaml(cfg, resolve=True))
     if env.distributed:
         _check_shared_run_dir(run_dir)
     summaries = {}
@@ -147,10 +150,10 @@ def _run_stages(cfg, env) -> dict[str, dict]:
                                                   and stage.ranks == "all" else ""), flush=True)
         t0 = time.time()
         if stage.ranks == "all":
-            summary = stage.entry("run")(cfg, run_dir) or {}
+            summary = stage.entry("run")(cfg, run_dir, fp) or {}
             dist.barrier()
         else:
-            summary = dist.run_on_main(lambda: stage.entry("run")(cfg, run_dir) or {}, what=f"stage '{name}'")
+            summary = dist.run_on_main(lambda: stage.entry("run")(cfg, run_dir, fp) or {}, what=f"stage '{name}'")
         summary["seconds"] = round(time.time() - t0, 2)
         if env.is_main:
             write_json(marker_path(run_dir, name), {"fingerprint": fp, "summary": summary})

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from specforge.run_layout import RunLayout
 from specforge.utils.io import read_json, write_text
 from specforge.utils.metrics_log import read_metrics
 
@@ -59,15 +60,16 @@ def plot_training(metrics: list[dict], plots_dir: Path) -> list[str]:
 
 def write_run_report(run_dir: str | Path) -> Path:
     run_dir = Path(run_dir)
+    layout = RunLayout(run_dir)
     parts = [f"# Run `{run_dir.name}`", ""]
     for stage in ("data", "extract", "train"):
-        marker = run_dir / f".stage_{stage}.json"
+        marker = layout.marker(stage)
         if marker.exists():
             s = read_json(marker).get("summary", {})
             flat = {k: v for k, v in s.items() if isinstance(v, (int, float, str))}
             if flat:
                 parts += [f"## {stage}", "", _table(["field", "value"], [[k, v] for k, v in flat.items()]), ""]
-    metrics = read_metrics(run_dir / "metrics.jsonl")
+    metrics = read_metrics(layout.metrics)
     evals = [m for m in metrics if m.get("split") == "eval" and "sim_accept_length" in m]
     if evals:
         ks = sorted(int(k.split("_")[1]) for k in evals[-1] if k.startswith("acc_"))
@@ -78,11 +80,11 @@ def write_run_report(run_dir: str | Path) -> Path:
         best = max(evals, key=lambda m: m["sim_accept_length"])
         parts += [f"Best simulated accept length: epoch {best['epoch']} "
                   f"({best['sim_accept_length']:.3f}); checkpoint `epoch_{best['epoch']}/`.", ""]
-    plots = plot_training(metrics, run_dir / "plots") if metrics else []
+    plots = plot_training(metrics, layout.plots_dir) if metrics else []
     parts += [f"![{Path(p).stem}]({p})" for p in plots]
-    eval_md = run_dir / "eval" / "report.md"
+    eval_md = layout.eval_report
     if eval_md.exists():  # its plot links are relative to eval/
         parts += ["", eval_md.read_text().replace("](plots/", "](eval/plots/")]
-    out = run_dir / "report.md"
+    out = layout.report
     write_text(out, "\n".join(parts) + "\n")
     return out

@@ -5,7 +5,7 @@ from hydra import compose, initialize_config_dir
 
 from specforge.cli_args import quote_trees
 from specforge.config import register_configs
-from specforge.engine.tree import TreeSpec
+from specforge.engine.tree_spec import TreeSpec
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 

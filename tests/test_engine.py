@@ -8,7 +8,8 @@ from transformers import AutoModelForCausalLM
 
 from specforge.engine.speculative import SpeculativeEngine
 from specforge.engine.target import TargetRunner
-from specforge.engine.tree import TreeSpec, build_tree, first_level, next_level
+from specforge.engine.tree import build_tree, first_level, next_level
+from specforge.engine.tree_spec import TreeSpec
 from specforge.models.draft import Eagle3Config, Eagle3Draft
 
 AUX = [0, 1, 2]

@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 from omegaconf import OmegaConf
+from omegaconf.errors import ValidationError
 from safetensors import safe_open
 
 from specforge.config import Config
@@ -322,9 +323,12 @@ def test_stage_errors_name_the_problem(run_setup, tiny_dir):
     cfg.extract.backend = "server"
     with pytest.raises(ValueError, match="needs extract.aux_url"):
         stage.run(cfg, run_dir)
-    cfg.extract.backend = "vllm"
+    with pytest.raises(ValidationError, match="extract.backend"):  # a typed config refuses it (ExtractBackend)
+        cfg.extract.backend = "vllm"
+    untyped = OmegaConf.create(OmegaConf.to_container(cfg, enum_to_str=True))  # an untyped one reaches the stage
+    untyped.extract.backend = "vllm"
     with pytest.raises(ValueError, match="unknown backend; known: embedded, server, sglang"):
-        stage.run(cfg, run_dir)
+        stage.run(untyped, run_dir)
     cfg.extract.backend = "embedded"
 
     bad = [dict(r) for r in rows["train"][:3]]

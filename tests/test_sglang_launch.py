@@ -5,7 +5,7 @@ import warnings
 
 import pytest
 
-from specforge.engine.tree import TreeSpec
+from specforge.engine.tree_spec import TreeSpec
 from specforge.launch import sglang_commands as sl
 
 TARGET = "/models/Qwen3-8B"

@@ -3,13 +3,13 @@ import pytest
 import torch
 
 from specforge.engine.tree import (
-    TreeSpec,
     build_tree,
     choose,
     first_level,
     lane_attention_mask,
     next_level,
 )
+from specforge.engine.tree_spec import TreeSpec
 
 
 

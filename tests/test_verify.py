@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from specforge.engine.tree import TreeSpec, build_tree
+from specforge.engine.tree import build_tree
+from specforge.engine.tree_spec import TreeSpec
 from tests.test_tree import draft_rounds
 from specforge.engine.verify import greedy_verify, sampling_verify
 

@@ -16,6 +16,7 @@ from specforge.data.formats import DataError, RawRow, read_raw_rows, to_conversa
 from specforge.data.template import render
 from specforge.data.vl_render import render_vl
 from specforge.data.vocab import cached_vocab_mapping, save_vocab, vocab_cache_key
+from specforge.run_layout import RunLayout
 from specforge.utils.io import file_fingerprint, fingerprint, write_json, write_jsonl, write_text
 from specforge.utils.progress import progress_bar
 
@@ -131,7 +132,7 @@ def process_split(cfg, split: str, files: list[str], tokenizer, progress=None, r
         if run_dir is None:
             raise ValueError("data.regenerate: needs the run directory for its resume journal")
         convs, regenerated = regenerate_conversations(
-            convs, cfg.data.regenerate, cfg.target, Path(run_dir) / "data", split,
+            convs, cfg.data.regenerate, cfg.target, RunLayout(run_dir).data_dir, split,
             fix=cfg.data.fix, image_root=cfg.data.image_root, seed=cfg.seed, progress=progress)
         quarantine += [{"split": split, **q} for q in regenerated.pop("quarantine")]
 
@@ -206,13 +207,13 @@ def _coverage(samples: list[dict], t2d) -> float:
     return round(covered / total, 6) if total else 0.0
 
 
-def run(cfg, run_dir) -> dict:
+def run(cfg, run_dir, fingerprint: str | None = None) -> dict:
     """Write run_dir/data/*; returns the per-split counts and vocab facts for the pipeline marker."""
     from specforge.targets.loader import load_tokenizer, resolve_target_path
     from specforge.targets.vl import is_vl, load_image_processor, vl_info
     from transformers import AutoConfig
 
-    data_dir = Path(run_dir) / "data"
+    layout = RunLayout(run_dir)
     splits = split_files(cfg)
     for files in splits.values():
         for f in files:
@@ -233,32 +234,32 @@ def run(cfg, run_dir) -> dict:
 
     for split in ("train", "eval"):
         if split not in results:  # no eval files configured: leave no stale eval data behind
-            for name in (f"{split}.jsonl", f"{split}.conversations.jsonl"):
-                (data_dir / name).unlink(missing_ok=True)
+            for stale in (layout.samples(split), layout.conversations(split)):
+                stale.unlink(missing_ok=True)
             continue
-        write_jsonl(data_dir / f"{split}.jsonl", results[split]["samples"])
-        write_jsonl(data_dir / f"{split}.conversations.jsonl", results[split]["conversations"])
-    write_jsonl(data_dir / "quarantine.jsonl", [q for r in results.values() for q in r["quarantine"]])
+        write_jsonl(layout.samples(split), results[split]["samples"])
+        write_jsonl(layout.conversations(split), results[split]["conversations"])
+    write_jsonl(layout.quarantine, [q for r in results.values() for q in r["quarantine"]])
 
     summary = {split: r["counts"] for split, r in results.items()}
     train = results["train"]
     if not train["samples"]:
-        _write_report(data_dir, summary, None)
+        _write_report(layout, summary, None)
         raise ValueError(
             f"data: no training samples left out of {train['counts']['input_rows']} rows; "
-            f"see {data_dir / 'quarantine.jsonl'} and {data_dir / 'report.md'}"
+            f"see {layout.quarantine} and {layout.data_report_md}"
         )
 
     vocab_size = target_vocab_size(target_path, tokenizer)
     key = vocab_cache_key(
-        file_fingerprint(data_dir / "train.jsonl"), tokenizer_fingerprint(target_path),
+        file_fingerprint(layout.samples("train")), tokenizer_fingerprint(target_path),
         vocab_size, cfg.draft.draft_vocab_size,
     )
     d2t, t2d, hit = cached_vocab_mapping(
         cfg.cache_dir, key, ((s["input_ids"], s["loss_mask"]) for s in train["samples"]),
         vocab_size, cfg.draft.draft_vocab_size,
     )
-    save_vocab(data_dir / "vocab.safetensors", d2t, t2d)
+    save_vocab(layout.vocab, d2t, t2d)
     vocab = {
         "vocab_size": vocab_size,
         "draft_vocab_size": int(len(d2t)),
@@ -266,13 +267,13 @@ def run(cfg, run_dir) -> dict:
         "cache_hit": hit,
         "coverage": {split: _coverage(r["samples"], t2d) for split, r in results.items()},
     }
-    _write_report(data_dir, summary, vocab)
+    _write_report(layout, summary, vocab)
     return {**summary, "vocab": vocab}
 
 
-def _write_report(data_dir: Path, summary: dict, vocab: dict | None) -> None:
-    write_json(data_dir / "report.json", {"splits": summary, "vocab": vocab})
-    write_text(data_dir / "report.md", report_markdown(summary, vocab))
+def _write_report(layout: RunLayout, summary: dict, vocab: dict | None) -> None:
+    write_json(layout.data_report_json, {"splits": summary, "vocab": vocab})
+    write_text(layout.data_report_md, report_markdown(summary, vocab))
 
 
 def report_markdown(summary: dict, vocab: dict | None) -> str:

@@ -20,7 +20,8 @@ from typing import NamedTuple
 import torch
 
 from specforge.engine.target import TargetRunner
-from specforge.engine.tree import Tree, TreeSpec, build_tree, first_level, lane_attention_mask, next_level
+from specforge.engine.tree import Tree, build_tree, first_level, lane_attention_mask, next_level
+from specforge.engine.tree_spec import TreeSpec
 from specforge.engine.verify import greedy_verify, sampling_verify, target_probs
 
 

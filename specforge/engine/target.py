@@ -19,6 +19,7 @@ from contextlib import contextmanager
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from specforge.targets.layers import check_aux_layer_ids
 from specforge.targets.loader import text_config, untied_last_hidden_state
 from specforge.targets.vl import capture_input_embeds, is_vl_config, mm_token_type_ids, rope_positions, vl_info
 
@@ -142,8 +143,7 @@ class TargetRunner:
             model.set_output_embeddings(Fp32Head(model.get_output_embeddings()))
         self.model = model
         self.num_layers = cfg.num_hidden_layers
-        if any(not 0 <= i < self.num_layers for i in aux_layer_ids):
-            raise ValueError(f"aux_layer_ids {list(aux_layer_ids)}: must be in [0, {self.num_layers})")
+        check_aux_layer_ids(aux_layer_ids, self.num_layers, what="aux_layer_ids", ascending=False)
         self.aux_index = [i + 1 for i in aux_layer_ids]
         self.cache: Cache | None = None
         self.vl = vl_info(model.config) if is_vl_config(model.config) else None

@@ -31,6 +31,7 @@ import httpx
 import numpy as np
 
 from specforge.eval.scenarios import Scenario
+from specforge.run_layout import RunLayout
 
 BACKENDS = ("sglang", "openai")
 
@@ -115,7 +116,7 @@ def conversation_requests(path, tokenizer, num_prompts: int, output_len: int,
 
     path = Path(path)
     if path.is_dir():
-        path = path / "data" / "eval.conversations.jsonl"
+        path = RunLayout(path).conversations("eval")
     requests = []
     for p in heldout_prompts(path, tokenizer, num_prompts):
         paths = image_paths(p["messages"]) if with_images else []

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import statistics
 from pathlib import Path
 
@@ -22,16 +21,12 @@ import torch
 
 from specforge.checkpoint import load_draft
 from specforge.engine.speculative import PHASES, GenerationStats, SpeculativeEngine
-from specforge.engine.tree import TreeSpec
+from specforge.engine.tree_spec import TreeSpec
 from specforge.eval.prompts import heldout_prompts
+from specforge.run_layout import RunLayout, epoch_of
 from specforge.targets.loader import load_target, load_tokenizer, resolve_target_path, torch_dtype
 from specforge.targets.vl import is_vl, load_image_processor, vl_info
 from specforge.utils.progress import progress_bar
-
-
-def epoch_of(ckpt: Path) -> int | None:
-    m = re.fullmatch(r"epoch_(\d+)", ckpt.name)
-    return int(m.group(1)) if m else None
 
 
 def find_checkpoints(path: str | Path, epochs=None) -> tuple[Path, list[Path]]:
@@ -40,7 +35,7 @@ def find_checkpoints(path: str | Path, epochs=None) -> tuple[Path, list[Path]]:
     path = Path(path)
     if (path / "config.json").exists():
         return path.parent, [path]
-    ckpts = sorted((p for p in path.glob("epoch_*") if epoch_of(p) is not None), key=epoch_of)
+    ckpts = RunLayout(path).checkpoints()
     if not ckpts:
         raise FileNotFoundError(f"ckpt={path}: neither a checkpoint (config.json) nor a run with epoch_* dirs")
     if epochs:
@@ -59,7 +54,7 @@ def load_run_config(run_dir: str | Path):
     from specforge.config import Config
 
     run_dir = Path(run_dir)
-    saved = run_dir / "config.yaml"
+    saved = RunLayout(run_dir).config
     if not saved.exists():
         raise FileNotFoundError(f"{saved}: the run's resolved config is needed to know its target and data")
     run_cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(saved))
@@ -173,7 +168,7 @@ def eval_with_engine(run_cfg, ckpts: list[Path], eval_cfg) -> dict:
     if is_vl(run_cfg.target.kind):  # prompts keep their images (expanded as the data stage did)
         vl = (load_image_processor(resolve_target_path(run_cfg.target), run_cfg.data.image_min_pixels,
                                    run_cfg.data.image_max_pixels), vl_info(target.config))
-    prompts = heldout_prompts(run_dir / "data" / "eval.conversations.jsonl", tokenizer, eval_cfg.num_prompts, vl)
+    prompts = heldout_prompts(RunLayout(run_dir).conversations("eval"), tokenizer, eval_cfg.num_prompts, vl)
 
     base_engine = SpeculativeEngine(target, None)
     warm = prompts[0]

@@ -27,6 +27,7 @@ from specforge.eval.bench_client import (
 from specforge.eval.scenarios import Scenario, get_scenario
 from specforge.targets.vl import is_vl
 from specforge.launch.process import ServerProcess, free_port
+from specforge.run_layout import RunLayout
 
 # (target_path, draft_path | None, tree | None, port) -> command
 CommandBuilder = Callable[..., list]
@@ -121,7 +122,7 @@ def eval_with_servers(run_cfg, checkpoints: Sequence[Path], eval_cfg, run_dir, o
 
     ev = eval_cfg
     run_dir = Path(run_dir)
-    out_dir = Path(out_dir) if out_dir is not None else run_dir / "eval" / "serving"
+    out_dir = Path(out_dir) if out_dir is not None else RunLayout(run_dir).serving_dir
     tokenizer = tokenizer or load_tokenizer(run_cfg.target)
     scenario = eval_scenario(ev)
     seed = int(getattr(run_cfg, "seed", 0) or 0)

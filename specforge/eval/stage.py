@@ -7,6 +7,7 @@ from pathlib import Path
 def run_evaluation(run_cfg, ckpt: str | Path, eval_cfg, out_dir: str | Path | None = None) -> dict:
     from specforge.eval.report import best_config, write_results
     from specforge.eval.engine_eval import eval_with_engine, find_checkpoints
+    from specforge.run_layout import RunLayout
     from specforge.run_report import write_run_report
 
     run_dir, ckpts = find_checkpoints(ckpt, getattr(eval_cfg, "epochs", None))
@@ -17,12 +18,11 @@ def run_evaluation(run_cfg, ckpt: str | Path, eval_cfg, out_dir: str | Path | No
                                    Path(out_dir) / "serving" if out_dir else None)
         print(Path(summary["report"]).read_text(), flush=True)
         return {"report": summary["report"], "engine": eval_cfg.engine}
-    if eval_cfg.engine != "embedded":
-        raise ValueError(f"eval.engine={eval_cfg.engine!r} is not one of embedded, server, sglang")
     results = eval_with_engine(run_cfg, ckpts, eval_cfg)
-    out_dir = Path(out_dir) if out_dir else run_dir / "eval"
+    eval_dir = RunLayout(run_dir).eval_dir
+    out_dir = Path(out_dir) if out_dir else eval_dir
     report = write_results(results, out_dir)
-    if out_dir == run_dir / "eval":
+    if out_dir == eval_dir:
         write_run_report(run_dir)
     print(report.read_text(), flush=True)
     best = best_config(results)
@@ -31,5 +31,5 @@ def run_evaluation(run_cfg, ckpt: str | Path, eval_cfg, out_dir: str | Path | No
                 "best_accept_length": best["accept_length"]} if best else {})}
 
 
-def run(cfg, run_dir: Path) -> dict:
+def run(cfg, run_dir: Path, fingerprint: str | None = None) -> dict:
     return run_evaluation(cfg, run_dir, cfg.eval)

@@ -20,6 +20,7 @@ from typing import Sequence
 import torch
 
 from specforge.extract.batching import Extractor
+from specforge.targets.layers import check_aux_layer_ids
 from specforge.targets.loader import untied_last_hidden_state
 
 
@@ -50,9 +51,7 @@ class EmbeddedExtractor(Extractor):
         self.model = model
         self.base = decoder_of(model)
         n = self.base.config.num_hidden_layers
-        self.aux_layer_ids = list(aux_layer_ids)
-        if sorted(set(self.aux_layer_ids)) != self.aux_layer_ids or not all(0 <= i < n for i in self.aux_layer_ids):
-            raise ValueError(f"aux_layer_ids: {self.aux_layer_ids} must be distinct ascending ids in [0, {n})")
+        self.aux_layer_ids = check_aux_layer_ids(aux_layer_ids, n, what="aux_layer_ids")
         pad = pad_token_id if pad_token_id is not None else getattr(self.base.config, "pad_token_id", None)
         self.pad_token_id = 0 if pad is None else int(pad)
         self.vocab_size = getattr(self.base.config, "vocab_size", None)

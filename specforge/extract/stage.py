@@ -2,7 +2,7 @@
 
 Backends (`extract.backend`): `embedded` runs the target through transformers in this process
 (embedded.py, vl.py); `server` asks two running servers that speak SGLang's /generate, and
-`sglang` launches those two SGLang servers itself (server.py). All write the same store.
+`sglang` launches those two SGLang servers itself (server_backend.py). All write the same store.
 
 Resumable: each split's store records what produced it (target fingerprint, aux ids, dtypes, a
 fingerprint of the input JSONL). A re-run with the same inputs keeps the finished shards and only
@@ -32,6 +32,7 @@ from specforge.extract.batching import Extractor, total_tokens
 from specforge.extract.embedded import EmbeddedExtractor
 from specforge.extract.store import (FORMAT, MANIFEST, STORAGE_DTYPES, VERSION, HiddenStateStore,
                                      HiddenStateStoreWriter, remove_store)
+from specforge.run_layout import RunLayout
 from specforge.utils.io import file_fingerprint, read_json, read_jsonl, write_json
 
 SPLITS = ("train", "eval")
@@ -232,11 +233,12 @@ def remove_unlisted(out_dir: Path) -> None:
 def extract_splits(cfg, run_dir: Path, splits: dict, extractor: Extractor, base_meta: dict, env) -> dict:
     """Each split's rows into run_dir/extract/<split>; returns the per-split summaries."""
     vocab_size = base_meta["vocab_size"]
+    layout = RunLayout(run_dir)
     summaries = {}
     with _progress() if env.is_main else contextlib.nullcontext() as progress:
         for split, path in splits.items():
             rows = load_rows(path, vocab_size=vocab_size)
-            out_dir = run_dir / "extract" / split
+            out_dir = layout.store(split)
             if not rows:
                 if split == "train":
                     raise ValueError(f"{path}: no rows; nothing to train on")
@@ -250,7 +252,7 @@ def extract_splits(cfg, run_dir: Path, splits: dict, extractor: Extractor, base_
                 remove_unlisted(out_dir)
     for split in SPLITS:  # a stale store from earlier data must not be read as this run's
         if split not in summaries and env.is_main:
-            remove_store(run_dir / "extract" / split)
+            remove_store(layout.store(split))
     return summaries
 
 
@@ -309,12 +311,12 @@ def open_backend(cfg, run_dir: Path, env):
 
     from specforge.extract.server_backend import open_server_extractor
 
-    log_dir = run_dir / "extract" / "logs" / rank_dir_name(env.rank, env.world_size)
+    log_dir = RunLayout(run_dir).extract_logs(rank_dir_name(env.rank, env.world_size))
     with open_server_extractor(cfg, target_path, aux, tcfg, storage, log_dir, env) as extractor:
         yield extractor, meta
 
 
-def run(cfg, run_dir) -> dict:
+def run(cfg, run_dir, fingerprint: str | None = None) -> dict:
     """Extract every split that has rows; returns totals and per-split summaries."""
     t0 = time.time()
     if cfg.extract.backend not in BACKENDS:
@@ -323,10 +325,10 @@ def run(cfg, run_dir) -> dict:
         raise ValueError(f"extract.dtype: {cfg.extract.dtype!r} is not one of {list(STORAGE_DTYPES)}")
 
     run_dir = Path(run_dir)
-    data_dir = run_dir / "data"
+    layout = RunLayout(run_dir)
     splits = {}
     for split in SPLITS:
-        path = data_dir / f"{split}.jsonl"
+        path = layout.samples(split)
         if not path.exists():
             if split == "train":
                 raise FileNotFoundError(f"{path}: not found; run the data stage first")

@@ -19,6 +19,9 @@ from typing import Any, Mapping, Sequence
 
 from packaging.version import InvalidVersion, Version
 
+from specforge.engine.tree_spec import TreeSpec
+from specforge.targets.layers import check_aux_layer_ids
+
 # Canonical option name -> flag, as spelled by SGLang 0.5.20 (read from its server_args fields).
 _FLAGS_0_5_20 = {
     "model_path": "--model-path",
@@ -169,8 +172,6 @@ def sglang_server_command(
         raise ValueError("sglang_server_command: give both draft_path and tree (EAGLE3) or neither (base)")
     opts: dict[str, Any] = {"model_path": str(target_path)}
     if draft_path is not None:
-        from specforge.engine.tree import TreeSpec  # imports torch: only when a tree is needed
-
         spec = TreeSpec.parse(tree) if isinstance(tree, str) else tree
         opts.update(
             speculative_algorithm="EAGLE3",
@@ -200,14 +201,10 @@ def _check_aux_support(version: str | None) -> None:
 def _check_layer_ids(layer_ids: Sequence[int], num_layers: int) -> list[int]:
     """SGLang captures aux id L as the input of decoder layer L+1, so the last layer (N-1) has no
     capture point: ids must lie in [0, N-2]."""
-    ids = [int(i) for i in layer_ids]
-    if len(ids) != 3 or ids != sorted(set(ids)) or ids[0] < 0:
-        raise ValueError(f"aux layer ids must be 3 distinct ascending layer ids >= 0, got {list(layer_ids)}")
-    if ids[-1] > num_layers - 2:
-        raise ValueError(f"aux layer id {ids[-1]}: SGLang captures id L at the input of layer L+1, so with "
-                         f"{num_layers} layers the ids must be <= {num_layers - 2} (use extract.backend=embedded "
-                         "for the last layer)")
-    return ids
+    return check_aux_layer_ids(
+        [int(i) for i in layer_ids], what="aux_layer_ids", count=3, max_id=num_layers - 2,
+        why_max=f"SGLang captures id L at the input of layer L+1, so the last of the {num_layers} layers has "
+                "no capture point (use extract.backend=embedded for the last layer)")
 
 
 def sglang_extraction_command(target_path, port: int, aux_layer_ids: Sequence[int] | None = None, *,

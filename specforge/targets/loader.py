@@ -6,6 +6,8 @@ from pathlib import Path
 
 import torch
 
+from specforge.targets.layers import check_aux_layer_ids
+
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -163,18 +165,11 @@ def aux_layer_ids(target_cfg, model_config, kind: str | None = None) -> list[int
     d = deepstack_layers(model_config) if kind == "qwen3_vl" else 0
     explicit = bool(target_cfg.aux_layer_ids)
     ids = list(target_cfg.aux_layer_ids) if explicit else default_aux_layer_ids(n, first=max(1, d))
-    if len(ids) != 3 or sorted(ids) != ids or len(set(ids)) != 3 or not all(0 <= i < n for i in ids):
-        formula = "[1, N//2-1, N-4] needs N >= 8" if d <= 1 else f"[{d}, N//2-1, N-4] needs more"
-        hint = "" if explicit else f" (the default {formula} layers; this target has {n}: set them)"
-        raise ValueError(
-            f"target.aux_layer_ids: {ids} must be 3 distinct ascending layer ids in [0, {n}){hint}"
-        )
-    if ids[0] < d:
-        raise ValueError(
-            f"target.aux_layer_ids: {ids} reads layer {ids[0]}, whose output carries the deepstack "
-            f"visual features of this {kind} target (layers 0..{d - 1}); use ids >= {d}"
-        )
-    return ids
+    formula = "[1, N//2-1, N-4] needs N >= 8" if d <= 1 else f"[{d}, N//2-1, N-4] needs more"
+    hint = "" if explicit else f" (the default {formula} layers; this target has {n}: set them)"
+    deepstack = f"its output carries the deepstack visual features of this {kind} target (layers 0..{d - 1})"
+    return check_aux_layer_ids(ids, n, what="target.aux_layer_ids", count=3, hint=hint,
+                               min_id=d, why_min=deepstack if d > 0 else None)
 
 
 def target_fingerprint(path: str | Path) -> str:

@@ -26,6 +26,7 @@ from typing import Iterator, Sequence
 
 import torch
 
+from specforge.targets.layers import check_aux_layer_ids
 from specforge.targets.loader import deepstack_layers, untied_last_hidden_state
 
 VL_KINDS = ("qwen3_vl", "qwen2_5_vl")
@@ -332,9 +333,7 @@ def vl_hidden_states(
     info = vl_info(model.config)
     text_cfg = getattr(model.config, "text_config", model.config)
     n = text_cfg.num_hidden_layers
-    ids_l = list(aux_layer_ids)
-    if sorted(set(ids_l)) != ids_l or not all(0 <= i < n for i in ids_l):
-        raise ValueError(f"aux_layer_ids: {ids_l} must be distinct ascending ids in [0, {n})")
+    ids_l = check_aux_layer_ids(aux_layer_ids, n, what="aux_layer_ids")
     device = next(model.parameters()).device
     input_ids = torch.as_tensor(input_ids).to(device)
     attention_mask = torch.as_tensor(attention_mask).to(device)

@@ -10,8 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,10 +24,10 @@ from specforge.extract.store import HiddenStateStore
 from specforge.models.draft import Eagle3Config, Eagle3Draft
 from specforge.targets.loader import load_target
 from specforge.train.batches import collate, epoch_batches, eval_batches, global_batches, steps_per_epoch
-from specforge.train.state import (clear_states, find_resume_state, load_training_state, prune_states,
-                                   rng_state, save_training_state, set_rng_state)
+from specforge.run_layout import RunLayout
+from specforge.train.state import StateManager, TrainState
 from specforge.train.ttt import StepStats, Teacher, add_stats, summarize, ttt_forward
-from specforge.utils.metrics_log import MetricsLogger, read_metrics, write_metrics
+from specforge.utils.metrics_log import MetricsLogger
 from specforge.utils.progress import progress_bar
 
 
@@ -166,18 +165,6 @@ class Meter:
             self.tokens = int(state["tokens"])
 
 
-@dataclass
-class Position:
-    """Where training stands; a resumed run starts at (epoch, step_in_epoch)."""
-
-    epoch: int = 1
-    step_in_epoch: int = 0
-    step: int = 0
-    seconds: float = 0.0  # training time before this process started (for tokens/s)
-    epochs: list = field(default_factory=list)  # per-epoch summaries so far
-    wandb_run_id: str | None = None
-
-
 IMAGE_EMBEDDINGS = ("merged", "token")
 
 
@@ -228,71 +215,10 @@ def heldout_metrics(strategy, store: HiddenStateStore, cfg, device, amp) -> dict
     return summarize(meter.window) if meter.window else {}
 
 
-def train_fingerprint(cfg, run_dir: Path) -> str:
-    """The pipeline's fingerprint of the train stage: a state is resumed only by the same run."""
-    from specforge.pipeline import STAGES, stage_fingerprint
-
-    return stage_fingerprint(cfg, STAGES["train"], run_dir)
-
-
-def find_state(tc, states_dir: Path, fingerprint: str):
-    """(path, trainer state) to resume from, or (None, None), per `train.resume`. Rank 0 looks."""
-    if tc.resume == "never":
-        return None, None
-    if tc.resume == "auto":
-        path, state, notes = find_resume_state(states_dir, fingerprint)
-        for note in notes:
-            print(f"[train] resume: {note}", flush=True)
-        return path, state
-    path = Path(tc.resume)
-    state = load_training_state(path)
-    if state["meta"].get("fingerprint") != fingerprint:
-        print(f"[train] resume: {path} was written with a different training configuration or data; "
-              "resuming from it as asked", flush=True)
-    return path, state
-
-
-def check_resumable(meta: dict, tc, env, path) -> None:
-    """A state resumes exactly only with the same micro-batches and global batch."""
-    was = (meta.get("batch_size"), meta.get("grad_accum", 1) * meta.get("world_size", 1))
-    now = (tc.batch_size, tc.grad_accum * env.world_size)
-    if was != now:
-        raise ValueError(
-            f"{path}: written with batch_size {was[0]} and grad_accum x world_size = {was[1]}, now "
-            f"{now[0]} and {now[1]}; resume with the same global batch (set train.grad_accum) or start "
-            "over with train.resume=never")
-
-
-def start_or_resume(tc, run_dir: Path, fingerprint: str, strategy, scheduler) -> tuple[Position, Meter]:
-    """Restore the newest valid training state (per train.resume) into the strategy and scheduler,
-    or clear the states of an earlier run. Every rank calls it; rank 0 looks for the state."""
-    env = dist.current()
-    states_dir = run_dir / "state"
-    path, state = dist.run_on_main(find_state, tc, states_dir, fingerprint, what="finding a training state")
-    meter = Meter(tc.ttt_length)
-    if state is None:
-        if env.is_main:
-            removed = clear_states(states_dir)
-            if removed:
-                print(f"[train] starting from scratch; removed earlier states {sorted(removed)}", flush=True)
-        dist.barrier()
-        return Position(), meter
-    check_resumable(state["meta"], tc, env, path)
-    strategy.load_state(path, state["meta"])
-    scheduler.load_state_dict(state["scheduler"])
-    set_rng_state(state["rng"])
-    meter.load(state["meter"], env.is_main)
-    position = Position(**state["position"])
-    if env.is_main:  # rows logged after that state was written will be logged again
-        metrics = run_dir / "metrics.jsonl"
-        write_metrics(metrics, [r for r in read_metrics(metrics) if r.get("step", 0) <= position.step])
-        print(f"[train] resuming from {path} (epoch {position.epoch}, step {position.step})", flush=True)
-    dist.barrier()
-    return position, meter
-
-
-def train(cfg, run_dir: Path) -> dict:
-    run_dir = Path(run_dir)
+def train(cfg, run_dir: Path, fingerprint: str) -> dict:
+    """`fingerprint`: the train stage's, from the pipeline; a training state resumes only a run with
+    the same one."""
+    layout = RunLayout(run_dir)
     tc = cfg.train
     env = dist.current()
     device = env.device
@@ -302,10 +228,10 @@ def train(cfg, run_dir: Path) -> dict:
     main = env.is_main
 
     # -- inputs: hidden states, vocab map, the target's embedding and head -------------------------
-    train_store = HiddenStateStore(run_dir / "extract" / "train")
-    eval_dir = run_dir / "extract" / "eval"
+    train_store = HiddenStateStore(layout.store("train"))
+    eval_dir = layout.store("eval")
     eval_store = HiddenStateStore(eval_dir) if (eval_dir / "manifest.json").exists() else None
-    vocab = load_file(run_dir / "data" / "vocab.safetensors")
+    vocab = load_file(layout.vocab)
     micro_batches = len(global_batches(train_store.lengths, tc.batch_size, cfg.seed, 0))
     per_epoch = steps_per_epoch(micro_batches, tc.grad_accum, env.world_size)
     global_batch = tc.batch_size * tc.grad_accum * env.world_size
@@ -331,38 +257,19 @@ def train(cfg, run_dir: Path) -> dict:
         strategy.optimizer, cosine_with_warmup(tc.epochs * per_epoch, tc.warmup_ratio, tc.min_lr_ratio))
 
     # -- where to start: from scratch or from the newest valid training state -----------------------
-    states_dir = run_dir / "state"
-    fingerprint = train_fingerprint(cfg, run_dir)
-    position, meter = start_or_resume(tc, run_dir, fingerprint, strategy, scheduler)
+    state = TrainState(strategy, scheduler, Meter(tc.ttt_length), device)
+    states = StateManager(layout, fingerprint, tc)
+    states.restore(state)
+    position, meter = state.position, state.meter
 
-    logger = MetricsLogger(run_dir / "metrics.jsonl", cfg.logging, cfg.run_name, enabled=main,
+    logger = MetricsLogger(layout.metrics, cfg.logging, cfg.run_name, enabled=main,
                            fresh=position.step == 0, run_id=position.wandb_run_id)
+    position.wandb_run_id = logger.run_id
     if main:
         print(f"[train] {len(train_store)} samples, {train_store.num_tokens} tokens, "
               f"{per_epoch} steps/epoch x {tc.epochs} epochs, global batch {global_batch} samples "
               f"(batch_size {tc.batch_size} x grad_accum {tc.grad_accum} x {env.world_size} processes), "
               f"strategy {strategy.name}, device {device}", flush=True)
-
-    def save_state(name: str, next_epoch: int, next_step_in_epoch: int, reason: str) -> Path:
-        meter.sync(device)  # rank 0 holds the window of every rank from here on
-        trainer_state = {
-            "scheduler": scheduler.state_dict(), "rng": rng_state(), "meter": meter.state(),
-            "position": vars(Position(next_epoch, next_step_in_epoch, position.step, elapsed(),
-                                      list(position.epochs), logger.run_id)),
-        }
-        meta = {"step": position.step, "epoch": next_epoch, "step_in_epoch": next_step_in_epoch,
-                "reason": reason, "fingerprint": fingerprint, "strategy": strategy.name,
-                "state_format": strategy.state_format, "world_size": env.world_size,
-                "batch_size": tc.batch_size, "grad_accum": tc.grad_accum}
-        out = save_training_state(states_dir, name, strategy, trainer_state, meta)
-        if main:
-            prune_states(states_dir, position.step)
-        return out
-
-    t_start = time.time()
-
-    def elapsed() -> float:
-        return position.seconds + time.time() - t_start
 
     try:
         with StopRequests() as stop, progress_bar(disable=not main) as bar:
@@ -381,18 +288,20 @@ def train(cfg, run_dir: Path) -> dict:
                         meter.sync(device)
                         if main:
                             row = train_row(tc, epoch, position.step, scheduler.get_last_lr()[0], grad_norm,
-                                            meter, elapsed())
+                                            meter, state.elapsed())
                             logger.log(row)
                             bar.update(task, info=f"loss {row['loss']:.3f} acc_0 {row['acc_0']:.2f} "
                                                   f"sim-accept {row['sim_accept_length']:.2f}")
                         meter.window = None
                     bar.advance(task)
                     if stop.requested():  # a collective: every rank stops at this same step
-                        saved = save_state(f"step_{position.step:08d}", epoch, s + 1, "signal")
+                        state.resume_at(epoch, s + 1)
+                        saved = states.save(state, f"step_{position.step:08d}", "signal")
                         stop.hand_over()
                         raise TrainingInterrupted(stop.signal_name, saved)
                     if tc.save_state_every and position.step % tc.save_state_every == 0 and not last_of_epoch:
-                        save_state(f"step_{position.step:08d}", epoch, s + 1, "periodic")
+                        state.resume_at(epoch, s + 1)
+                        states.save(state, f"step_{position.step:08d}", "periodic")
 
                 epoch_row = {"split": "eval", "epoch": epoch, "step": position.step}
                 if eval_store is not None:
@@ -402,13 +311,14 @@ def train(cfg, run_dir: Path) -> dict:
                         print(f"[train] epoch {epoch}: held-out sim accept length "
                               f"{epoch_row['sim_accept_length']:.3f}, acc_0 {epoch_row['acc_0']:.3f}", flush=True)
                 weights = strategy.full_state_dict()  # a collective; the full weights land on rank 0
-                ckpt = run_dir / f"epoch_{epoch}"
+                ckpt = layout.checkpoint(epoch)
                 if main:
                     save_checkpoint(GatheredDraft(draft_config, weights), ckpt)
                 del weights
                 position.epochs.append({"epoch": epoch, "checkpoint": str(ckpt), **epoch_row})
-                save_state(f"epoch_{epoch}", epoch + 1, 0, "epoch_end")
-        seconds = elapsed()
+                state.resume_at(epoch + 1, 0)
+                states.save(state, f"epoch_{epoch}", "epoch_end")
+        seconds = state.elapsed()
         meter.sync(device)
     finally:  # free the model before the process group goes (gloo/DDP can abort otherwise)
         logger.close()

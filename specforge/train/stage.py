@@ -5,8 +5,9 @@ from specforge import distributed as dist
 from specforge.train.loop import train
 
 
-def run(cfg, run_dir: Path) -> dict:
-    summary = train(cfg, run_dir)
+def run(cfg, run_dir: Path, fingerprint: str) -> dict:
+    """`fingerprint`: this stage's, from the pipeline (its training states carry it)."""
+    summary = train(cfg, run_dir, fingerprint)
     if dist.current().is_main:
         from specforge.run_report import write_run_report
 

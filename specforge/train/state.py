@@ -10,6 +10,10 @@ id) live beside the servable checkpoints, never inside them: `run_dir/state/<nam
   name. A half-written state therefore never carries a state name, and `find_resume_state` also
   validates the manifest and file sizes before trusting one (then falls back to the next newest).
 - Read with `weights_only=True`: plain tensors and containers only.
+
+`TrainState` is everything a state holds, as one object (model and optimizer through the strategy,
+scheduler, RNG, meter, position in the data); `StateManager` saves and restores it (as torchtitan's
+Stateful trainer and CheckpointManager divide the work). The loop only says when.
 """
 from __future__ import annotations
 
@@ -17,12 +21,17 @@ import json
 import os
 import random
 import shutil
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from specforge import distributed as dist
 from specforge.distributed import barrier, current
+from specforge.run_layout import RunLayout
 from specforge.utils.io import read_json, replace_dir, write_json
+from specforge.utils.metrics_log import read_metrics, write_metrics
 
 STATE_NAME = "training_state.pt"
 MANIFEST = "state.json"
@@ -169,3 +178,122 @@ def clear_states(states_dir: str | Path) -> list[str]:
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p.name)
     return removed
+
+
+@dataclass
+class Position:
+    """Where training stands: a resumed run starts at (epoch, step_in_epoch)."""
+
+    epoch: int = 1
+    step_in_epoch: int = 0
+    step: int = 0
+    seconds: float = 0.0  # training time before this process started (for tokens/s)
+    epochs: list = field(default_factory=list)  # per-epoch summaries so far
+    wandb_run_id: str | None = None
+
+
+class TrainState:
+    """What a training state holds, in one object: the model and optimizer (the strategy writes and
+    reads their files itself), the LR scheduler, the RNG, the metrics meter and the position."""
+
+    def __init__(self, strategy, scheduler, meter, device):
+        self.strategy, self.scheduler, self.meter, self.device = strategy, scheduler, meter, device
+        self.position = Position()
+        self.started = time.time()
+
+    def elapsed(self) -> float:
+        """Training seconds, those before a resume included."""
+        return self.position.seconds + time.time() - self.started
+
+    def resume_at(self, epoch: int, step_in_epoch: int) -> None:
+        """Where a state saved now resumes (the loop says it before saving)."""
+        self.position.epoch, self.position.step_in_epoch = epoch, step_in_epoch
+
+    def state_dict(self) -> dict:
+        """The loop's part (the strategy writes its own); a collective: the meter is synced first."""
+        self.meter.sync(self.device)  # rank 0 holds the window of every rank from here on
+        position = Position(**{**vars(self.position), "seconds": self.elapsed(),
+                               "epochs": list(self.position.epochs)})
+        return {"scheduler": self.scheduler.state_dict(), "rng": rng_state(), "meter": self.meter.state(),
+                "position": vars(position)}
+
+    def load_state_dict(self, state: dict, path: Path) -> None:
+        self.strategy.load_state(path, state["meta"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        set_rng_state(state["rng"])
+        self.meter.load(state["meter"], current().is_main)
+        self.position = Position(**state["position"])
+        self.started = time.time()
+
+
+class StateManager:
+    """Saves `TrainState`s under the run's `state/` and restores the newest valid one, per
+    `train.resume`: auto (the newest whose train-stage fingerprint matches), never, or a path."""
+
+    def __init__(self, layout: RunLayout, fingerprint: str, tc):
+        self.layout, self.fingerprint, self.tc = layout, fingerprint, tc
+        self.states_dir = layout.states_dir
+
+    def save(self, state: TrainState, name: str, reason: str) -> Path:
+        """Every rank calls it (collectives inside)."""
+        env = current()
+        trainer_state = state.state_dict()
+        p = state.position
+        meta = {"step": p.step, "epoch": p.epoch, "step_in_epoch": p.step_in_epoch,
+                "reason": reason, "fingerprint": self.fingerprint, "strategy": state.strategy.name,
+                "state_format": state.strategy.state_format, "world_size": env.world_size,
+                "batch_size": self.tc.batch_size, "grad_accum": self.tc.grad_accum}
+        out = save_training_state(self.states_dir, name, state.strategy, trainer_state, meta)
+        if env.is_main:
+            prune_states(self.states_dir, p.step)
+        return out
+
+    def restore(self, state: TrainState) -> Path | None:
+        """Load the state to resume into `state`, or clear the states of an earlier run (None).
+        Every rank calls it; rank 0 looks for the state."""
+        env = current()
+        path, saved = dist.run_on_main(self._find, what="finding a training state")
+        if saved is None:
+            if env.is_main:
+                removed = clear_states(self.states_dir)
+                if removed:
+                    print(f"[train] starting from scratch; removed earlier states {sorted(removed)}", flush=True)
+            barrier()
+            return None
+        self._check_resumable(saved["meta"], env, path)
+        state.load_state_dict(saved, path)
+        if env.is_main:  # rows logged after that state was written will be logged again
+            metrics = self.layout.metrics
+            write_metrics(metrics, [r for r in read_metrics(metrics) if r.get("step", 0) <= state.position.step])
+            print(f"[train] resuming from {path} (epoch {state.position.epoch}, step {state.position.step})",
+                  flush=True)
+        barrier()
+        return path
+
+    def _find(self):
+        """(path, trainer state) to resume from, or (None, None), per `train.resume`."""
+        resume = self.tc.resume
+        if resume == "never":
+            return None, None
+        if resume == "auto":
+            path, saved, notes = find_resume_state(self.states_dir, self.fingerprint)
+            for note in notes:
+                print(f"[train] resume: {note}", flush=True)
+            return path, saved
+        path = Path(resume)
+        saved = load_training_state(path)
+        if saved["meta"].get("fingerprint") != self.fingerprint:
+            print(f"[train] resume: {path} was written with a different training configuration or data; "
+                  "resuming from it as asked", flush=True)
+        return path, saved
+
+    def _check_resumable(self, meta: dict, env, path) -> None:
+        """A state resumes exactly only with the same micro-batches and global batch."""
+        tc = self.tc
+        was = (meta.get("batch_size"), meta.get("grad_accum", 1) * meta.get("world_size", 1))
+        now = (tc.batch_size, tc.grad_accum * env.world_size)
+        if was != now:
+            raise ValueError(
+                f"{path}: written with batch_size {was[0]} and grad_accum x world_size = {was[1]}, now "
+                f"{now[0]} and {now[1]}; resume with the same global batch (set train.grad_accum) or start "
+                "over with train.resume=never")

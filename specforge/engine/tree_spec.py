@@ -1,0 +1,52 @@
+"""`TreeSpec`: the shape of a draft tree (`T_K_N`), a plain value; imports no torch, so that
+launch code and configs can use it. The tree itself is built in specforge/engine/tree.py."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TreeSpec:
+    """`T_K_N`: draft steps T, top-k K, draft tokens N (the root counts as one of the N)."""
+
+    steps: int
+    topk: int
+    num_draft_tokens: int
+
+    def __post_init__(self):
+        t, k, n = self.steps, self.topk, self.num_draft_tokens
+        for name, v in (("steps", t), ("topk", k), ("num_draft_tokens", n)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"tree {self.name}: {name} must be a positive integer, got {v!r}")
+        if n < 2:
+            raise ValueError(f"tree {self.name}: num_draft_tokens N={n} must be >= 2 (root + one draft)")
+        if k == 1 and n != t + 1:
+            raise ValueError(
+                f"tree {self.name}: topk K=1 is a chain, so N must be T+1={t + 1} (got N={n})"
+            )
+        if n - 1 > self.num_candidates:
+            raise ValueError(
+                f"tree {self.name}: N-1={n - 1} draft tokens but only K+(T-1)*K*K="
+                f"{self.num_candidates} candidates exist; lower N or raise T/K"
+            )
+
+    @classmethod
+    def parse(cls, text: str) -> "TreeSpec":
+        m = re.fullmatch(r"\s*(\d+)_(\d+)_(\d+)\s*", str(text))
+        if not m:
+            hint = (" (YAML and Hydra read an unquoted 5_1_6 as the number 516: quote it)"
+                    if str(text).isdigit() else "")
+            raise ValueError(f"tree {text!r}: expected 'T_K_N' (steps_topk_numdrafttokens), e.g. '8_2_16'{hint}")
+        return cls(*(int(g) for g in m.groups()))
+
+    @property
+    def num_candidates(self) -> int:
+        return self.topk + (self.steps - 1) * self.topk * self.topk
+
+    @property
+    def name(self) -> str:
+        return f"{self.steps}_{self.topk}_{self.num_draft_tokens}"
+
+    def __str__(self) -> str:
+        return self.name
