@@ -1,4 +1,4 @@
-"""The one writer, reader and validator of draft checkpoints (contract §1).
+"""The one writer, reader and validator of draft checkpoints (docs/contract.md §1).
 
 SGLang reports none of the ways a checkpoint can be wrong: unknown names are dropped, missing ones
 stay random, a reduced vocab without d2t is read as target ids. So we validate strictly on both

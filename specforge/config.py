@@ -113,7 +113,7 @@ class DraftConfig:
     max_position_embeddings: Optional[int] = None
     init_from: Optional[str] = None  # fine-tune an existing draft checkpoint (keeps its vocab map)
     # Vision-language targets: the draft's token embedding at image positions. "merged": the
-    # target's merged input embeddings (vision features there), as SGLang feeds them (contract §2);
+    # target's merged input embeddings (vision features there), as SGLang feeds them (docs/contract.md §2);
     # "token": the draft's own embedding of the image placeholder token.
     image_embeddings: str = "merged"
 

@@ -1,4 +1,4 @@
-"""M-RoPE in the draft (vision-language targets, contract §1) and the input-embeddings override.
+"""M-RoPE in the draft (vision-language targets, docs/contract.md §1) and the input-embeddings override.
 
 The draft must rotate q/k exactly as the target does, with the same 3-D (T, H, W) positions, and
 TTT must feed it the target's merged input embeddings where the batch overrides them."""

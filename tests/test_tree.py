@@ -1,4 +1,4 @@
-"""The SGLang tree construction (contract §5) on hand-worked examples."""
+"""The SGLang tree construction (docs/contract.md §5) on hand-worked examples."""
 import pytest
 import torch
 

@@ -1,4 +1,4 @@
-"""Draft vocab mapping (contract §4) and its cache."""
+"""Draft vocab mapping (docs/contract.md §4) and its cache."""
 from __future__ import annotations
 
 import logging

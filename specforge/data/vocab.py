@@ -1,4 +1,4 @@
-"""The draft vocabulary (contract §4): the most frequent loss tokens of the training data.
+"""The draft vocabulary (docs/contract.md §4): the most frequent loss tokens of the training data.
 
 `d2t[i] = used[i] - i` maps draft id i to target id `i + d2t[i]`; `t2d[j]` says whether target
 token j is in the draft vocab. The map is cached by data + tokenizer + sizes because counting a

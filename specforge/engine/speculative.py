@@ -1,4 +1,4 @@
-"""EAGLE3 speculative decoding with SGLang's semantics (contract §3, §5, §6), batch size 1.
+"""EAGLE3 speculative decoding with SGLang's semantics (docs/contract.md §3, §5, §6), batch size 1.
 
 Per round: T draft forwards (the first is the catch-up over the tokens accepted last round, whose
 last row gives the level-1 top-K; then T-1 decode steps over K lanes), one tree-masked target
@@ -68,7 +68,7 @@ class PhaseTimer:
 
 @dataclass
 class GenerationStats:
-    """Per-request figures, named as SGLang names them (contract §6). Times in seconds."""
+    """Per-request figures, named as SGLang names them (docs/contract.md §6). Times in seconds."""
 
     prompt_tokens: int
     num_draft_tokens: int = 0  # N of the tree (0 for the base model)

@@ -4,7 +4,7 @@
 keys at the end (no torch.cat of the whole cache per forward) and `keep` compacts the last
 forward's entries to the accepted path. `TargetRunner` runs the prompt (causal), a tree of N
 nodes (4D boolean mask: whole prefix + ancestors + self, positions S + depth) or a single decode
-token, and returns logits plus the aux hidden states the draft reads (contract §2: outputs of
+token, and returns logits plus the aux hidden states the draft reads (docs/contract.md §2: outputs of
 decoder layers [a, b, c], i.e. `hidden_states[L + 1]`, concatenated in ascending order).
 
 Vision-language targets (Qwen3-VL): the prompt may carry images; its M-RoPE positions come from

@@ -1,4 +1,4 @@
-"""The draft tree, built exactly as SGLang builds it (contract §5); the one tree builder of the project.
+"""The draft tree, built exactly as SGLang builds it (docs/contract.md §5); the one tree builder of the project.
 
 A round drafts T levels. Level 1 is the top-K of the draft's last distribution; each later level
 expands K beams (lanes) into K*K children scored by path probability (product of the draft

@@ -1,4 +1,4 @@
-"""Tree verification (contract §5): the greedy walk and SGLang's target-only sampling walk.
+"""Tree verification (docs/contract.md §5): the greedy walk and SGLang's target-only sampling walk.
 
 Both return the accepted path as node indices (root first) and the tokens to emit: the accepted
 drafts followed by one token from the target at the last accepted node (the bonus). The accept

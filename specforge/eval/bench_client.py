@@ -5,7 +5,7 @@ tokens a chunk brings: speculative rounds commit several at once), e2e latency a
 TPOT = (latency - ttft) / (output_len - 1). Aggregates: request/input/output/total throughput,
 mean/median/std/p90/p99 of TTFT, TPOT, ITL and e2e in ms, and the accept length.
 
-Accept length is exact, from the server's per-request counts (contract §6):
+Accept length is exact, from the server's per-request counts (docs/contract.md §6):
 `accept_length = sum(completion_tokens) / sum(spec_verify_ct)` over the requests that report
 verify rounds. The native backend (`sglang`, POST /generate) reads them from the last chunk's
 meta_info; the `openai` backend (POST /v1/completions) asks for SGLang's

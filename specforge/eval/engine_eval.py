@@ -106,7 +106,7 @@ def round_cost(row: dict, base: dict) -> dict:
 
 
 def aggregate(stats: list[GenerationStats], steps: int = 0) -> dict:
-    """Figures of one configuration over all its requests (contract §6 definitions)."""
+    """Figures of one configuration over all its requests (docs/contract.md §6 definitions)."""
     completion = sum(s.completion_tokens for s in stats)
     rounds = sum(s.spec_verify_ct for s in stats)
     accepted = [a for s in stats for a in s.accepted_drafts]

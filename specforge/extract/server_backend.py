@@ -1,6 +1,6 @@
 """Hidden states from servers that speak SGLang's /generate (the `server` and `sglang` backends).
 
-A server returns one kind of hidden state (contract §7): `return_hidden_states` gives the final
+A server returns one kind of hidden state (docs/contract.md §7): `return_hidden_states` gives the final
 post-norm state, and a server launched with aux capture gives the aux layers' outputs,
 concatenated, *in place of* the final state. The store needs both, so extraction talks to two
 servers of the same target, an aux server and a final server. Each batch goes to both at once as

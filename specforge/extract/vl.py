@@ -1,8 +1,8 @@
 """Hidden states of a vision-language target (the `embedded` backend with images).
 
-Besides aux and last (contract §2), a vision-language row keeps what the draft needs to see the
+Besides aux and last (docs/contract.md §2), a vision-language row keeps what the draft needs to see the
 prompt the way the serving engine shows it: the target's own M-RoPE positions [3, S] and its
-merged input embeddings at the image positions (vision features, contract §2 VL notes).
+merged input embeddings at the image positions (vision features, docs/contract.md §2 VL notes).
 """
 from __future__ import annotations
 

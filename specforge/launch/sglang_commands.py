@@ -1,6 +1,6 @@
 """SGLang command lines, built in one place with the flag spellings of the installed version.
 
-SGLang renames flags between releases (contract §7), so every flag we pass goes through a small
+SGLang renames flags between releases (docs/contract.md §7), so every flag we pass goes through a small
 table: canonical name -> spelling, per range of versions. The version is read from the installed
 distribution's metadata (`importlib.metadata`, no import of sglang, which needs CUDA), or given
 explicitly to build commands for another machine.
@@ -47,7 +47,7 @@ _FLAGS_0_5_20 = {
     "skip_server_warmup": "--skip-server-warmup",
     "enable_return_hidden_states": "--enable-return-hidden-states",
 }
-# 0.5.23 adds aux hidden-state capture (contract §7).
+# 0.5.23 adds aux hidden-state capture (docs/contract.md §7).
 _FLAGS_0_5_23 = {
     **_FLAGS_0_5_20,
     "enable_return_aux_hidden_states": "--enable-return-aux-hidden-states",
@@ -211,7 +211,7 @@ def sglang_extraction_command(target_path, port: int, aux_layer_ids: Sequence[in
                               num_layers: int, host: str = "127.0.0.1", version: str | None = None,
                               options: Mapping[str, Any] | None = None, extra_args: Sequence[str] = (),
                               python: str | None = None) -> list[str]:
-    """A target-only server for extraction (contract §7): with `aux_layer_ids`, it returns the
+    """A target-only server for extraction (docs/contract.md §7): with `aux_layer_ids`, it returns the
     outputs of those decoder layers, concatenated (SGLang >= 0.5.23; our convention and SGLang's
     agree: id L = output of layer L); without, the final post-norm state. Both recompute every
     prompt in one chunk (radix cache off, chunked prefill off)."""

@@ -1,4 +1,4 @@
-"""The EAGLE3 draft head (contract §3): one Llama decoder layer that reads the target's features.
+"""The EAGLE3 draft head (docs/contract.md §3): one Llama decoder layer that reads the target's features.
 
 Weight names are the checkpoint's names (`fc`, `midlayer.*`, `norm`, `lm_head`, `embed_tokens`,
 `d2t`, `t2d`), so saving and loading is a plain state_dict with no renaming.
@@ -110,7 +110,7 @@ class Eagle3Config:
         )
 
     def to_json_dict(self) -> dict:
-        """config.json as SGLang and vLLM read it (contract §1)."""
+        """config.json as SGLang and vLLM read it (docs/contract.md §1)."""
         d = asdict(self)
         ids = d.pop("aux_layer_ids")
         extra = d.pop("extra")
@@ -195,7 +195,7 @@ class DraftAttention(nn.Module):
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
-        # Input is [embedding ; feature], twice the hidden width (contract §3).
+        # Input is [embedding ; feature], twice the hidden width (docs/contract.md §3).
         self.q_proj = nn.Linear(2 * h, self.n_heads * d, bias=False)
         self.k_proj = nn.Linear(2 * h, self.n_kv * d, bias=False)
         self.v_proj = nn.Linear(2 * h, self.n_kv * d, bias=False)
@@ -316,7 +316,7 @@ class Eagle3Draft(nn.Module):
         return draft_ids + self.d2t[draft_ids]
 
     def trainable_parameters(self):
-        """Everything but the embedding, which stays frozen to the target's (contract §1)."""
+        """Everything but the embedding, which stays frozen to the target's (docs/contract.md §1)."""
         return [p for n, p in self.named_parameters() if not n.startswith("embed_tokens")]
 
 

@@ -18,7 +18,7 @@ One target (and optionally one EAGLE3 draft checkpoint with one tree `T_K_N`) se
 - Vision-language targets (Qwen3-VL, Qwen2.5-VL): `/generate` takes `image_data` (local image
   paths, one per image placeholder of the prompt, as SGLang takes them); the placeholders are
   expanded to the images' token counts and the engine prefills with the pixels.
-- Hidden states, as SGLang returns them (contract §7), for the `server` extract backend: started
+- Hidden states, as SGLang returns them (docs/contract.md §7), for the `server` extract backend: started
   with `--enable-return-hidden-states`, a `/generate` request with `return_hidden_states: true`
   and `max_new_tokens: 1` gets `meta_info.hidden_states = [rows]`, one row per prompt token: the
   final post-norm state, or, with `--enable-return-aux-hidden-states

@@ -1,4 +1,4 @@
-"""The one check of aux layer ids: the decoder layers whose outputs the draft reads (contract §2).
+"""The one check of aux layer ids: the decoder layers whose outputs the draft reads (docs/contract.md §2).
 
 Id L is the output of decoder layer L. Every place that takes such ids (the target config, the
 extractors, the engine, a checkpoint's eagle_config, SGLang's launch flags) checks them here, each

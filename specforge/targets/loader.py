@@ -119,7 +119,7 @@ def load_target(target_cfg, device: str | torch.device = "cpu"):
 def untied_last_hidden_state(config):
     """transformers 5 replaces hidden_states[N] by the post-norm state unless the (text) config's
     `tie_last_hidden_states` is False; aux layer N-1 must be the raw output of the last decoder
-    layer (contract §2). Set for the call only: the model may be shared."""
+    layer (docs/contract.md §2). Set for the call only: the model may be shared."""
     had, old = hasattr(config, "tie_last_hidden_states"), getattr(config, "tie_last_hidden_states", None)
     config.tie_last_hidden_states = False
     try:

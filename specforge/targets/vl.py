@@ -8,7 +8,7 @@ The pieces, and why they are here rather than in transformers' processor:
 - Positions are M-RoPE: [3, B, S] (temporal, height, width) from the model's own `get_rope_index`
   (`rope_positions`), so the draft can be trained with the positions the target uses.
 - Extraction (`vl_hidden_states`) runs the target once per batch and returns the aux states
-  (contract §2: outputs of decoder layers L, `hidden_states[L + 1]`), the final post-norm state,
+  (docs/contract.md §2: outputs of decoder layers L, `hidden_states[L + 1]`), the final post-norm state,
   the positions, and the merged input embeddings at image positions: newer SGLang feeds those to
   the draft for multimodal prompts (text embeddings with the vision features at image tokens).
 

@@ -1,4 +1,4 @@
-"""Training-time test (contract §4): unroll the draft k steps on its own features and score every
+"""Training-time test (docs/contract.md §4): unroll the draft k steps on its own features and score every
 step against the target's distribution.
 
 Alignment, for a sequence of S tokens: the target's states at position t have seen tokens 0..t.
