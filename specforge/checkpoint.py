@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from specforge.models.draft import ARCHITECTURE, Eagle3Config, Eagle3Draft
+from specforge.models.draft import ARCHITECTURE, EAGLE31_OPTIONS, Eagle3Config, Eagle3Draft
 from specforge.targets.layers import check_aux_layer_ids
 from specforge.utils.io import atomic_dir
 
@@ -29,7 +29,13 @@ class CheckpointError(ValueError):
 def expected_shapes(cfg: Eagle3Config) -> dict[str, tuple[int, ...]]:
     h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     attn = "midlayer.self_attn"
+    eagle31 = {}  # the input norms of EAGLE 3.1, only when enabled
+    if cfg.norm_before_fc:
+        eagle31["input_norm.weight"] = (3 * cfg.target_hidden_size,)
+    if cfg.fc_norm:
+        eagle31.update({f"fc_norm.{j}.weight": (cfg.target_hidden_size,) for j in range(3)})
     return {
+        **eagle31,
         "fc.weight": (h, 3 * cfg.target_hidden_size),
         f"{attn}.q_proj.weight": (cfg.num_attention_heads * d, 2 * h),
         f"{attn}.k_proj.weight": (cfg.num_key_value_heads * d, 2 * h),
@@ -76,6 +82,11 @@ def validate_config(d: dict, where: str = CONFIG_NAME) -> Eagle3Config:
         raise CheckpointError(f"{where}: {e}") from None
     if (d.get("eagle_config") or {}).get("use_aux_hidden_state") is not True:
         fail("eagle_config.use_aux_hidden_state must be true")
+    for key in EAGLE31_OPTIONS:  # EAGLE 3.1 options: absent means false
+        if not isinstance(d.get(key, False), bool):
+            fail(f"{key} must be true or false, got {d[key]!r}")
+    if d.get("fc_norm") and d.get("norm_before_fc"):
+        fail("fc_norm and norm_before_fc are both true; they are mutually exclusive (EAGLE 3.1)")
     return Eagle3Config.from_json_dict(d)
 
 

@@ -116,6 +116,10 @@ class DraftConfig:
     # target's merged input embeddings (vision features there), as SGLang feeds them (docs/contract.md §2);
     # "token": the draft's own embedding of the image placeholder token.
     image_embeddings: str = "merged"
+    # EAGLE 3.1 options (all false: EAGLE3; conf/draft/eagle31.yaml; specforge/models/draft.py):
+    fc_norm: bool = False  # an RMSNorm on each of the 3 captured target states before fc
+    norm_output: bool = False  # the next step's feature is the post-norm output norm(out)
+    norm_before_fc: bool = False  # one RMSNorm on their concatenation before fc (not with fc_norm)
 
 
 @dataclass
@@ -236,6 +240,15 @@ class EvaluateConfig:
     ckpt: str = MISSING  # one checkpoint directory, or a run directory (every epoch_*)
     out_dir: Optional[str] = None  # default: <run>/eval
     eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+def check_config(cfg) -> None:
+    """What the key and type checks cannot see, refused before any stage runs."""
+    draft = cfg.draft
+    if getattr(draft, "fc_norm", False) and getattr(draft, "norm_before_fc", False):
+        raise ValueError("draft.fc_norm and draft.norm_before_fc are both true; they are mutually exclusive "
+                         "(EAGLE 3.1: fc_norm normalises each captured target state, norm_before_fc their "
+                         "concatenation); set at most one of them")
 
 
 def register_configs() -> None:

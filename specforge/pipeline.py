@@ -21,6 +21,7 @@ from typing import Callable
 from omegaconf import OmegaConf
 
 from specforge import distributed as dist
+from specforge.config import check_config
 from specforge.run_layout import RunLayout
 from specforge.utils.io import fingerprint, read_json, write_json, write_text
 
@@ -88,6 +89,7 @@ def run_pipeline(cfg) -> dict[str, dict]:
     unknown = [s for s in cfg.stages if s not in STAGES]
     if unknown:
         raise ValueError(f"stages: unknown stage(s) {unknown}; known: {list(STAGES)}")
+    check_config(cfg)
     joined_here = not dist.current().distributed
     env = dist.init_distributed(OmegaConf.select(cfg, "launch.dist_timeout_minutes", default=120.0))
     try:

@@ -28,10 +28,11 @@ def load_target(path, std, seed=0):
     return model
 
 
-def random_draft(target, vocab_ids=None, seed=0, std=0.3):
-    """A random Eagle3Draft; `vocab_ids` (sorted target ids) makes a reduced draft vocab."""
+def random_draft(target, vocab_ids=None, seed=0, std=0.3, draft_cfg=None):
+    """A random Eagle3Draft; `vocab_ids` (sorted target ids) makes a reduced draft vocab;
+    `draft_cfg` (e.g. EAGLE 3.1 options) as `Eagle3Config.from_target` takes it."""
     n = len(vocab_ids) if vocab_ids is not None else None
-    draft = Eagle3Draft(Eagle3Config.from_target(target.config, AUX, draft_vocab_size=n))
+    draft = Eagle3Draft(Eagle3Config.from_target(target.config, AUX, draft_cfg, draft_vocab_size=n))
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in draft.parameters():

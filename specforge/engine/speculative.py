@@ -120,7 +120,8 @@ class GenerationStats:
 
 class DraftState(NamedTuple):
     """What the next round's draft starts from: level-1 top-K (probs, target ids) and the
-    draft's output at the last committed position (the feature of the first decode step)."""
+    feature `draft.step` returned at the last committed position (the input feature of the first
+    decode step: the pre-norm output, or the post-norm one with EAGLE 3.1's norm_output)."""
 
     probs: torch.Tensor
     ids: torch.Tensor

@@ -1,7 +1,16 @@
 """The EAGLE3 draft head (docs/contract.md §3): one Llama decoder layer that reads the target's features.
 
 Weight names are the checkpoint's names (`fc`, `midlayer.*`, `norm`, `lm_head`, `embed_tokens`,
-`d2t`, `t2d`), so saving and loading is a plain state_dict with no renaming.
+`d2t`, `t2d`; EAGLE 3.1 adds `input_norm` or `fc_norm.{0,1,2}`), so saving and loading is a plain
+state_dict with no renaming.
+
+EAGLE 3.1 (docs/contract.md §3) is EAGLE3 with up to three options, all off by default (then nothing
+differs from EAGLE3: config.json, weights and numbers):
+- `norm_before_fc`: one RMSNorm over the concatenated 3*H_target target states before `fc`
+  (`input_norm.weight`);
+- `fc_norm`: one RMSNorm per captured target state before the concatenation and `fc`
+  (`fc_norm.{0,1,2}.weight`); exclusive with `norm_before_fc`;
+- `norm_output`: the next step's feature is the post-final-norm output `norm(out)`, not `out`.
 """
 from __future__ import annotations
 
@@ -15,6 +24,8 @@ import torch.nn.functional as F
 from specforge.models.attention import TTTMask, attend, causal_mask
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
+# config.json keys of EAGLE 3.1, written at its top level (all three) when any of them is true
+EAGLE31_OPTIONS = ("fc_norm", "norm_output", "norm_before_fc")
 
 
 @dataclass
@@ -36,9 +47,20 @@ class Eagle3Config:
     bos_token_id: Optional[int] = None
     eos_token_id: Optional[int] = None
     pad_token_id: Optional[int] = None
+    # EAGLE 3.1 options (module docstring); all False is EAGLE3
+    fc_norm: bool = False
+    norm_output: bool = False
+    norm_before_fc: bool = False
     extra: dict = field(default_factory=dict)  # other keys of config.json, kept on round trip
 
     def __post_init__(self):
+        for key in EAGLE31_OPTIONS:
+            if not isinstance(getattr(self, key), bool):
+                raise ValueError(f"{key} must be true or false, got {getattr(self, key)!r}")
+        if self.fc_norm and self.norm_before_fc:
+            raise ValueError("fc_norm and norm_before_fc are mutually exclusive (EAGLE 3.1: fc_norm "
+                             "normalises each captured target state, norm_before_fc their "
+                             "concatenation); set at most one of them")
         section = self.mrope_section
         if section is None:
             return
@@ -51,6 +73,11 @@ class Eagle3Config:
         if rope_type != "default":  # SGLang's llama_eagle3 forces "default" when mrope_section is set
             raise ValueError(f"rope_scaling.rope_type: {rope_type!r} with mrope_section is not supported "
                              "(SGLang serves an M-RoPE draft with default RoPE)")
+
+    @property
+    def eagle31_options(self) -> dict[str, bool]:
+        """The EAGLE 3.1 options, e.g. {"fc_norm": True, "norm_output": True, "norm_before_fc": False}."""
+        return {key: getattr(self, key) for key in EAGLE31_OPTIONS}
 
     @property
     def mrope_section(self) -> Optional[list[int]]:
@@ -107,6 +134,7 @@ class Eagle3Config:
             bos_token_id=getattr(t, "bos_token_id", None),
             eos_token_id=getattr(t, "eos_token_id", None),
             pad_token_id=getattr(t, "pad_token_id", None),
+            **{key: bool(pick(key, False)) for key in EAGLE31_OPTIONS},
         )
 
     def to_json_dict(self) -> dict:
@@ -114,6 +142,9 @@ class Eagle3Config:
         d = asdict(self)
         ids = d.pop("aux_layer_ids")
         extra = d.pop("extra")
+        if not any(d[key] for key in EAGLE31_OPTIONS):  # EAGLE3: config.json as it always was
+            for key in EAGLE31_OPTIONS:
+                del d[key]
         return {
             **extra,
             **d,
@@ -255,6 +286,10 @@ class Eagle3Draft(nn.Module):
         self.attention = attention
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.fc = nn.Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        # EAGLE 3.1: created only when enabled, so an EAGLE3 state dict has no such names
+        self.input_norm = RMSNorm(3 * cfg.target_hidden_size, cfg.rms_norm_eps) if cfg.norm_before_fc else None
+        self.fc_norm = (nn.ModuleList(RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in range(3))
+                        if cfg.fc_norm else None)
         self.midlayer = DraftLayer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
@@ -293,7 +328,13 @@ class Eagle3Draft(nn.Module):
         return cos[:, None].to(dtype), sin[:, None].to(dtype)  # [B, 1, n, d]
 
     def project(self, aux: torch.Tensor) -> torch.Tensor:
-        """Target features [.., 3*H_target] -> draft width [.., H]."""
+        """Target features [.., 3*H_target] -> draft width [.., H]: fc, after EAGLE 3.1's input
+        norms (norm_before_fc: over the whole concatenation; fc_norm: over each of the 3 states)."""
+        if self.input_norm is not None:
+            aux = self.input_norm(aux)
+        elif self.fc_norm is not None:
+            chunks = aux.chunk(len(self.fc_norm), dim=-1)
+            aux = torch.cat([norm(chunk) for norm, chunk in zip(self.fc_norm, chunks)], dim=-1)
         return self.fc(aux)
 
     def step(self, input_ids, feat, position_ids, past_kv=None, attn_mask=None, input_embeds=None):
@@ -301,7 +342,8 @@ class Eagle3Draft(nn.Module):
 
         `input_embeds` [B, n, H], when given, replaces `embed_tokens(input_ids)` (vision-language
         targets: the target's merged input embeddings at image positions).
-        Returns the pre-norm output (next step's feature), draft-vocab logits, and the new (k, v).
+        Returns the next step's feature (the pre-norm output `out`, or `norm(out)` with EAGLE 3.1's
+        norm_output), the draft-vocab logits `lm_head(norm(out))`, and the new (k, v).
         """
         if attn_mask is None:
             past = 0 if past_kv is None else past_kv[0].shape[2]
@@ -310,7 +352,8 @@ class Eagle3Draft(nn.Module):
         emb = emb.to(feat.dtype)
         cos, sin = self.rope(position_ids, feat.dtype)
         out, kv = self.midlayer(emb, feat, cos, sin, past_kv, attn_mask, self.attention)
-        return out, self.lm_head(self.norm(out)), kv
+        normed = self.norm(out)
+        return (normed if self.config.norm_output else out), self.lm_head(normed), kv
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
@@ -320,4 +363,4 @@ class Eagle3Draft(nn.Module):
         return [p for n, p in self.named_parameters() if not n.startswith("embed_tokens")]
 
 
-__all__ = ["Eagle3Config", "Eagle3Draft", "TTTMask", "ARCHITECTURE"]
+__all__ = ["Eagle3Config", "Eagle3Draft", "TTTMask", "ARCHITECTURE", "EAGLE31_OPTIONS"]

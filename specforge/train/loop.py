@@ -21,7 +21,7 @@ from specforge.checkpoint import read_checkpoint, save_checkpoint
 from specforge.distributed.preemption import StopRequests, TrainingInterrupted
 from specforge.distributed.strategy import make_strategy
 from specforge.extract.store import HiddenStateStore
-from specforge.models.draft import Eagle3Config, Eagle3Draft
+from specforge.models.draft import EAGLE31_OPTIONS, Eagle3Config, Eagle3Draft
 from specforge.targets.loader import load_target
 from specforge.train.batches import collate, epoch_batches, eval_batches, global_batches, steps_per_epoch
 from specforge.run_layout import RunLayout
@@ -61,6 +61,14 @@ def build_draft(cfg, target_config, aux_layer_ids, vocab: dict, embed: torch.Ten
         if ckpt_cfg.aux_layer_ids != list(aux_layer_ids):
             raise ValueError(f"draft.init_from: {cfg.draft.init_from} reads layers {ckpt_cfg.aux_layer_ids}, "
                              f"the extracted data has {list(aux_layer_ids)}")
+        wanted = {key: bool(getattr(cfg.draft, key, False)) for key in EAGLE31_OPTIONS}
+        if ckpt_cfg.eagle31_options != wanted:
+            fix = " ".join(f"draft.{key}={str(value).lower()}" for key, value in ckpt_cfg.eagle31_options.items()
+                           if value != wanted[key])
+            raise ValueError(f"draft.init_from: {cfg.draft.init_from} has the EAGLE 3.1 options "
+                             f"{ckpt_cfg.eagle31_options}, the config asks for {wanted}; a fine-tuned "
+                             f"draft keeps its checkpoint's architecture: set {fix} (or select the "
+                             "matching draft= group)")
         draft = Eagle3Draft(ckpt_cfg, attention=cfg.train.attention)
         tensors.setdefault("embed_tokens.weight", embed)
         draft.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in tensors.items()})

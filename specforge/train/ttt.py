@@ -3,8 +3,10 @@ step against the target's distribution.
 
 Alignment, for a sequence of S tokens: the target's states at position t have seen tokens 0..t.
 At TTT step k the draft at position t consumes token t+1+k (ground truth) and the feature of the
-previous step (step 0: the projected target aux states at t), sits at position t+k, and predicts
-token t+2+k, whose teacher is the target's distribution at position t+1+k.
+previous step (step 0: the projected target aux states at t; later: the feature `draft.step`
+returns, its pre-norm output or, with EAGLE 3.1's norm_output, the post-norm one), sits at
+position t+k, and predicts token t+2+k, whose teacher is the target's distribution at position
+t+1+k.
 """
 from __future__ import annotations
 
@@ -102,7 +104,7 @@ def ttt_forward(draft, batch: dict, teacher: Teacher, ttt_length: int, step_weig
             chain = prev & correct
             stats.append(StepStats((per_pos * valid).sum().detach(), n, correct.sum(),
                                    chain.sum(), prev.sum()))
-        feat = out  # the next step reads this step's pre-norm output
+        feat = out  # the next step's feature: the pre-norm output (norm(out) with norm_output, EAGLE 3.1)
     return total, stats
 
 
