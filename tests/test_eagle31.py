@@ -20,7 +20,7 @@ from specforge.train.loop import build_draft
 from specforge.train.ttt import Teacher, ttt_forward
 from tests.test_checkpoint import edit_config, edit_weights
 from tests.test_engine import random_draft, runs  # noqa: F401  (runs: the module-scoped fixture)
-from tests.test_ttt import chained_serving_logits, random_batch, tiny_draft, ttt_logits
+from tests.test_ttt import assert_unroll_equals_chained_drafting, random_batch, tiny_draft
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 
@@ -222,14 +222,7 @@ def test_ttt_feeds_the_next_step_its_feature(norm_output):
 
 @pytest.mark.parametrize("name", list(OPTIONS))
 def test_ttt_unroll_equals_chained_drafting(name):
-    draft = option_draft(**OPTIONS[name])
-    batch = random_batch(draft, seq=10)
-    steps = 4
-    batched = ttt_logits(draft, batch, steps)
-    for t in range(0, 10 - steps - 1):
-        serial = chained_serving_logits(draft, batch, t, steps)
-        for k in range(steps):
-            torch.testing.assert_close(batched[k][:, t], serial[k], atol=1e-5, rtol=1e-4)
+    assert_unroll_equals_chained_drafting(option_draft(**OPTIONS[name]))
 
 
 # ---- config: conf/draft/eagle31.yaml -> build_draft ---------------------------------------------

@@ -67,15 +67,18 @@ def chained_serving_logits(draft, batch, t, steps):
     return result
 
 
-def test_ttt_unroll_equals_chained_drafting():
-    draft = tiny_draft()
-    batch = random_batch(draft, seq=10)
-    steps = 4
+def assert_unroll_equals_chained_drafting(draft, seq: int = 10, steps: int = 4):
+    """TTT's batched unroll gives, at every position, the logits of drafting step by step."""
+    batch = random_batch(draft, seq=seq)
     batched = ttt_logits(draft, batch, steps)
-    for t in range(0, 10 - steps - 1):
+    for t in range(0, seq - steps - 1):
         serial = chained_serving_logits(draft, batch, t, steps)
         for k in range(steps):
             torch.testing.assert_close(batched[k][:, t], serial[k], atol=1e-5, rtol=1e-4)
+
+
+def test_ttt_unroll_equals_chained_drafting():
+    assert_unroll_equals_chained_drafting(tiny_draft())
 
 
 def test_shift_pads_the_end():

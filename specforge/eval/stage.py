@@ -11,11 +11,11 @@ def run_evaluation(run_cfg, ckpt: str | Path, eval_cfg, out_dir: str | Path | No
     from specforge.run_report import write_run_report
 
     run_dir, ckpts = find_checkpoints(ckpt, getattr(eval_cfg, "epochs", None))
-    if eval_cfg.engine in ("server", "sglang"):  # a serving benchmark over HTTP (specforge/serving)
+    if eval_cfg.engine in ("server", "sglang"):  # a serving benchmark over HTTP (server_eval.py)
         from specforge.eval.server_eval import eval_with_servers
 
         summary = eval_with_servers(run_cfg, ckpts, eval_cfg, run_dir,
-                                   Path(out_dir) / "serving" if out_dir else None)
+                                    Path(out_dir) / "serving" if out_dir else None)
         print(Path(summary["report"]).read_text(), flush=True)
         return {"report": summary["report"], "engine": eval_cfg.engine}
     results = eval_with_engine(run_cfg, ckpts, eval_cfg)
