@@ -242,8 +242,17 @@ class EvaluateConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
 
+def check_eval_trees(eval_cfg) -> None:
+    """The embedded and sglang engines measure checkpoints x trees: no tree, nothing to measure."""
+    if str(eval_cfg.engine) != "server" and not list(eval_cfg.trees or []):
+        raise ValueError(f"eval.trees is empty: eval.engine={eval_cfg.engine} measures every checkpoint "
+                         "with every tree T_K_N; give at least one, e.g. eval.trees=[2_1_3,5_1_6]")
+
+
 def check_config(cfg) -> None:
     """What the key and type checks cannot see, refused before any stage runs."""
+    if "eval" in cfg.stages:
+        check_eval_trees(cfg.eval)
     draft = cfg.draft
     if getattr(draft, "fc_norm", False) and getattr(draft, "norm_before_fc", False):
         raise ValueError("draft.fc_norm and draft.norm_before_fc are both true; they are mutually exclusive "

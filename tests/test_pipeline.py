@@ -123,3 +123,22 @@ def test_ship_recommendation_prefers_lossless_and_says_when_none_is():
     assert best_config({"configs": rows})["speedup"] == 1.2
     lossy = best_config({"configs": [rows[0]]})
     assert lossy["speedup"] == 2.0 and lossy["all_lossy"]
+
+
+def test_empty_tree_list_is_refused_before_anything_runs(weather_files, tiny_target_dir):
+    """eval.trees=[] used to exit 0 with an empty table."""
+    cfg = compose_cfg(weather_files, tiny_target_dir, "stages=[data,extract,train,eval]", "eval.trees=[]")
+    with pytest.raises(ValueError, match=r"eval.trees is empty: eval.engine=embedded"):
+        run_pipeline(cfg)
+    assert not (weather_files / "outputs").exists()  # not even the data stage ran
+
+
+def test_evaluate_py_refuses_an_empty_tree_list(tmp_path):
+    import subprocess
+    import sys
+
+    ckpt = tmp_path / "run" / "epoch_1"  # never read: the refusal comes first
+    proc = subprocess.run([sys.executable, "evaluate.py", f"ckpt={ckpt}", "eval.trees=[]"], cwd=Path(CONF).parent,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "eval.trees is empty" in proc.stderr

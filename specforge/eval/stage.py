@@ -5,11 +5,13 @@ from pathlib import Path
 
 
 def run_evaluation(run_cfg, ckpt: str | Path, eval_cfg, out_dir: str | Path | None = None) -> dict:
+    from specforge.config import check_eval_trees
     from specforge.eval.report import best_config, write_results
     from specforge.eval.engine_eval import eval_with_engine, find_checkpoints
     from specforge.run_layout import RunLayout
     from specforge.run_report import write_run_report
 
+    check_eval_trees(eval_cfg)  # before anything loads
     run_dir, ckpts = find_checkpoints(ckpt, getattr(eval_cfg, "epochs", None))
     if eval_cfg.engine in ("server", "sglang"):  # a serving benchmark over HTTP (server_eval.py)
         from specforge.eval.server_eval import eval_with_servers

@@ -44,15 +44,26 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
         yield tmp
-        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700 directories
         replace_dir(tmp, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def normalize_modes(root: Path) -> None:
+    """`root` and everything below it: files 0666 and directories 0777, less the umask."""
+    mask = _umask()
+    os.chmod(root, 0o777 & ~mask)
+    for p in Path(root).rglob("*"):
+        if not p.is_symlink():
+            os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~mask)
+
+
 def replace_dir(tmp: Path, path: Path) -> None:
     """Move the finished directory `tmp` onto `path`; never a moment with a half directory under
-    `path` (at worst, for an instant, none)."""
+    `path` (at worst, for an instant, none). Everything in it gets the permissions of a normal
+    write first: mkdtemp makes 0700 directories and safetensors writes 0600 files, which a server
+    running as another user could not read next to a 0644 config.json."""
+    normalize_modes(tmp)
     if path.exists():
         old = path.with_name(f".{path.name}.old")
         shutil.rmtree(old, ignore_errors=True)
