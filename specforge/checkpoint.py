@@ -13,7 +13,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from specforge.models.draft import ARCHITECTURE, EAGLE31_OPTIONS, Eagle3Config, Eagle3Draft
+from specforge.config import check_eagle31_options
+from specforge.models.draft import ARCHITECTURE, Eagle3Config, Eagle3Draft
 from specforge.targets.layers import check_aux_layer_ids
 from specforge.utils.io import atomic_dir
 
@@ -82,11 +83,10 @@ def validate_config(d: dict, where: str = CONFIG_NAME) -> Eagle3Config:
         raise CheckpointError(f"{where}: {e}") from None
     if (d.get("eagle_config") or {}).get("use_aux_hidden_state") is not True:
         fail("eagle_config.use_aux_hidden_state must be true")
-    for key in EAGLE31_OPTIONS:  # EAGLE 3.1 options: absent means false
-        if not isinstance(d.get(key, False), bool):
-            fail(f"{key} must be true or false, got {d[key]!r}")
-    if d.get("fc_norm") and d.get("norm_before_fc"):
-        fail("fc_norm and norm_before_fc are both true; they are mutually exclusive (EAGLE 3.1)")
+    try:
+        check_eagle31_options(d)
+    except ValueError as e:
+        fail(str(e))
     return Eagle3Config.from_json_dict(d)
 
 

@@ -242,6 +242,22 @@ class EvaluateConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
 
+# The EAGLE 3.1 options of DraftConfig, also config.json keys of a checkpoint (specforge/models/draft.py)
+EAGLE31_OPTIONS = ("fc_norm", "norm_output", "norm_before_fc")
+
+
+def check_eagle31_options(options, prefix: str = "") -> None:
+    """The one check of the EAGLE 3.1 options (a mapping; absent means false), for the draft config,
+    Eagle3Config and a checkpoint's config.json alike; `prefix` names where they come from."""
+    for key in EAGLE31_OPTIONS:
+        if not isinstance(options.get(key, False), bool):
+            raise ValueError(f"{prefix}{key} must be true or false, got {options[key]!r}")
+    if options.get("fc_norm") and options.get("norm_before_fc"):
+        raise ValueError(f"{prefix}fc_norm and {prefix}norm_before_fc are both true, but fc_norm and norm_before_fc "
+                         "are mutually exclusive (EAGLE 3.1: fc_norm normalises each captured target state, "
+                         "norm_before_fc their concatenation); set at most one of them")
+
+
 def check_eval_trees(eval_cfg) -> None:
     """The embedded and sglang engines measure checkpoints x trees: no tree, nothing to measure."""
     if str(eval_cfg.engine) != "server" and not list(eval_cfg.trees or []):
@@ -253,11 +269,7 @@ def check_config(cfg) -> None:
     """What the key and type checks cannot see, refused before any stage runs."""
     if "eval" in cfg.stages:
         check_eval_trees(cfg.eval)
-    draft = cfg.draft
-    if getattr(draft, "fc_norm", False) and getattr(draft, "norm_before_fc", False):
-        raise ValueError("draft.fc_norm and draft.norm_before_fc are both true; they are mutually exclusive "
-                         "(EAGLE 3.1: fc_norm normalises each captured target state, norm_before_fc their "
-                         "concatenation); set at most one of them")
+    check_eagle31_options({key: cfg.draft[key] for key in EAGLE31_OPTIONS}, prefix="draft.")
 
 
 def register_configs() -> None:

@@ -58,10 +58,6 @@ def run_dir_of(cfg) -> Path:
     return Path(cfg.output_dir) / cfg.run_name
 
 
-def marker_path(run_dir: Path, stage: str) -> Path:
-    return RunLayout(run_dir).marker(stage)
-
-
 def stage_fingerprint(cfg, stage: Stage, run_dir: Path) -> str:
     sections = {k: OmegaConf.to_container(OmegaConf.select(cfg, k), resolve=True)
                 if OmegaConf.is_config(OmegaConf.select(cfg, k)) else OmegaConf.select(cfg, k)
@@ -77,7 +73,7 @@ def stage_fingerprint(cfg, stage: Stage, run_dir: Path) -> str:
     extra = stage.entry("extra_inputs")
     upstream = {}
     for dep in stage.depends:
-        marker = marker_path(run_dir, dep)
+        marker = RunLayout(run_dir).marker(dep)
         upstream[dep] = read_json(marker)["fingerprint"] if marker.exists() else None
     return fingerprint(stage.name, sections, extra(cfg) if extra else None, upstream)
 
@@ -102,13 +98,13 @@ def run_pipeline(cfg) -> dict[str, dict]:
 
 def _decide(cfg, stage: Stage, run_dir: Path) -> tuple[str, str, dict]:
     """("skip" | "run", fingerprint, summary of the finished stage)."""
-    missing = [d for d in stage.depends if not marker_path(run_dir, d).exists()]
+    missing = [d for d in stage.depends if not RunLayout(run_dir).marker(d).exists()]
     if missing:
         raise RuntimeError(
             f"stage '{stage.name}' needs the output of {missing} in {run_dir}; add them to stages=[...]"
         )
     fp = stage_fingerprint(cfg, stage, run_dir)
-    marker = marker_path(run_dir, stage.name)
+    marker = RunLayout(run_dir).marker(stage.name)
     if marker.exists() and read_json(marker).get("fingerprint") == fp:
         return "skip", fp, read_json(marker).get("summary", {})
     return "run", fp, {}
@@ -158,7 +154,7 @@ def _run_stages(cfg, env) -> dict[str, dict]:
             summary = dist.run_on_main(lambda: stage.entry("run")(cfg, run_dir, fp) or {}, what=f"stage '{name}'")
         summary["seconds"] = round(time.time() - t0, 2)
         if env.is_main:
-            write_json(marker_path(run_dir, name), {"fingerprint": fp, "summary": summary})
+            write_json(RunLayout(run_dir).marker(name), {"fingerprint": fp, "summary": summary})
             print(f"[pipeline] {name}: done in {summary['seconds']} s", flush=True)
         dist.barrier()
         summaries[name] = summary

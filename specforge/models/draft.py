@@ -21,11 +21,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from specforge.config import EAGLE31_OPTIONS, check_eagle31_options
 from specforge.models.attention import TTTMask, attend, causal_mask
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
-# config.json keys of EAGLE 3.1, written at its top level (all three) when any of them is true
-EAGLE31_OPTIONS = ("fc_norm", "norm_output", "norm_before_fc")
 
 
 @dataclass
@@ -54,13 +53,7 @@ class Eagle3Config:
     extra: dict = field(default_factory=dict)  # other keys of config.json, kept on round trip
 
     def __post_init__(self):
-        for key in EAGLE31_OPTIONS:
-            if not isinstance(getattr(self, key), bool):
-                raise ValueError(f"{key} must be true or false, got {getattr(self, key)!r}")
-        if self.fc_norm and self.norm_before_fc:
-            raise ValueError("fc_norm and norm_before_fc are mutually exclusive (EAGLE 3.1: fc_norm "
-                             "normalises each captured target state, norm_before_fc their "
-                             "concatenation); set at most one of them")
+        check_eagle31_options(self.eagle31_options)
         section = self.mrope_section
         if section is None:
             return

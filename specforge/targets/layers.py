@@ -53,7 +53,6 @@ def check_aux_layer_ids(
             or not all(isinstance(i, Integral) for i in ids)):
         raise ValueError(f"{what}: {ids!r} must be a list of {rule}{allowed}{hint}")
     vals = list(ids)
-    shown = vals
 
     # The main check: what every site states in one sentence. Reasoned bounds come after it.
     base_lo = 0 if min_id is not None and why_min is not None else min_id
@@ -67,13 +66,13 @@ def check_aux_layer_ids(
         or (base_hi is not None and any(i > base_hi for i in vals))
     )
     if bad:
-        raise ValueError(f"{what}: {shown} must be {rule}{allowed}{hint}")
+        raise ValueError(f"{what}: {vals} must be {rule}{allowed}{hint}")
     if why_min is not None and min_id is not None:
         low = [i for i in vals if i < min_id]
         if low:
-            raise ValueError(f"{what}: {shown}: aux layer id {min(low)}: {why_min}; the ids must be >= {min_id}")
+            raise ValueError(f"{what}: {vals}: aux layer id {min(low)}: {why_min}; the ids must be >= {min_id}")
     if why_max is not None and max_id is not None:
         high = [i for i in vals if i > max_id]
         if high:
-            raise ValueError(f"{what}: {shown}: aux layer id {max(high)}: {why_max}; the ids must be <= {max_id}")
+            raise ValueError(f"{what}: {vals}: aux layer id {max(high)}: {why_max}; the ids must be <= {max_id}")
     return vals
