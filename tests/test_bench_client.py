@@ -4,6 +4,7 @@ several tokens per round). TTFT, ITL, TPOT, e2e and the accept length must come 
 import asyncio
 import json
 import math
+import statistics
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -92,15 +93,22 @@ def check_timings(result, n_requests):
         assert r.output_len == OUTPUT_LEN
         assert TTFT - 0.005 <= r.ttft <= TTFT + 0.15, r.ttft
         assert len(r.itl) == OUTPUT_LEN - 1
-        assert all(PER_TOKEN - 0.005 <= x <= PER_TOKEN + 0.1 for x in r.itl), r.itl
-        assert PER_TOKEN - 0.005 <= r.tpot <= PER_TOKEN + 0.04, r.tpot
-        assert r.latency == pytest.approx(r.ttft + r.tpot * (OUTPUT_LEN - 1))
+        # A chunk's gap is shared by its tokens; each chunk arrives no earlier than the server
+        # sends it (the server's clock starts after the client's) and, on a busy machine, late
+        # by some scheduling delay that the next chunk may make up: bound arrivals, not gaps.
+        chunks = [r.itl[i:i + PER_CHUNK] for i in range(0, len(r.itl), PER_CHUNK)]
+        assert all(c == pytest.approx([c[0]] * PER_CHUNK) for c in chunks), r.itl
+        arrivals = [r.ttft + sum(r.itl[:i + PER_CHUNK]) for i in range(0, len(r.itl), PER_CHUNK)]
+        scheduled = [TTFT + PER_TOKEN * PER_CHUNK * (i + 1) for i in range(len(chunks))]
+        assert all(s - 1e-3 <= a <= s + 0.2 for a, s in zip(arrivals, scheduled)), (arrivals, scheduled)
+        assert r.tpot == pytest.approx((r.latency - r.ttft) / (OUTPUT_LEN - 1))
+        assert scheduled[-1] - 1e-3 <= r.latency <= scheduled[-1] + 0.2, r.latency
         assert r.accept_length == OUTPUT_LEN / VERIFY_CT
-    assert m["mean_ttft_ms"] == pytest.approx(1000 * TTFT, abs=60)
-    assert m["median_itl_ms"] == pytest.approx(1000 * PER_TOKEN, abs=20)
-    assert m["mean_tpot_ms"] == pytest.approx(1000 * PER_TOKEN, abs=20)
-    e2e = TTFT + PER_TOKEN * (OUTPUT_LEN - 1)
-    assert m["mean_e2e_latency_ms"] == pytest.approx(1000 * e2e, abs=80)
+    reqs = result.requests  # the aggregates are the per-request numbers bounded above
+    assert m["mean_ttft_ms"] == pytest.approx(1000 * statistics.mean(r.ttft for r in reqs))
+    assert m["median_itl_ms"] == pytest.approx(1000 * statistics.median(x for r in reqs for x in r.itl))
+    assert m["mean_tpot_ms"] == pytest.approx(1000 * statistics.mean(r.tpot for r in reqs))
+    assert m["mean_e2e_latency_ms"] == pytest.approx(1000 * statistics.mean(r.latency for r in reqs))
     assert m["accept_length"] == OUTPUT_LEN / VERIFY_CT
     assert m["server_avg_spec_accept_length"] == 2.0
     assert m["total_output_tokens"] == n_requests * OUTPUT_LEN
