@@ -1,4 +1,5 @@
-"""The TTT mask and the three attention kernels that must agree on it."""
+"""The TTT mask and the attention kernels that must agree on it: the split O(S^2 + kS) ones
+(sdpa, eager), flex, and the dense mask they are checked against."""
 import pytest
 import torch
 
@@ -6,7 +7,7 @@ from specforge.models.attention import TTTMask, attend, causal_mask
 
 
 def test_ttt_mask_step0_is_causal():
-    assert torch.equal(TTTMask(4, 0).dense(), torch.tril(torch.ones(4, 4, dtype=torch.bool)))
+    assert torch.equal(TTTMask(4, 0).dense()[0], torch.tril(torch.ones(4, 4, dtype=torch.bool)))
 
 
 def test_ttt_mask_step2_golden():
@@ -17,50 +18,82 @@ def test_ttt_mask_step2_golden():
         [1, 1, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0],
         [1, 1, 1, 1, 0, 0, 0, 1, 0, 0, 0, 1],
     ], dtype=torch.bool)
-    assert torch.equal(TTTMask(4, 2).dense(), expected)
+    assert torch.equal(TTTMask(4, 2).dense(), expected[None])
 
 
 def test_causal_mask_with_past():
     assert torch.equal(causal_mask(2, 3), torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]], dtype=torch.bool))
 
 
-def _qkv(seq, step, heads=4, kv_heads=2, dim=16, batch=2):
+def test_ttt_mask_with_documents_golden():
+    # two documents packed in one row: positions 0-2 and 3-4; step 1
+    mask = TTTMask(5, 1, doc_ids=torch.tensor([[0, 0, 0, 1, 1]])).dense()
+    causal = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [0, 0, 0, 1, 0], [0, 0, 0, 1, 1]],
+                          dtype=torch.bool)
+    assert torch.equal(mask, torch.cat([causal, torch.eye(5, dtype=torch.bool)], dim=1)[None])
+
+
+def _qkv(seq, step, heads=4, kv_heads=2, dim=16, batch=2, dtype=torch.float32):
     torch.manual_seed(0)
-    q = torch.randn(batch, heads, seq, dim)
-    k = torch.randn(batch, kv_heads, seq * (step + 1), dim)
-    v = torch.randn(batch, kv_heads, seq * (step + 1), dim)
+    q = torch.randn(batch, heads, seq, dim, dtype=dtype)
+    k = torch.randn(batch, kv_heads, seq * (step + 1), dim, dtype=dtype)
+    v = torch.randn(batch, kv_heads, seq * (step + 1), dim, dtype=dtype)
     return q, k, v
 
 
-@pytest.mark.parametrize("step", [0, 1, 3])
-def test_sdpa_matches_eager_on_ttt_mask(step):
-    q, k, v = _qkv(9, step)
-    mask = TTTMask(9, step)
-    torch.testing.assert_close(attend(q, k, v, mask, "sdpa"), attend(q, k, v, mask, "eager"),
-                               atol=1e-5, rtol=1e-5)
+def _documents(batch, seq):
+    """Rows of 3 documents of different lengths, the last row one document."""
+    doc_ids = torch.zeros(batch, seq, dtype=torch.long)
+    doc_ids[0, seq // 4 :] = 1
+    doc_ids[0, seq // 2 + 1 :] = 2
+    return doc_ids
 
 
-def test_sdpa_gradients_match_eager():
-    q, k, v = _qkv(7, 2)
-    grads = []
+def _output_and_grads(impl, q, k, v, mask):
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    out = attend(q, k, v, mask, impl)
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype)
+    return [out.detach(), *torch.autograd.grad((out * weights).sum(), [q, k, v])]
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+@pytest.mark.parametrize("seq, step, heads, kv_heads, packed", [
+    (9, 0, 4, 2, False), (9, 1, 4, 4, False), (13, 3, 4, 2, False), (33, 6, 6, 2, False),
+    (64, 6, 4, 1, False), (13, 3, 4, 2, True), (40, 6, 6, 3, True)])
+def test_split_ttt_attention_equals_the_dense_mask(impl, seq, step, heads, kv_heads, packed):
+    """The O(S^2 + kS) kernels give the dense (k+1) x S mask's output and gradients (q, k, v)."""
+    q, k, v = _qkv(seq, step, heads, kv_heads)
+    mask = TTTMask(seq, step, _documents(2, seq) if packed else None)
+    for got, want in zip(_output_and_grads(impl, q, k, v, mask), _output_and_grads("dense", q, k, v, mask)):
+        torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
+def test_split_ttt_attention_in_bf16_stays_close_to_fp32():
+    q, k, v = _qkv(48, 4, dtype=torch.bfloat16)
+    mask = TTTMask(48, 4, _documents(2, 48))
+    want = _output_and_grads("dense", q.float(), k.float(), v.float(), mask)
     for impl in ("sdpa", "eager"):
-        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
-        attend(qq, kk, vv, TTTMask(7, 2), impl).square().sum().backward()
-        grads.append([t.grad for t in (qq, kk, vv)])
-    for a, b in zip(*grads):
-        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+        for got, ref in zip(_output_and_grads(impl, q, k, v, mask), want):
+            assert got.dtype == torch.bfloat16
+            torch.testing.assert_close(got.float(), ref, atol=3e-2, rtol=3e-2)
+
+
+def test_engine_masks_still_go_to_sdpa_and_eager():
+    q, k, v = _qkv(5, 0)
+    mask = causal_mask(5, 0)[None]
+    torch.testing.assert_close(attend(q, k, v, mask, "sdpa"), attend(q, k, v, mask, "eager"), atol=1e-5, rtol=1e-5)
 
 
 def test_flex_forward_matches_sdpa():
     """Flex is the GPU training kernel; its forward also runs on CPU, so parity is checked here."""
     flex = pytest.importorskip("torch.nn.attention.flex_attention")
     q, k, v = _qkv(16, 2)
-    mask = TTTMask(16, 2)
+    mask = TTTMask(16, 2, _documents(2, 16))
     try:
         out = attend(q, k, v, mask, "flex")
     except (NotImplementedError, RuntimeError) as e:  # pragma: no cover - platform without flex
         pytest.skip(f"flex attention unavailable here: {e}")
-    torch.testing.assert_close(out, attend(q, k, v, mask, "sdpa"), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out, attend(q, k, v, mask, "dense"), atol=1e-4, rtol=1e-4)
     assert flex is not None
 
 

@@ -137,7 +137,7 @@ def run_ttt(draft, batch, steps=3):
 
     def spy(*args, **kwargs):
         out = original(*args, **kwargs)
-        captured.append(out[1])
+        captured.append(out[1] if kwargs.get("head", True) else draft.lm_head(out[1]))  # training: norm(out)
         return out
 
     draft.step = spy

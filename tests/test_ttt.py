@@ -39,8 +39,8 @@ def ttt_logits(draft, batch, steps):
     original = draft.step
 
     def spy(*args, **kwargs):
-        out = original(*args, **kwargs)
-        captured.append(out[1])
+        out = original(*args, **kwargs)  # training asks for norm(out) and scores it through lm_head
+        captured.append(out[1] if kwargs.get("head", True) else draft.lm_head(out[1]))
         return out
 
     draft.step = spy

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from specforge.config import EAGLE31_OPTIONS, check_eagle31_options
 from specforge.models.attention import TTTMask, attend, causal_mask
+from specforge.models.head_loss import DraftHead
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 
@@ -285,7 +286,7 @@ class Eagle3Draft(nn.Module):
                         if cfg.fc_norm else None)
         self.midlayer = DraftLayer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.lm_head = DraftHead(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
         inv_freq, self.rope_scale = inverse_frequencies(cfg)
@@ -330,13 +331,15 @@ class Eagle3Draft(nn.Module):
             aux = torch.cat([norm(chunk) for norm, chunk in zip(self.fc_norm, chunks)], dim=-1)
         return self.fc(aux)
 
-    def step(self, input_ids, feat, position_ids, past_kv=None, attn_mask=None, input_embeds=None):
+    def step(self, input_ids, feat, position_ids, past_kv=None, attn_mask=None, input_embeds=None,
+             head: bool = True):
         """One draft forward over n new positions (see docs/design.md for shapes).
 
         `input_embeds` [B, n, H], when given, replaces `embed_tokens(input_ids)` (vision-language
         targets: the target's merged input embeddings at image positions).
         Returns the next step's feature (the pre-norm output `out`, or `norm(out)` with EAGLE 3.1's
-        norm_output), the draft-vocab logits `lm_head(norm(out))`, and the new (k, v).
+        norm_output), the draft-vocab logits `lm_head(norm(out))` (with head=False: `norm(out)`, for
+        training, which scores it through `lm_head` itself), and the new (k, v).
         """
         if attn_mask is None:
             past = 0 if past_kv is None else past_kv[0].shape[2]
@@ -346,7 +349,7 @@ class Eagle3Draft(nn.Module):
         cos, sin = self.rope(position_ids, feat.dtype)
         out, kv = self.midlayer(emb, feat, cos, sin, past_kv, attn_mask, self.attention)
         normed = self.norm(out)
-        return (normed if self.config.norm_output else out), self.lm_head(normed), kv
+        return (normed if self.config.norm_output else out), (self.lm_head(normed) if head else normed), kv
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]

@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from specforge.models.attention import TTTMask
+from specforge.models.head_loss import TeacherRows
 
 
 class Teacher:
@@ -61,16 +61,21 @@ def shift(x: torch.Tensor, by: int, fill=0) -> torch.Tensor:
     return torch.cat([x[:, by:], pad], dim=1)
 
 
-def ttt_forward(draft, batch: dict, teacher: Teacher, ttt_length: int, step_weight: float):
+def ttt_forward(draft, batch: dict, teacher: Teacher, ttt_length: int, step_weight: float,
+                loss_chunk: int = 1024):
     """Returns the weighted loss (a scalar to backprop) and per-step StepStats.
 
     batch: input_ids [B,S] long, loss_mask [B,S] bool (False on padding), aux [B,S,3H], last [B,S,H],
     position_ids [B,S] (or [B,3,S] M-RoPE positions of vision-language targets); optionally
     embed_override [B,S,H] + embed_override_mask [B,S] bool: where the mask is set, the draft's
-    token embedding of that position is the override (the target's merged input embedding).
+    token embedding of that position is the override (the target's merged input embedding);
+    optionally doc_ids [B,S] (packed rows, see batches.py): attention and scoring stay within a
+    document, so a packed row gives its documents' losses and gradients as unpacked.
     """
     ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
+    doc_ids = batch.get("doc_ids")
     probs, argmax, in_vocab = teacher(batch["last"])
+    teacher_top = probs.argmax(-1)  # the teacher's choice within the draft vocab
     seq_len = ids.shape[1]
     feat = draft.project(batch["aux"].to(draft.fc.weight.dtype))
     embeds = None  # token embeddings of positions 0..S-1, shifted like the ids at each step
@@ -83,27 +88,29 @@ def ttt_forward(draft, batch: dict, teacher: Teacher, ttt_length: int, step_weig
     stats, chain = [], torch.ones_like(loss_mask)
     for k in range(ttt_length):
         step_ids = shift(ids, 1 + k)
-        teacher_k = shift(probs, 1 + k)
         valid = shift(loss_mask, 2 + k, False) & shift(in_vocab, 1 + k, False)
-        out, logits, (new_k, new_v) = draft.step(
+        if doc_ids is not None:  # the token predicted must be of the same document
+            valid &= shift(doc_ids, 2 + k, -1) == doc_ids
+        out, normed, (new_k, new_v) = draft.step(
             step_ids, feat, batch["position_ids"] + k,
             past_kv=None if keys is None else (keys, values),
-            attn_mask=TTTMask(seq_len, k),
+            attn_mask=TTTMask(seq_len, k, doc_ids),
             input_embeds=None if embeds is None else shift(embeds, 1 + k),
+            head=False,
         )
         keys = new_k if keys is None else torch.cat([keys, new_k], dim=2)
         values = new_v if values is None else torch.cat([values, new_v], dim=2)
-        logp = F.log_softmax(logits.float(), dim=-1)
-        per_pos = -(teacher_k * logp).sum(-1)
+        rows, positions = valid.nonzero(as_tuple=True)  # only scored positions reach the head
+        loss_sum, predicted = draft.lm_head(
+            normed[rows, positions], TeacherRows(probs, rows, positions + 1 + k, loss_chunk))
         n = valid.sum()
-        loss_k = (per_pos * valid).sum() / n.clamp(min=1)
-        total = total + (step_weight**k) * loss_k
+        total = total + (step_weight**k) * loss_sum / n.clamp(min=1)
         with torch.no_grad():
-            correct = (logits.argmax(-1) == teacher_k.argmax(-1)) & valid
+            correct = torch.zeros_like(valid)
+            correct[rows, positions] = predicted == teacher_top[rows, positions + 1 + k]
             prev = chain & valid
             chain = prev & correct
-            stats.append(StepStats((per_pos * valid).sum().detach(), n, correct.sum(),
-                                   chain.sum(), prev.sum()))
+            stats.append(StepStats(loss_sum.detach(), n, correct.sum(), chain.sum(), prev.sum()))
         feat = out  # the next step's feature: the pre-norm output (norm(out) with norm_output, EAGLE 3.1)
     return total, stats
 
