@@ -154,6 +154,7 @@ class TrainConfig:
     ttt_length: int = 7
     step_weight: float = 0.8  # loss weight of TTT step k is step_weight**k
     attention: str = "sdpa"  # sdpa | eager | flex
+    pack_tokens: int = 0  # >0: documents packed into rows of at most this many tokens, batch_size rows per micro-step
     precision: str = "bf16"  # bf16 (fp32 master weights) | fp32
     strategy: str = "single"  # single | ddp | fsdp | deepspeed (launch >1 process for the last three)
     zero_stage: int = 2  # DeepSpeed ZeRO stage (1, 2 or 3) for strategy=deepspeed
@@ -270,6 +271,8 @@ def check_config(cfg) -> None:
     if "eval" in cfg.stages:
         check_eval_trees(cfg.eval)
     check_eagle31_options({key: cfg.draft[key] for key in EAGLE31_OPTIONS}, prefix="draft.")
+    if cfg.train.pack_tokens < 0:
+        raise ValueError(f"train.pack_tokens: {cfg.train.pack_tokens} is negative; 0 turns packing off")
 
 
 def register_configs() -> None:

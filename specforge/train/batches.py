@@ -7,6 +7,11 @@ of that list, micro-batch m going to rank m % world_size. So W ranks with accumu
 the steps (same samples, same micro-batches) of one process with accumulation A x W, and the
 averaged gradient is the same: a run's results do not depend on how many processes computed them,
 only on the global batch (batch_size x grad_accum x world_size).
+
+Packing (train.pack_tokens > 0): the shuffled samples are concatenated, in order, into rows of at
+most pack_tokens tokens, and a micro-batch is batch_size such rows: no padding, and the TTT unroll
+keeps attention, positions and scoring within each document (doc_ids). A micro-batch stays a list
+of sample indices: cutting it into rows again, greedily in its order, gives back the same rows.
 """
 from __future__ import annotations
 
@@ -15,13 +20,29 @@ import random
 import torch
 
 
+def pack_rows(lengths: list[int], pack_tokens: int) -> list[list[int]]:
+    """Positions 0..n-1 of `lengths`, in order, cut into rows of at most pack_tokens tokens (a
+    longer sample is a row of its own)."""
+    rows, used = [], pack_tokens
+    for i, n in enumerate(lengths):
+        if used + n > pack_tokens:
+            rows.append([])
+            used = 0
+        rows[-1].append(i)
+        used += n
+    return rows
+
+
 def global_batches(lengths: list[int], batch_size: int, seed: int, epoch: int,
-                   shuffle: bool = True) -> list[list[int]]:
+                   shuffle: bool = True, pack_tokens: int = 0) -> list[list[int]]:
     """Every micro-batch of the epoch (sample indices), the same on every rank."""
     order = list(range(len(lengths)))
     rng = random.Random(seed * 1_000_003 + epoch)
     if shuffle:
         rng.shuffle(order)
+    if pack_tokens:
+        rows = [[order[j] for j in row] for row in pack_rows([lengths[i] for i in order], pack_tokens)]
+        return [[i for row in rows[r : r + batch_size] for i in row] for r in range(0, len(rows), batch_size)]
     # Sort within windows of 50 batches: similar lengths together, order still random overall.
     window = batch_size * 50
     order = [i for w in range(0, len(order), window)
@@ -33,10 +54,11 @@ def global_batches(lengths: list[int], batch_size: int, seed: int, epoch: int,
 
 
 def epoch_batches(lengths: list[int], batch_size: int, seed: int, epoch: int,
-                  shuffle: bool = True, rank: int = 0, world_size: int = 1) -> list[list[int]]:
+                  shuffle: bool = True, rank: int = 0, world_size: int = 1,
+                  pack_tokens: int = 0) -> list[list[int]]:
     """This rank's micro-batches: every world_size-th of the epoch's list, starting at `rank`,
     cut so that every rank gets the same number."""
-    batches = global_batches(lengths, batch_size, seed, epoch, shuffle)
+    batches = global_batches(lengths, batch_size, seed, epoch, shuffle, pack_tokens)
     if world_size == 1:
         return batches
     usable = len(batches) - len(batches) % world_size
@@ -61,13 +83,32 @@ def eval_batches(lengths: list[int], batch_size: int, rank: int = 0,
     return mine
 
 
-def collate(samples: list[dict], dtype=torch.float32, image_token_id: int | None = None) -> dict:
-    """Right-pad samples to one length; the loss mask is False on padding.
+def pack(samples: list[dict]) -> dict:
+    """One row of documents: tensors concatenated, positions restarting at 0 per document (M-RoPE
+    positions as stored), `doc_ids` numbering the documents."""
+    row = {key: torch.cat([s[key] for s in samples]) for key in ("input_ids", "loss_mask", "aux", "last")}
+    if "position_ids" in samples[0]:
+        row["position_ids"] = torch.cat([s["position_ids"] for s in samples], dim=-1)
+    else:
+        row["position_ids"] = torch.cat([torch.arange(len(s["input_ids"])) for s in samples])
+    if "image_embeds" in samples[0]:
+        row["image_embeds"] = torch.cat([s["image_embeds"] for s in samples])
+    row["doc_ids"] = torch.cat([torch.full((len(s["input_ids"]),), d) for d, s in enumerate(samples)])
+    return row
+
+
+def collate(samples: list[dict], dtype=torch.float32, image_token_id: int | None = None,
+            pack_tokens: int = 0) -> dict:
+    """Right-pad samples to one length; the loss mask is False on padding. With pack_tokens, the
+    samples are first packed into rows (see the module docstring); padding has doc_ids -1.
 
     Vision-language samples bring their M-RoPE `position_ids` [3, S] (-> [B, 3, n]). With
     `image_token_id` (draft.image_embeddings=merged) their `image_embeds` become
     `embed_override` [B, n, H] + `embed_override_mask` [B, n]: the draft's token embedding at
     image positions is the target's merged input embedding, as the serving engine feeds it."""
+    if pack_tokens:
+        rows = pack_rows([len(s["input_ids"]) for s in samples], pack_tokens)
+        samples = [pack([samples[i] for i in row]) for row in rows]
     n = max(len(s["input_ids"]) for s in samples)
     b = len(samples)
     h3, h = samples[0]["aux"].shape[-1], samples[0]["last"].shape[-1]
@@ -83,15 +124,20 @@ def collate(samples: list[dict], dtype=torch.float32, image_token_id: int | None
         batch["loss_mask"][i, :m] = s["loss_mask"].bool()
         batch["aux"][i, :m] = s["aux"].to(dtype)
         batch["last"][i, :m] = s["last"].to(dtype)
+    if "doc_ids" in samples[0]:
+        batch["doc_ids"] = torch.full((b, n), -1, dtype=torch.long)
+        for i, s in enumerate(samples):
+            batch["doc_ids"][i, : len(s["input_ids"])] = s["doc_ids"]
     if "position_ids" not in samples[0]:
         batch["position_ids"] = torch.arange(n).expand(b, n)
         return batch
     # padding continues each row's positions (never attended to, never scored)
-    pos = torch.arange(n).expand(b, 3, n).clone()
+    shape = samples[0]["position_ids"].shape[:-1]  # () for packed text rows, (3,) for M-RoPE
+    pos = torch.arange(n).expand(b, *shape, n).clone()
     for i, s in enumerate(samples):
         m = len(s["input_ids"])
-        pos[i, :, :m] = s["position_ids"]
-        pos[i, :, m:] += s["position_ids"].max() + 1 - m
+        pos[i, ..., :m] = s["position_ids"]
+        pos[i, ..., m:] += s["position_ids"].max() + 1 - m
     batch["position_ids"] = pos
     if image_token_id is not None:
         batch["embed_override"] = torch.zeros(b, n, h, dtype=dtype)

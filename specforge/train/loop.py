@@ -186,10 +186,12 @@ def override_token(cfg, store: HiddenStateStore) -> int | None:
 
 
 def optimizer_step(strategy, micro_batches: list[list[int]], store: HiddenStateStore, device, amp,
-                   meter: Meter, image_token_id: int | None = None) -> float:
+                   meter: Meter, image_token_id: int | None = None, pack_tokens: int = 0) -> float:
     """One optimizer step over this rank's micro-batches; returns the gradient norm."""
     for j, idx in enumerate(micro_batches):
-        batch = {k: v.to(device) for k, v in collate([store[i] for i in idx], image_token_id=image_token_id).items()}
+        samples = [store[i] for i in idx]
+        batch = {k: v.to(device) for k, v in collate(samples, image_token_id=image_token_id,
+                                                     pack_tokens=pack_tokens).items()}
         with strategy.grad_sync(last=j == len(micro_batches) - 1):
             with amp:
                 loss, stats = strategy.model(batch)
@@ -240,12 +242,15 @@ def train(cfg, run_dir: Path, fingerprint: str) -> dict:
     eval_dir = layout.store("eval")
     eval_store = HiddenStateStore(eval_dir) if (eval_dir / "manifest.json").exists() else None
     vocab = load_file(layout.vocab)
-    micro_batches = len(global_batches(train_store.lengths, tc.batch_size, cfg.seed, 0))
+    # packed rows differ per epoch (and so may their number): every epoch takes as many steps as the shortest
+    micro_batches = min(len(global_batches(train_store.lengths, tc.batch_size, cfg.seed, epoch,
+                                           pack_tokens=tc.pack_tokens)) for epoch in range(1, tc.epochs + 1))
     per_epoch = steps_per_epoch(micro_batches, tc.grad_accum, env.world_size)
     global_batch = tc.batch_size * tc.grad_accum * env.world_size
+    unit = f"rows of <= {tc.pack_tokens} tokens" if tc.pack_tokens else "samples"
     if per_epoch == 0:
         raise ValueError(f"train: {len(train_store)} samples make {micro_batches} micro-batches of "
-                         f"{tc.batch_size}, fewer than one global batch of {tc.grad_accum * env.world_size}; "
+                         f"{tc.batch_size} {unit}, fewer than one global batch of {tc.grad_accum * env.world_size}; "
                          "lower train.batch_size or train.grad_accum, or use fewer processes")
 
     image_token_id = override_token(cfg, train_store)
@@ -275,7 +280,7 @@ def train(cfg, run_dir: Path, fingerprint: str) -> dict:
     position.wandb_run_id = logger.run_id
     if main:
         print(f"[train] {len(train_store)} samples, {train_store.num_tokens} tokens, "
-              f"{per_epoch} steps/epoch x {tc.epochs} epochs, global batch {global_batch} samples "
+              f"{per_epoch} steps/epoch x {tc.epochs} epochs, global batch {global_batch} {unit} "
               f"(batch_size {tc.batch_size} x grad_accum {tc.grad_accum} x {env.world_size} processes), "
               f"strategy {strategy.name}, device {device}", flush=True)
 
@@ -283,12 +288,13 @@ def train(cfg, run_dir: Path, fingerprint: str) -> dict:
         with StopRequests() as stop, progress_bar(disable=not main) as bar:
             for epoch in range(position.epoch, tc.epochs + 1):
                 mine = epoch_batches(train_store.lengths, tc.batch_size, cfg.seed, epoch, rank=env.rank,
-                                     world_size=env.world_size)
+                                     world_size=env.world_size, pack_tokens=tc.pack_tokens)
                 start = position.step_in_epoch if epoch == position.epoch else 0
                 task = bar.add_task(f"train epoch {epoch}", total=per_epoch, completed=start, info="")
                 for s in range(start, per_epoch):
                     micro = mine[s * tc.grad_accum : (s + 1) * tc.grad_accum]
-                    grad_norm = optimizer_step(strategy, micro, train_store, device, amp, meter, image_token_id)
+                    grad_norm = optimizer_step(strategy, micro, train_store, device, amp, meter, image_token_id,
+                                               tc.pack_tokens)
                     scheduler.step()
                     position.step += 1
                     last_of_epoch = s + 1 == per_epoch
