@@ -16,11 +16,15 @@ from safetensors.torch import save_file
 from specforge.config import check_eagle31_options
 from specforge.models.draft import ARCHITECTURE, Eagle3Config, Eagle3Draft
 from specforge.targets.layers import check_aux_layer_ids
+from specforge.targets.loader import TargetIdentity
 from specforge.utils.io import atomic_dir
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 OPTIONAL_KEYS = {"embed_tokens.weight"}
+# config.json: the target the draft was trained for ({fingerprint, name, num_hidden_layers}).
+# SGLang and vLLM read config.json into a transformers config, which keeps unknown keys unused.
+TARGET_KEY = "specforge_target"
 
 
 class CheckpointError(ValueError):
@@ -147,8 +151,12 @@ def read_checkpoint(path: str | Path) -> tuple[Eagle3Config, dict[str, torch.Ten
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{cfg_path}: invalid JSON ({e.msg} at line {e.lineno})") from None
     cfg = validate_config(cfg_dict, str(cfg_path))
-    with safe_open(weights_path, framework="pt") as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    try:
+        with safe_open(weights_path, framework="pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # safetensors raises its own error types, naming no file
+        raise CheckpointError(f"{weights_path}: not a readable safetensors file, truncated or corrupt "
+                              f"({type(e).__name__}: {e})") from None
     validate_tensors(cfg, {k: tuple(v.shape) for k, v in tensors.items()}, str(weights_path))
     validate_vocab(tensors["d2t"], tensors["t2d"], str(weights_path))
     return cfg, tensors
@@ -166,3 +174,30 @@ def load_draft(path: str | Path, device="cpu", dtype=torch.float32, attention: s
     draft = Eagle3Draft(cfg, attention=attention)
     draft.load_state_dict(tensors, strict=True)
     return draft.to(device=device, dtype=dtype).requires_grad_(False).eval()
+
+
+def check_fits_target(cfg: Eagle3Config, target: TargetIdentity, where: str | Path,
+                      allow_other_target: bool = False) -> None:
+    """Refuse a draft that cannot run on `target` (vocab, hidden size, aux layers beyond its depth),
+    and one recorded as trained for another target unless `allow_other_target` (then warn): shapes
+    that happen to match would run and measure nonsense."""
+    where = f"{Path(where) / CONFIG_NAME}"
+    if cfg.vocab_size != target.vocab_size:
+        raise CheckpointError(f"{where}: vocab_size {cfg.vocab_size} != the target's {target.vocab_size} "
+                              f"({target.name}): a draft of another target")
+    if cfg.target_hidden_size != target.hidden_size:
+        raise CheckpointError(f"{where}: target_hidden_size {cfg.target_hidden_size} != the target's hidden size "
+                              f"{target.hidden_size} ({target.name}): a draft of another target")
+    try:
+        check_aux_layer_ids(cfg.aux_layer_ids, target.num_hidden_layers, count=3, min_id=None,
+                            what=f"{where}: eagle_config.eagle_aux_hidden_state_layer_ids")
+    except ValueError as e:
+        raise CheckpointError(f"{e} ({target.name} has {target.num_hidden_layers} layers)") from None
+    recorded = cfg.extra.get(TARGET_KEY) or {}
+    if recorded.get("fingerprint") not in (None, target.fingerprint):
+        msg = (f"{where}: trained for target {recorded.get('name')!r} (fingerprint {recorded['fingerprint']}), "
+               f"this target is {target.name!r} (fingerprint {target.fingerprint})")
+        if not allow_other_target:
+            raise CheckpointError(msg + "; if the two are the same model (e.g. copied files), "
+                                  "set eval.allow_other_target=true")
+        print(f"[warning] {msg}; evaluating anyway (eval.allow_other_target=true)", flush=True)

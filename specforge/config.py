@@ -178,6 +178,7 @@ class EvalConfig:
     url: Optional[str] = None
     scenario: Optional[str] = None  # serving benchmark preset: code | chat | completion (None: num_prompts x max_new_tokens, one at a time)
     # Serving benchmark (engine=server | sglang), see specforge/eval/server_eval.py
+    allow_other_target: bool = False  # evaluate a draft recorded as trained for another target (warns)
     baseline_url: Optional[str] = None  # engine=server: a base-model server to compare eval.url with
     prompts: str = "conversations"  # conversations (data/eval.conversations.jsonl) | random (scenario input_len)
     bench_backend: str = "sglang"  # sglang (POST /generate) | openai (POST /v1/completions)

@@ -150,8 +150,10 @@ def _run_pass(engine, prompts, eval_cfg, eos, speculative: bool, bar, task):
     return outputs, stats
 
 
-def eval_with_engine(run_cfg, ckpts: list[Path], eval_cfg) -> dict:
-    """Run base + every checkpoint x tree; returns {"base": ..., "configs": [...], "meta": ...}."""
+def eval_with_engine(run_cfg, ckpts: list[Path], eval_cfg, on_progress=None) -> dict:
+    """Run base + every checkpoint x tree; returns {"base": ..., "configs": [...], "meta": ...}.
+    `on_progress(results so far)` after the base pass and after each configuration: what a later
+    failure must not lose (speed-ups there are against the first base pass alone)."""
     trees = [TreeSpec.parse(t) for t in eval_cfg.trees]  # refuse bad trees before loading anything
     if eval_cfg.engine != "embedded":
         raise ValueError(f"eval.engine={eval_cfg.engine!r}: this function runs the embedded engine")
@@ -181,6 +183,9 @@ def eval_with_engine(run_cfg, ckpts: list[Path], eval_cfg) -> dict:
     with progress_bar() as bar:
         task = bar.add_task("eval", total=n_passes * len(prompts), info="base")
         base_outputs, base_stats = _run_pass(base_engine, prompts, eval_cfg, eos, False, bar, task)
+        results["base"] = aggregate(base_stats)
+        if on_progress:
+            on_progress(results)
         for ckpt in ckpts:
             draft = load_draft(ckpt, device=device, dtype=torch_dtype(dtype_name))
             for tree in trees:
@@ -195,6 +200,9 @@ def eval_with_engine(run_cfg, ckpts: list[Path], eval_cfg) -> dict:
                                     if eval_cfg.temperature <= 0 else None),
                        "requests_detail": [s.to_dict() | {"id": p["id"]} for s, p in zip(stats, prompts)]}
                 results["configs"].append(row)
+                if on_progress:
+                    row["speedup"] = row["tok_s"] / results["base"]["tok_s"]
+                    on_progress(results)
         bar.update(task, info="base (again)")
         _, base_again = _run_pass(base_engine, prompts, eval_cfg, eos, False, bar, task)
 

@@ -3,6 +3,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from specforge.utils.io import write_json
+
+PARTIAL_NAME = "results.partial.json"  # the configurations finished so far, while an evaluation runs
+
 
 def run_evaluation(run_cfg, ckpt: str | Path, eval_cfg, out_dir: str | Path | None = None) -> dict:
     from specforge.config import check_eval_trees
@@ -13,6 +17,7 @@ def run_evaluation(run_cfg, ckpt: str | Path, eval_cfg, out_dir: str | Path | No
 
     check_eval_trees(eval_cfg)  # before anything loads
     run_dir, ckpts = find_checkpoints(ckpt, getattr(eval_cfg, "epochs", None))
+    check_checkpoints(ckpts, run_cfg.target, bool(getattr(eval_cfg, "allow_other_target", False)))
     if eval_cfg.engine in ("server", "sglang"):  # a serving benchmark over HTTP (server_eval.py)
         from specforge.eval.server_eval import eval_with_servers
 
@@ -20,10 +25,17 @@ def run_evaluation(run_cfg, ckpt: str | Path, eval_cfg, out_dir: str | Path | No
                                     Path(out_dir) / "serving" if out_dir else None)
         print(Path(summary["report"]).read_text(), flush=True)
         return {"report": summary["report"], "engine": eval_cfg.engine}
-    results = eval_with_engine(run_cfg, ckpts, eval_cfg)
     eval_dir = RunLayout(run_dir).eval_dir
     out_dir = Path(out_dir) if out_dir else eval_dir
+    partial = out_dir / PARTIAL_NAME
+    try:
+        results = eval_with_engine(run_cfg, ckpts, eval_cfg, on_progress=lambda r: write_json(partial, r))
+    except BaseException:
+        if partial.exists():
+            print(f"[eval] failed; the configurations finished so far are kept in {partial}", flush=True)
+        raise
     report = write_results(results, out_dir)
+    partial.unlink(missing_ok=True)
     if out_dir == eval_dir:
         write_run_report(run_dir)
     print(report.read_text(), flush=True)
@@ -31,6 +43,18 @@ def run_evaluation(run_cfg, ckpt: str | Path, eval_cfg, out_dir: str | Path | No
     return {"report": str(report), "configs": len(results["configs"]),
             **({"best_epoch": best["epoch"], "best_tree": best["tree"], "best_speedup": best["speedup"],
                 "best_accept_length": best["accept_length"]} if best else {})}
+
+
+def check_checkpoints(ckpts: list[Path], target_cfg, allow_other_target: bool) -> None:
+    """Every selected checkpoint read and checked against the target before any model runs: a
+    broken epoch_7 fails the evaluation at once, not after the base model's benchmark."""
+    from specforge.checkpoint import check_fits_target, read_checkpoint
+    from specforge.targets.loader import target_identity
+
+    target = target_identity(target_cfg)
+    for ckpt in ckpts:
+        cfg, _ = read_checkpoint(ckpt)
+        check_fits_target(cfg, target, ckpt, allow_other_target)
 
 
 def run(cfg, run_dir: Path, fingerprint: str | None = None) -> dict:

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from specforge import distributed as dist
-from specforge.checkpoint import read_checkpoint, save_checkpoint
+from specforge.checkpoint import TARGET_KEY, read_checkpoint, save_checkpoint
 from specforge.distributed.preemption import StopRequests, TrainingInterrupted
 from specforge.distributed.strategy import make_strategy
 from specforge.extract.store import HiddenStateStore
@@ -261,6 +261,9 @@ def train(cfg, run_dir: Path, fingerprint: str) -> dict:
     draft = build_draft(cfg, target_config, train_store.meta["aux_layer_ids"], vocab, embed).to(device)
     if train_store.vl:  # the engine feeds image positions the way the draft was trained (docs/design.md)
         draft.config.extra["image_embeddings"] = cfg.draft.image_embeddings
+    meta = train_store.meta  # which target: evaluation and serving refuse a draft of another one
+    draft.config.extra[TARGET_KEY] = {"fingerprint": meta["target_fingerprint"], "name": Path(str(cfg.target.path)).name,
+                                      "num_hidden_layers": meta["num_layers"]}
     draft_config = draft.config
     module = TTTModule(draft, Teacher(teacher_weight, draft.t2d), tc.ttt_length, tc.step_weight)
     strategy = make_strategy(module, tc, env, device)

@@ -1,0 +1,133 @@
+"""Evaluation refuses broken or foreign checkpoints before any model runs, naming the file and the
+field, and keeps every configuration it finished when it dies later. One tiny trained run (2
+epochs) is shared; each test corrupts its own copy."""
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import transformers
+
+from specforge.checkpoint import TARGET_KEY, CheckpointError, save_checkpoint
+from specforge.eval.engine_eval import load_run_config
+from specforge.eval.stage import PARTIAL_NAME, run_evaluation
+from specforge.extract.store import HiddenStateStore
+from specforge.pipeline import run_pipeline
+from specforge.utils.io import read_json, write_jsonl
+from tests.test_pipeline import CONF, compose_cfg
+from tests.test_ttt import tiny_draft
+
+REPO = Path(CONF).parent
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory, tiny_target_dir):
+    from data_prep.weather import generate
+
+    root = tmp_path_factory.mktemp("hostile_eval")
+    write_jsonl(root / "train.jsonl", generate(16, seed=0, split="train"))
+    write_jsonl(root / "eval.jsonl", generate(4, seed=0, split="eval"))
+    run_pipeline(compose_cfg(root, tiny_target_dir, "train.epochs=2", "stages=[data,extract,train]"))
+    return root / "outputs" / "smollm2_weather"
+
+
+@pytest.fixture
+def run(trained_run, tmp_path):
+    copy = tmp_path / "smollm2_weather"
+    shutil.copytree(trained_run, copy)
+    return copy
+
+
+def eval_cfg(run_dir, *overrides):
+    from omegaconf import OmegaConf
+
+    cfg = load_run_config(run_dir).eval
+    for item in ("num_prompts=2", "max_new_tokens=6", "trees=['2_1_3']", *overrides):
+        key, value = item.split("=", 1)
+        OmegaConf.update(cfg, key, OmegaConf.create(f"v: {value}").v)
+    return cfg
+
+
+def nothing_written(run_dir: Path) -> bool:
+    return not (run_dir / "eval").exists()
+
+
+def test_a_checkpoint_records_its_target_where_servers_ignore_it(trained_run):
+    meta = HiddenStateStore(trained_run / "extract" / "train").meta
+    config = json.loads((trained_run / "epoch_1" / "config.json").read_text())
+    recorded = config[TARGET_KEY]
+    assert recorded["fingerprint"] == meta["target_fingerprint"] and recorded["num_hidden_layers"] == meta["num_layers"]
+    loaded = transformers.LlamaConfig.from_pretrained(trained_run / "epoch_1")  # as SGLang reads it
+    assert loaded.num_hidden_layers == 1 and loaded.vocab_size == meta["vocab_size"]
+
+
+def test_a_truncated_later_epoch_is_refused_before_the_base_model_runs(run):
+    weights = run / "epoch_2" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    proc = subprocess.run([sys.executable, "evaluate.py", f"ckpt={run}", "eval.num_prompts=2",
+                           "eval.max_new_tokens=4", "eval.trees=['2_1_3']"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert f"{weights}: not a readable safetensors file, truncated or corrupt" in proc.stderr
+    assert nothing_written(run)
+
+
+def test_a_draft_of_another_target_is_refused_naming_the_field(run):
+    shutil.rmtree(run / "epoch_2")
+    save_checkpoint(tiny_draft(), run / "epoch_2")  # vocab 50, hidden 24: another target's draft
+    with pytest.raises(CheckpointError, match=rf"{run / 'epoch_2' / 'config.json'}: vocab_size 50 != the target's"):
+        run_evaluation(load_run_config(run), run, eval_cfg(run))
+    assert nothing_written(run)
+
+
+def test_aux_layers_beyond_the_target_are_refused(run):
+    path = run / "epoch_1" / "config.json"
+    config = json.loads(path.read_text())
+    config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [0, 1, 9]
+    path.write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"eagle_aux_hidden_state_layer_ids.*has 4 layers"):
+        run_evaluation(load_run_config(run), run, eval_cfg(run))
+    assert nothing_written(run)
+
+
+def test_same_shapes_but_another_target_is_refused_unless_allowed(run, capsys):
+    for epoch in (1, 2):
+        path = run / f"epoch_{epoch}" / "config.json"
+        config = json.loads(path.read_text())
+        config[TARGET_KEY]["fingerprint"] = "0123456789abcdef"
+        path.write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"trained for target .* \(fingerprint 0123456789abcdef\), this target"):
+        run_evaluation(load_run_config(run), run, eval_cfg(run))
+    assert nothing_written(run)
+    summary = run_evaluation(load_run_config(run), run, eval_cfg(run, "allow_other_target=true", "epochs=[1]"))
+    assert summary["configs"] == 1
+    assert "[warning]" in capsys.readouterr().out
+
+
+def test_a_killed_evaluation_keeps_the_configurations_it_finished(run):
+    trees = "['2_1_3','2_2_4','3_1_4','3_2_6','4_1_5','4_2_8','5_1_6','5_2_10']"
+    proc = subprocess.Popen([sys.executable, "evaluate.py", f"ckpt={run}", "eval.num_prompts=2",
+                             "eval.max_new_tokens=48", f"eval.trees={trees}"],
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    partial = run / "eval" / PARTIAL_NAME
+    deadline = time.monotonic() + 300
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            if partial.exists() and read_json(partial)["configs"]:
+                proc.send_signal(signal.SIGKILL)  # no chance to clean up
+                break
+            time.sleep(0.05)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == -signal.SIGKILL, "the evaluation ended before a configuration was kept"
+    kept = read_json(partial)
+    assert kept["base"]["tok_s"] > 0
+    assert kept["configs"] and all(c["speedup"] > 0 and c["lossless"] == 1.0 for c in kept["configs"])
+    assert not (run / "eval" / "results.json").exists()
