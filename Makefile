@@ -7,12 +7,15 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+PEER_VENV := .venv-peer
+PEER_BIN := $(PEER_VENV)/bin
+PEER_STAMP := $(PEER_VENV)/.installed
 export WANDB_MODE ?= offline
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export DS_BUILD_OPS ?= 0  # DeepSpeed (a test dependency) installs without compiling its CUDA ops
 
-.PHONY: setup demo demo-vl test data clean-demo
+.PHONY: setup demo demo-vl test data clean-demo peer-venv
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -43,3 +46,21 @@ test: setup
 
 clean-demo:
 	rm -rf outputs/smollm2_weather data/weather outputs/qwen3vl_tiny data/weather_vl
+
+# make peer-venv: speculators 0.9.0 (vLLM's EAGLE-3 trainer) in its own virtualenv, for
+# benchmarks/peer_train_worker.py only; never part of setup/test/demo. Its pins clash with ours
+# (transformers<=5.19) and its torchvision/torchaudio requirements would pull GB of CUDA wheels
+# (nothing the worker imports uses them), so it goes in --no-deps and its pure-Python runtime
+# dependencies are listed here from its metadata. torch first and pinned, as in $(STAMP).
+$(PEER_STAMP): constraints.txt
+	$(PYTHON) -m venv $(PEER_VENV)
+	$(PEER_BIN)/pip install -q --upgrade pip
+	$(PEER_BIN)/pip install -q -c constraints.txt torch
+	$(PEER_BIN)/pip install -q --no-deps speculators==0.9.0 hs-connectors==0.9.0
+	$(PEER_BIN)/pip install -q -c constraints.txt aiohttp click 'datasets>=4.0.0,<=5.1.0' \
+		httpx huggingface-hub 'loguru>=0.7.2,<=0.7.3' 'numpy>=2.0.0,<=2.5.4' 'openai>=2.0.0' \
+		protobuf psutil 'pydantic>=2.0.0' 'pydantic-settings>=2.0.0' rich safetensors \
+		'tqdm>=4.66.3,<=4.70.1' 'transformers>=5.0.0,<=5.19.0' 'typer>=0.12.0'
+	touch $(PEER_STAMP)
+
+peer-venv: $(PEER_STAMP)

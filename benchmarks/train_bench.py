@@ -1,17 +1,28 @@
 """Training throughput of the EAGLE3 head: TTT tokens/s for attention kernels, precisions, unroll
-lengths and draft vocab sizes, on the target geometry of SmolLM2-135M (or any target config).
+lengths, draft vocab sizes, sequence lengths and packing, on the target geometry of SmolLM2-135M
+(or any target config); and side by side with the peer trainer, vLLM's `speculators`.
 
-    python benchmarks/train_bench.py [--target .cache/models/SmolLM2-135M-Instruct] [--out FILE]
+    python benchmarks/train_bench.py [--target .cache/models/SmolLM2-135M-Instruct]   # kernel grid
+    make peer-venv && python benchmarks/train_bench.py --vs-peer                       # train_vs_peer.json
 
-Features are random (the speed of a step does not depend on their values); every configuration is
-timed in the same process so the ratios are comparable. Prints a Markdown table and writes JSON.
+Features are random (the speed of a step does not depend on their values). Each configuration runs
+in a fresh process, one after the other (its peak RSS is its own), so ratios within one run compare.
+A step is one optimizer step on `rows x seq` tokens: TTT unroll, loss, backward, AdamW.
+--vs-peer runs, for every sequence length and dtype, our step and the peer's step
+(benchmarks/peer_train_worker.py in .venv-peer, speculators' own model, loss and batch
+collation; its AdamW so that both take the same optimizer) on the same shapes: at 512 tokens four
+documents per step (ours: a batch of 4 sequences; the peer: 4 documents packed in a row, as its
+trainer batches), from 2,048 on one sequence per step.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import resource
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -20,11 +31,17 @@ from transformers import AutoConfig
 
 from specforge.models.draft import Eagle3Config, Eagle3Draft
 from specforge.targets.loader import default_aux_layer_ids
+from specforge.train.batches import collate
 from specforge.train.loop import autocast_for
 from specforge.train.ttt import Teacher, ttt_forward
 
+PEER_PYTHON = ".venv-peer/bin/python"
+PEER_WORKER = "benchmarks/peer_train_worker.py"
 
-def time_config(target_config, attention, precision, ttt_length, draft_vocab, batch, seq, repeats):
+
+def time_config(target_config, attention, precision, ttt_length, draft_vocab, batch, seq, repeats,
+                packed=False):
+    """`batch` sequences of `seq` tokens per step; packed: the same documents in one row."""
     torch.manual_seed(0)
     n_layers = target_config.num_hidden_layers
     cfg = Eagle3Config.from_target(target_config, default_aux_layer_ids(n_layers), draft_vocab_size=draft_vocab)
@@ -33,14 +50,12 @@ def time_config(target_config, attention, precision, ttt_length, draft_vocab, ba
     t2d = torch.zeros(vocab, dtype=torch.bool)
     t2d[: cfg.draft_vocab_size] = True
     draft.set_vocab_mapping(torch.zeros(cfg.draft_vocab_size, dtype=torch.long), t2d)
+    draft.embed_tokens.requires_grad_(False)  # frozen to the target's, as in training (loop.build_draft)
     teacher = Teacher(torch.randn(vocab, hidden, dtype=torch.bfloat16) * 0.05, t2d)
-    data = {
-        "input_ids": torch.randint(0, cfg.draft_vocab_size, (batch, seq)),
-        "loss_mask": torch.ones(batch, seq, dtype=torch.bool),
-        "aux": torch.randn(batch, seq, 3 * hidden),
-        "last": torch.randn(batch, seq, hidden),
-        "position_ids": torch.arange(seq).expand(batch, seq),
-    }
+    docs = [{"input_ids": torch.randint(0, cfg.draft_vocab_size, (seq,)),
+             "loss_mask": torch.ones(seq, dtype=torch.bool),
+             "aux": torch.randn(seq, 3 * hidden), "last": torch.randn(seq, hidden)} for _ in range(batch)]
+    data = collate(docs, pack_tokens=batch * seq if packed else 0)
     opt = torch.optim.AdamW(draft.trainable_parameters(), lr=1e-4)
     times = []
     for i in range(repeats + 1):  # the first step warms up allocators and kernels
@@ -54,8 +69,71 @@ def time_config(target_config, attention, precision, ttt_length, draft_vocab, ba
             times.append(time.perf_counter() - t0)
     step = statistics.median(times)
     return {"attention": attention, "precision": precision, "ttt_length": ttt_length,
-            "draft_vocab": draft_vocab, "batch": batch, "seq": seq,
-            "step_s": round(step, 3), "tokens_per_s": round(batch * seq / step, 1)}
+            "draft_vocab": draft_vocab, "batch": batch, "seq": seq, "packed": packed,
+            "step_s": round(step, 3), "tokens_per_s": round(batch * seq / step, 1),
+            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}
+
+
+def in_subprocess(argv: list[str]) -> dict:
+    """Run one configuration in a fresh process; its last stdout line is the JSON result."""
+    done = subprocess.run(argv, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(argv)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def ours(args, attention, precision, ttt, vocab, batch, seq, packed=False) -> dict:
+    one = {"attention": attention, "precision": precision, "ttt_length": ttt, "draft_vocab": vocab,
+           "batch": batch, "seq": seq, "packed": packed}
+    return in_subprocess([sys.executable, __file__, "--target", args.target, "--repeats", str(args.repeats),
+                          "--one", json.dumps(one)])
+
+
+def peer(args, precision, ttt, vocab, docs, seq) -> dict:
+    return in_subprocess([args.peer_python, PEER_WORKER, "--target", args.target, "--seq-len", str(seq),
+                          "--docs", str(docs), "--dtype", precision, "--ttt", str(ttt),
+                          "--draft-vocab", str(vocab), "--repeats", str(args.repeats), "--optimizer", "adamw"])
+
+
+def kernel_grid(args):
+    grid = [("sdpa", "bf16", 7, 2048), ("sdpa", "fp32", 7, 2048), ("eager", "bf16", 7, 2048),
+            ("dense", "bf16", 7, 2048), ("sdpa", "bf16", 3, 2048), ("sdpa", "bf16", 7, 8192),
+            ("sdpa", "bf16", 7, 32000)]
+    rows = []
+    print("| attention | precision | ttt | draft vocab | step s | tokens/s | peak RSS MB |\n|---|---|---|---|---|---|---|")
+    for attention, precision, ttt, dv in grid:
+        r = ours(args, attention, precision, ttt, dv, args.batch, args.seq)
+        rows.append(r)
+        print(f"| {attention} | {precision} | {ttt} | {dv} | {r['step_s']} | {r['tokens_per_s']} | "
+              f"{r['peak_rss_mb']} |", flush=True)
+    return {"target": args.target, "threads": os.cpu_count(), "results": rows}
+
+
+def vs_peer(args):
+    rows = []
+    print("| tokens/sequence | layout | dtype | ours tok/s | peer tok/s | ours / peer | ours peak RSS MB | peer peak RSS MB |\n"
+          "|---|---|---|---|---|---|---|---|")
+    for seq in args.seq_lens:
+        docs = max(1, args.tokens_per_step // seq)
+        for precision in args.dtypes:
+            mine = ours(args, "sdpa", precision, args.ttt, args.draft_vocab, docs, seq)
+            theirs = peer(args, precision, args.ttt, args.draft_vocab, docs, seq)
+            layout = f"{docs} x {seq}"
+            rows.append({"seq_len": seq, "layout": layout, "dtype": precision,
+                         "ours_tok_s": mine["tokens_per_s"], "peer_tok_s": theirs["tokens_per_s"],
+                         "ours_peak_rss_mb": mine["peak_rss_mb"], "peer_peak_rss_mb": theirs["peak_rss_mb"]})
+            print(f"| {seq} | {layout} | {precision} | {mine['tokens_per_s']} | {theirs['tokens_per_s']} | "
+                  f"{mine['tokens_per_s'] / theirs['tokens_per_s']:.2f} | {mine['peak_rss_mb']} | "
+                  f"{theirs['peak_rss_mb']} |", flush=True)
+    memory = ours(args, "sdpa", "bf16", args.ttt, 32000, 1, max(args.seq_lens))
+    print(f"\nours, 1 x {max(args.seq_lens)} tokens, TTT {args.ttt}, draft vocab 32000, bf16: "
+          f"{memory['tokens_per_s']} tok/s, peak RSS {memory['peak_rss_mb']} MB")
+    return {"rows": rows, "memory": {"seq_len": max(args.seq_lens), "ttt": args.ttt, "draft_vocab": 32000,
+                                     "dtype": "bf16", "peak_rss_mb": memory["peak_rss_mb"],
+                                     "tokens_per_s": memory["tokens_per_s"]},
+            "ttt": args.ttt, "draft_vocab": args.draft_vocab, "threads": os.cpu_count(),
+            "peer": "speculators 0.9.0 (sdpa attention, eager loss, AdamW; benchmarks/peer_train_worker.py)",
+            "command": "python " + " ".join(sys.argv)}
 
 
 def main():
@@ -64,26 +142,32 @@ def main():
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", default="benchmarks/results/train.json")
+    ap.add_argument("--vs-peer", action="store_true", help="ours vs speculators (needs make peer-venv)")
+    ap.add_argument("--seq-lens", type=lambda s: [int(x) for x in s.split(",")], default=[512, 2048, 4096])
+    ap.add_argument("--dtypes", type=lambda s: s.split(","), default=["bf16", "fp32"])
+    ap.add_argument("--tokens-per-step", type=int, default=2048, help="--vs-peer: documents of a step below it")
+    ap.add_argument("--ttt", type=int, default=7)
+    ap.add_argument("--draft-vocab", type=int, default=8192)
+    ap.add_argument("--peer-python", default=PEER_PYTHON)
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: one configuration, JSON in and out
+    ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    torch.set_num_threads(os.cpu_count())
     if args.target.endswith("SmolLM2-135M-Instruct"):
         from specforge.targets.smollm2 import ensure_smollm2
 
         ensure_smollm2(args.target)
-    target_config = AutoConfig.from_pretrained(args.target)
-    grid = [("sdpa", "bf16", 7, 2048), ("sdpa", "fp32", 7, 2048), ("eager", "bf16", 7, 2048),
-            ("sdpa", "bf16", 3, 2048), ("sdpa", "bf16", 7, 8192), ("sdpa", "bf16", 7, 32000)]
-    rows = []
-    print("| attention | precision | ttt | draft vocab | step s | tokens/s |\n|---|---|---|---|---|---|")
-    for attention, precision, ttt, dv in grid:
-        r = time_config(target_config, attention, precision, ttt, dv, args.batch, args.seq, args.repeats)
-        rows.append(r)
-        print(f"| {attention} | {precision} | {ttt} | {dv} | {r['step_s']} | {r['tokens_per_s']} |", flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"target": args.target, "threads": torch.get_num_threads(),
-                                          "results": rows}, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    if args.one:
+        torch.set_num_threads(os.cpu_count())
+        one = json.loads(args.one)
+        print(json.dumps(time_config(AutoConfig.from_pretrained(args.target), repeats=args.repeats, **one)))
+        return
+    if args.vs_peer and not Path(args.peer_python).exists():
+        sys.exit(f"{args.peer_python} not found: run `make peer-venv` first (speculators in its own virtualenv)")
+    result = vs_peer(args) if args.vs_peer else kernel_grid(args)
+    out = Path(args.out or ("benchmarks/results/train_vs_peer.json" if args.vs_peer else "benchmarks/results/train.json"))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

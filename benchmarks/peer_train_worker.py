@@ -1,0 +1,263 @@
+"""Training throughput of the peer trainer, speculators 0.9.0's EAGLE-3 draft, on our shapes.
+
+Why: the side-by-side training benchmark compares our EAGLE-3 trainer with vLLM's
+`speculators` on the same geometry (SmolLM2-135M target), packed batch, TTT length and
+draft vocabulary. This script times the peer through its own API, built and fed the way
+its own trainer does it, so that the comparison is not against a re-implementation:
+
+- config: `speculators.train.config.TrainConfig` with its defaults (1 llama layer,
+  norm_before_fc, norm_output, kl_div loss, Muon+AdamW, linear schedule), overridden only
+  by this script's flags;
+- model: `speculators.train.cli.build_draft_model` -> `Eagle3DraftModel.from_training_args`
+  (embeddings / lm_head / final norm loaded from the target dir, lm_head pruned to the
+  draft vocabulary through t2d/d2t from `build_vocab_mappings_from_distribution`);
+- batch: documents of `--seq-len + 1` raw tokens through its `CollateFn` with its eagle3
+  `shift_batch`, i.e. one packed row of exactly `--docs x --seq-len` tokens with per-
+  document `document_ids` and position ids, as its dataloader produces;
+- step: the body of `Trainer.train_epoch`: forward under `torch.autocast(dtype=
+  hidden_states_dtype)` (TTT unroll + loss inside the model's forward), zero_grad,
+  backward, clip_grad_norm_(1.0), every optimizer from `build_optimizers`, every
+  scheduler. Master weights stay fp32 (its trainer never casts the model); `--dtype bf16`
+  means bf16 hidden states + CPU autocast, `--dtype fp32` means fp32 hidden states and no
+  autocast (its trainer's autocast with float32 is a disabled no-op).
+
+Deviations forced by CPU (the first two are options its trainer documents):
+- attention: its default `simple_flex_attention` cannot train on CPU (torch 2.13 raises
+  "FlexAttention does not support backward on CPU"; its forward is only torch.compile'd
+  when CUDA is present). The default here is its `--draft-attn-impl sdpa` path (dense
+  boolean mask, extended per TTT step by `extend_dense_mask_for_draft_tokens`).
+  With sdpa the mask is dense, so attention costs the same whether a row holds 1 or 4
+  documents (block sparsity is only skipped by flex); it is ~40% of a CPU step. Its
+  default draft layer is sliding-window (2048) attention: no difference up to 2048 tokens
+  per document, and none in cost with a dense mask.
+- loss: its default `--loss-implementation fused` needs Triton (absent from the CPU
+  wheel); its `eager` implementation is used.
+- its Trainer itself is not instantiated: it moves the model to accelerator 0 and wants a
+  DataLoader and checkpoint directory; the step above is its loop body, with autocast on
+  "cpu" (it would pick "cuda" when no accelerator exists).
+
+Optimizer: its trainer default, Muon on 2D matrices + AdamW on the rest; `--optimizer adamw`
+gives its single-AdamW option (what benchmarks/train_bench.py --vs-peer passes).
+
+Run by the peer's own virtualenv (`make peer-venv`), never by ours; it imports only torch,
+transformers and speculators:
+
+    .venv-peer/bin/python benchmarks/peer_train_worker.py --seq-len 512 --docs 4 --dtype bf16
+
+One JSON line on stdout at the end (peer, seq_len, docs, tokens, dtype, ttt, draft_vocab,
+step_s = median of the timed steps, tokens_per_s, peak_rss_mb, attn_impl, optimizer);
+everything else goes to stderr. On a 2-core machine, time it with nothing else running:
+OpenMP threads sharing a core with another process slow a step two- to three-fold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import resource
+import statistics
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target", default=".cache/models/SmolLM2-135M-Instruct",
+                   help="local HF dir of the target (config + weights: the draft's "
+                        "embeddings, lm_head and verifier norm are loaded from it)")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per document")
+    p.add_argument("--docs", type=int, default=4, help="documents packed into one row")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    p.add_argument("--ttt", type=int, default=7, help="TTT unroll length")
+    p.add_argument("--draft-vocab", type=int, default=8192)
+    p.add_argument("--repeats", type=int, default=3, help="timed steps (after 1 warm-up)")
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--attn-impl", default="sdpa",
+                   choices=("sdpa", "eager", "simple_flex_attention"),
+                   help="its --draft-attn-impl; flex cannot train on CPU")
+    p.add_argument("--optimizer", default=None, choices=("adamw", "muon"),
+                   help="its --optimizer (default: its default, muon)")
+    p.add_argument("--loss-impl", default="eager", choices=("eager", "fused"),
+                   help="its --loss-implementation; fused needs Triton")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    # stdout carries the one JSON line; route every log and warning to stderr.
+    logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+
+    from speculators.models.eagle3.core import Eagle3DraftModel
+    from speculators.models.eagle3.data import shift_batch
+    from speculators.train.cli import build_draft_model, set_seed
+    from speculators.train.config import TrainConfig
+    from speculators.train.data import CollateFn
+    from speculators.train.optimizers import build_optimizers
+    from speculators.train.recovery import RECOVERY_METADATA_KEY
+    from speculators.train.trainer import TrainerConfig, _resolve_scheduler_steps
+    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
+    from transformers import (
+        AutoConfig,
+        get_cosine_schedule_with_warmup,
+        get_linear_schedule_with_warmup,
+    )
+
+    hs_dtype_name = {"bf16": "bfloat16", "fp32": "float32"}[args.dtype]
+    total_seq_len = args.docs * args.seq_len
+    n_steps = args.repeats + 1
+
+    # Its typed config with its defaults, overridden only where this benchmark decides.
+    flat = {
+        "verifier_name_or_path": args.target,
+        "draft_vocab_size": args.draft_vocab,
+        "ttt_steps": args.ttt,
+        "total_seq_len": total_seq_len,
+        "hidden_states_dtype": hs_dtype_name,
+        "draft_attn_impl": args.attn_impl,
+        "loss_implementation": args.loss_impl,
+        "seed": args.seed,
+        "max_steps": n_steps,
+    }
+    if args.optimizer is not None:
+        flat["optimizer"] = args.optimizer
+    cfg = TrainConfig.from_flat(flat)
+    targs = argparse.Namespace(**cfg.flatten())  # as speculators.train.cli.main does
+    set_seed(targs.seed)
+    hs_dtype = getattr(torch, targs.hidden_states_dtype)
+
+    tcfg = AutoConfig.from_pretrained(args.target)
+    tcfg = getattr(tcfg, "text_config", tcfg)
+    hidden, vocab = tcfg.hidden_size, tcfg.vocab_size
+
+    # Random packed documents, each seq_len + 1 raw tokens: shift_batch drops one per doc.
+    g = torch.Generator().manual_seed(args.seed)
+    samples = []
+    for _ in range(args.docs):
+        n = args.seq_len + 1
+        samples.append({
+            "hidden_states": torch.randn(n, 3 * hidden, generator=g),
+            "input_ids": torch.randint(0, vocab, (n,), generator=g),
+            "verifier_last_hidden_states": torch.randn(n, hidden, generator=g),
+            "loss_mask": torch.ones(n, dtype=torch.long),
+            "lengths": torch.tensor([n], dtype=torch.long),  # as BaseDataset.__getitem__
+            "position_ids": torch.arange(n, dtype=torch.long),
+        })
+
+    # Vocab mapping the way its cli derives one from token_freq.pt: here, the batch's counts.
+    counts = torch.bincount(torch.cat([s["input_ids"] for s in samples]), minlength=vocab)
+    token_freq = {i: int(c) for i, c in enumerate(counts.tolist()) if c}
+    d2t, t2d = build_vocab_mappings_from_distribution(token_freq, args.draft_vocab, vocab)
+
+    t0 = time.perf_counter()
+    model = build_draft_model(targs, Eagle3DraftModel, t2d, d2t, d2t.shape[0])
+    model.train()
+    train_kwargs, _ = Eagle3DraftModel.get_trainer_kwargs(**vars(targs))
+    trainer_config = TrainerConfig(
+        num_epochs=targs.epochs,
+        save_path=targs.save_path,
+        lr=targs.lr,
+        train_call_kwargs=train_kwargs,
+        optimizer=targs.optimizer,
+        weight_decay=targs.weight_decay,
+        muon_lr=targs.muon_lr,
+        muon_momentum=targs.muon_momentum,
+        muon_weight_decay=targs.muon_weight_decay,
+        muon_ns_steps=targs.muon_ns_steps,
+        muon_adjust_lr_fn=targs.muon_adjust_lr_fn,
+        scheduler_type=targs.scheduler_type,
+        scheduler_warmup_steps=targs.scheduler_warmup_steps,
+        scheduler_warmup_ratio=targs.scheduler_warmup_ratio,
+        scheduler_total_steps=targs.scheduler_total_steps,
+        scheduler_num_cosine_cycles=targs.scheduler_num_cosine_cycles,
+        hidden_states_dtype=hs_dtype,
+        max_steps=targs.max_steps,
+    )
+    optimizers = build_optimizers(model, trainer_config)  # Trainer.setup_optimizer
+    schedulers = []
+    if trainer_config.scheduler_type != "none":
+        warm, total = _resolve_scheduler_steps(trainer_config, n_steps)
+        for opt in optimizers:
+            if trainer_config.scheduler_type == "linear":
+                schedulers.append(get_linear_schedule_with_warmup(opt, warm, total))
+            else:
+                schedulers.append(get_cosine_schedule_with_warmup(
+                    opt, warm, total, num_cycles=trainer_config.scheduler_num_cosine_cycles))
+
+    collate = CollateFn(max_len=total_seq_len, hidden_size=hidden, num_target_layers=3,
+                        dtype=hs_dtype, preprocess=shift_batch)
+    batch = collate(samples)
+    batch.pop(RECOVERY_METADATA_KEY, None)  # BatchRecoveryCoordinator.consume
+    n_tokens = int((batch["document_ids"] != -1).sum())
+    if n_tokens != total_seq_len:
+        raise SystemExit(f"packed row holds {n_tokens} tokens, expected {total_seq_len}")
+
+    n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    lengths = batch["document_ids"].flatten().bincount().tolist()
+    print(f"[peer] built in {time.perf_counter() - t0:.1f}s: {n_params / 1e6:.1f}M trainable, "
+          f"layers={model.config.transformer_layer_config.num_hidden_layers} "
+          f"attn={model._attn_impl} optimizers={[type(o).__name__ for o in optimizers]} "
+          f"loss={targs.loss_fn}/{targs.loss_implementation} "
+          f"lengths={lengths} threads={torch.get_num_threads()}",
+          file=sys.stderr)
+
+    autocast = hs_dtype != torch.float32  # CPU autocast with float32 is a disabled no-op
+
+    def step():
+        # Trainer.train_epoch's loop body.
+        with torch.autocast("cpu", dtype=hs_dtype, enabled=autocast):
+            draft_tokens, loss, metrics = model(**batch, **train_kwargs)
+        for opt in optimizers:
+            opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        for opt in optimizers:
+            opt.step()
+        for sched in schedulers:
+            sched.step()
+        return draft_tokens, loss, metrics
+
+    times = []
+    for i in range(n_steps):
+        t = time.perf_counter()
+        draft_tokens, loss, metrics = step()
+        dt = time.perf_counter() - t
+        ttt_seen = sum(1 for k in metrics if k.startswith("loss_") and k.endswith("_sum")
+                       and k[5:-4].isdigit())
+        acc0 = metrics["full_acc_0_sum"].item() / max(metrics["full_acc_0_total"].item(), 1)
+        print(f"[peer] step {i}{' (warm-up)' if i == 0 else ''}: {dt:.2f}s "
+              f"loss={loss.item():.4f} ttt_steps={len(draft_tokens)}/{ttt_seen} acc0={acc0:.3f}",
+              file=sys.stderr)
+        if len(draft_tokens) != args.ttt or ttt_seen != args.ttt:
+            raise SystemExit(f"expected a TTT unroll of {args.ttt}, got {len(draft_tokens)}")
+        if i:
+            times.append(dt)
+
+    step_s = statistics.median(times)
+    print(json.dumps({
+        "peer": "speculators 0.9.0",
+        "seq_len": args.seq_len,
+        "docs": args.docs,
+        "tokens": total_seq_len,
+        "dtype": args.dtype,
+        "ttt": args.ttt,
+        "draft_vocab": args.draft_vocab,
+        "step_s": round(step_s, 4),
+        "tokens_per_s": round(total_seq_len / step_s, 2),
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "attn_impl": args.attn_impl,
+        "optimizer": targs.optimizer,
+    }), flush=True)
+
+
+if __name__ == "__main__":
+    main()
