@@ -5,6 +5,7 @@ fixes) or quarantined (with reason, file and line), and a report.
 
 Writes <out>/<name>.jsonl (clean `{"id", "messages", "fixes"}` rows), <out>/<name>.quarantine.jsonl
 and <out>/<name>.report.{json,md}. The same code runs in `python train.py stages=[data]`.
+A file that cannot be read (missing, not UTF-8 text, unsupported type) exits 1 naming it and writes nothing.
 """
 from __future__ import annotations
 
@@ -36,11 +37,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--format", choices=sorted(FORMATS), default="auto")
     p.add_argument("--toon", action="store_true", help="decode and repair TOON answers")
     p.add_argument("--toon-where", choices=["message", "fenced"], default="message")
+    p.add_argument("--toon-prose", choices=["quarantine", "keep"], default="quarantine",
+                   help="an answer that is prose, not a TOON document (data.fix.toon_prose)")
     p.add_argument("--image-root", default=None)
     args = p.parse_args(argv)
     src, out = Path(args.input), Path(args.out)
-    result = fix_dataset(read_raw_rows(src), FixConfig(toon=args.toon, toon_where=args.toon_where),
-                         args.format, args.image_root)
+    fix = FixConfig(toon=args.toon, toon_where=args.toon_where, toon_prose=args.toon_prose)
+    try:
+        result = fix_dataset(read_raw_rows(src), fix, args.format, args.image_root)
+    except (OSError, ValueError) as e:  # DataFileError is a ValueError
+        print(f"fix.py: error: {e}", file=sys.stderr)
+        return 1
     name = src.name.split(".")[0]
     write_jsonl(out / f"{name}.jsonl", ({k: r[k] for k in ("id", "messages", "fixes")} for r in result.kept))
     write_jsonl(out / f"{name}.quarantine.jsonl", result.quarantined)

@@ -61,6 +61,9 @@ class FixConfig:
     empty_turns: str = "drop_turn"  # drop_turn | quarantine
     no_assistant: str = "quarantine"  # quarantine | keep
     dedupe: bool = True
+    # toon=true: an answer that decodes to one scalar (a line of prose, a number) is not a TOON
+    # document; quarantine it (toon_not_a_document) or keep it as written.
+    toon_prose: str = "quarantine"  # quarantine | keep
 
 
 @dataclass
@@ -96,6 +99,12 @@ class DataConfig:
     max_length: int = 2048
     overlength: str = "truncate"  # truncate | drop
     max_samples: Optional[int] = None  # per split, for quick runs
+    # A row whose messages hold more characters is quarantined (row_too_long) before it is
+    # tokenized, so one huge line cannot cost a whole tokenization. None: 16 x max_length, at least 65536.
+    max_chars_per_row: Optional[int] = None
+    # More than this share of a split's rows quarantined fails the stage (after writing the
+    # quarantine file and the report): usually a wrong data.format, not bad data. 1.0: never fail.
+    max_quarantined_share: float = 0.5
     fix: FixConfig = field(default_factory=FixConfig)
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
 
@@ -169,6 +178,7 @@ class EvalConfig:
     engine: EvalEngine = EvalEngine.embedded  # embedded | server | sglang
     trees: List[str] = field(default_factory=lambda: ["5_1_6", "8_2_16"])
     epochs: Optional[List[int]] = None  # with a run directory: only these epoch_<k> (None: every one)
+    allow_other_target: bool = False  # evaluate a draft recorded as trained for another target (warns)
     num_prompts: int = 16
     max_new_tokens: int = 128
     temperature: float = 0.0
@@ -178,7 +188,6 @@ class EvalConfig:
     url: Optional[str] = None
     scenario: Optional[str] = None  # serving benchmark preset: code | chat | completion (None: num_prompts x max_new_tokens, one at a time)
     # Serving benchmark (engine=server | sglang), see specforge/eval/server_eval.py
-    allow_other_target: bool = False  # evaluate a draft recorded as trained for another target (warns)
     baseline_url: Optional[str] = None  # engine=server: a base-model server to compare eval.url with
     prompts: str = "conversations"  # conversations (data/eval.conversations.jsonl) | random (scenario input_len)
     bench_backend: str = "sglang"  # sglang (POST /generate) | openai (POST /v1/completions)

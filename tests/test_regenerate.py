@@ -161,7 +161,9 @@ def test_unusable_answers_are_skipped_and_fix_runs_on_the_output(target, tmp_pat
     # w4 asks what w0 asks: unique as input (other original answer), a duplicate once regenerated.
     convs.append({**convs[0], "id": "w4", "line": 5, "messages": [dict(m) for m in convs[0]["messages"]]})
     convs[4]["messages"][-1]["content"] = "weather:\n  city: Paris\n  sky: foggy"
-    rows, report = regenerate_conversations(convs, cfg(), target, tmp_path, "eval", fix=FixConfig(toon=True))
+    # The taught target answers in prose: toon_prose="keep" lets it through (the default quarantines it).
+    fix = FixConfig(toon=True, toon_prose="keep")
+    rows, report = regenerate_conversations(convs, cfg(), target, tmp_path, "eval", fix=fix)
     quarantine = report.pop("quarantine")
     assert [r["id"] for r in rows] == ["w0", "w1", "w2", "w3"]
     assert [(q["line"], q["reason"].split(":")[0]) for q in quarantine] == [(5, "duplicate")]

@@ -1,15 +1,17 @@
 """Raw dataset rows -> one normalised conversation shape.
 
-Readers never raise on a bad line: it becomes a `RawRow` with an error so the data stage can
-quarantine it with its file and line. `to_conversation` raises `DataError` naming the offending
-field, which the fix step (or the stage) turns into a quarantine reason.
+Readers never raise on a bad JSON line: it becomes a `RawRow` with an error so the data stage can
+quarantine it with its file and line. A file that is not UTF-8 text (binary, compressed, another
+encoding) raises `DataFileError` naming the file, line and byte instead: quarantining its "lines"
+one by one would only hide that the wrong file was given. `to_conversation` raises `DataError`
+naming the offending field, which the fix step (or the stage) turns into a quarantine reason.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, NoReturn
 
 from specforge.utils.io import fingerprint
 
@@ -47,21 +49,28 @@ class DataError(ValueError):
     """A malformed row; the message starts with the field path, e.g. "messages[2].role: ..."."""
 
 
+class DataFileError(ValueError):
+    """A data file that is not UTF-8 text; the message names the file, line and byte."""
+
+
+SNIFF_BYTES = 1 << 16  # a NUL byte this early means binary data: refuse before reading a huge "line"
+
+
 def read_raw_rows(path: str | Path) -> Iterator[RawRow]:
     """Rows of a .jsonl (one per non-blank line) or .json (a list of objects) file.
 
-    Bad JSON, bad UTF-8 or a non-object row yields a RawRow with `error` set; nothing is skipped
-    silently and nothing raises except a missing file or an unsupported extension."""
+    Bad JSON or a non-object row yields a RawRow with `error` set; nothing is skipped silently.
+    A missing file, an unsupported extension or a file that is not UTF-8 text (DataFileError)
+    raises."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such data file")
     suffix = path.suffix.lower()
-    if suffix == ".jsonl":
-        yield from _read_jsonl(path)
-    elif suffix == ".json":
-        yield from _read_json_list(path)
-    else:
+    if suffix not in (".jsonl", ".json"):
         raise ValueError(f"{path}: unsupported data file type {suffix!r}; expected .jsonl or .json")
+    with open(path, "rb") as f:
+        _check_text(path, f.read(SNIFF_BYTES), 0, 1, sniff=True)
+    yield from _read_jsonl(path) if suffix == ".jsonl" else _read_json_list(path)
 
 
 def _object_or_error(file: str, line: int, obj: Any) -> RawRow:
@@ -70,15 +79,40 @@ def _object_or_error(file: str, line: int, obj: Any) -> RawRow:
     return RawRow(file, line, None, f"expected a JSON object, got {type(obj).__name__}")
 
 
+def _check_text(path: Path, data: bytes, offset: int, line: int, sniff: bool = False) -> str:
+    """`data` (which starts at byte `offset`, on line `line` of the file) decoded as UTF-8; raises
+    DataFileError naming the line and byte of the first NUL byte or undecodable byte, whichever
+    comes first. `sniff`: `data` is only the head of the file, so a character cut at its end is
+    not an error."""
+    text, bad = "", None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if not (sniff and e.end >= len(data) and "unexpected end" in e.reason):
+            bad = e
+    nul = data.find(b"\0")
+    if bad is not None and (nul < 0 or bad.start < nul):
+        _refuse(path, data, offset, line, bad.start, f"bytes that are not UTF-8 ({bad.reason})")
+    if nul >= 0:
+        _refuse(path, data, offset, line, nul, "a NUL byte (binary data, or UTF-16 text?)")
+    return text.removeprefix("\ufeff") if offset == 0 else text
+
+
+def _refuse(path: Path, data: bytes, offset: int, line: int, at: int, what: str) -> NoReturn:
+    line += data.count(b"\n", 0, at)
+    raise DataFileError(
+        f"{path}: not a UTF-8 text file: line {line} (byte {offset + at} of the file) holds {what}; "
+        "data files are UTF-8 JSON Lines (.jsonl) or a UTF-8 JSON list (.json)"
+    )
+
+
 def _read_jsonl(path: Path) -> Iterator[RawRow]:
     file = str(path)
+    offset = 0
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
-            try:
-                text = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
-            except UnicodeDecodeError as e:
-                yield RawRow(file, lineno, None, f"invalid UTF-8: {e.reason} at byte {e.start}")
-                continue
+            text = _check_text(path, raw, offset, lineno)
+            offset += len(raw)
             if not text.strip():
                 continue
             try:
@@ -92,11 +126,7 @@ def _read_jsonl(path: Path) -> Iterator[RawRow]:
 def _read_json_list(path: Path) -> Iterator[RawRow]:
     """Walk the top-level array element by element so each row gets its real line number."""
     file = str(path)
-    try:
-        text = path.read_text(encoding="utf-8-sig")
-    except UnicodeDecodeError as e:
-        yield RawRow(file, 1, None, f"invalid UTF-8: {e.reason} at byte {e.start}")
-        return
+    text = _check_text(path, path.read_bytes(), 0, 1)
     decoder = json.JSONDecoder()
 
     def skip_ws(i: int) -> int:

@@ -11,7 +11,7 @@ from collections import Counter
 from pathlib import Path
 
 from specforge.data.fix import fix_dataset, reason_code
-from specforge.data.fix.conversations import ImageChecker, Quarantine
+from specforge.data.fix.conversations import ImageChecker, Quarantine, check_row_length
 from specforge.data.formats import DataError, RawRow, read_raw_rows, to_conversation
 from specforge.data.template import render
 from specforge.data.vl_render import render_vl
@@ -21,6 +21,18 @@ from specforge.utils.io import file_fingerprint, fingerprint, write_json, write_
 from specforge.utils.progress import progress_bar
 
 GENERATE_HINT = "it can be generated with `python data_prep/weather.py --out data/weather`"
+# What most rows of a split quarantined for one reason usually mean: a hint for the error message.
+SHARE_HINTS = {
+    "invalid_row": "the rows do not have the shape data.format={format} expects; check data.format "
+                   "('auto' detects messages, sharegpt and conversations rows one by one)",
+    "invalid_json": "is the file JSON Lines (.jsonl, one object per line) or one JSON list (.json)?",
+    "row_too_long": "raise data.max_chars_per_row (now {max_chars})",
+    "overlength": "raise data.max_length or set data.overlength=truncate",
+    "toon_unrepairable": "are the answers TOON at all? set data.fix.toon=false if not",
+    "toon_not_a_document": "the answers are prose: set data.fix.toon=false, or data.fix.toon_prose=keep",
+    "image_missing": "check data.image_root (now {image_root}; default: the data file's folder)",
+    "image_outside_root": "check data.image_root (now {image_root})",
+}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
 
@@ -72,9 +84,29 @@ def _read_split(files: list[str]) -> list[RawRow]:
     return rows
 
 
-def _parse_only(rows: list[RawRow], fmt: str, image_root: str | None = None) -> tuple[list[dict], list[dict]]:
-    """Without the fix step: parse each row, quarantine what does not parse or names a bad image
-    (same reason codes); image paths are resolved as the fix step resolves them."""
+def max_chars_per_row(data_cfg) -> int:
+    """data.max_chars_per_row, or by default 16 characters per token of max_length (at least 65536):
+    far more than truncation keeps, small enough that one row cannot blow up the tokenizer."""
+    limit = data_cfg.max_chars_per_row
+    if limit is None:
+        return max(16 * data_cfg.max_length, 1 << 16)
+    if limit <= 0:
+        raise ValueError(f"data.max_chars_per_row: must be positive, got {limit}")
+    return limit
+
+
+def check_limits(data_cfg) -> None:
+    """Fail on a bad limit before any file is read, not after minutes of work."""
+    max_chars_per_row(data_cfg)
+    share = data_cfg.max_quarantined_share
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"data.max_quarantined_share: must lie in [0, 1], got {share}")
+
+
+def _parse_only(rows: list[RawRow], fmt: str, image_root: str | None = None,
+                max_chars: int | None = None) -> tuple[list[dict], list[dict]]:
+    """Without the fix step: parse each row, quarantine what does not parse, is too long or names
+    a bad image (same reason codes); image paths are resolved as the fix step resolves them."""
     images = ImageChecker(image_root)
     kept, quarantined = [], []
     for raw in rows:
@@ -88,6 +120,7 @@ def _parse_only(rows: list[RawRow], fmt: str, image_root: str | None = None) -> 
             quarantined.append({"file": raw.file, "line": raw.line, "reason": f"invalid_row: {e}", "row": raw.data})
             continue
         try:
+            check_row_length(conv["messages"], max_chars)
             conv["messages"] = images.resolve_images(conv["messages"], raw.file)
         except Quarantine as q:
             quarantined.append({"file": raw.file, "line": raw.line, "reason": q.reason, "row": raw.data})
@@ -98,9 +131,10 @@ def _parse_only(rows: list[RawRow], fmt: str, image_root: str | None = None) -> 
 
 def _normalise(cfg, rows: list[RawRow]) -> tuple[list[dict], list[dict]]:
     """(conversations {"id", "messages", "fixes", "file", "line"}, quarantine entries)."""
+    max_chars = max_chars_per_row(cfg.data)
     if not cfg.data.fix.enabled:
-        return _parse_only(rows, cfg.data.format, cfg.data.image_root)
-    result = fix_dataset(rows, cfg.data.fix, cfg.data.format, cfg.data.image_root)
+        return _parse_only(rows, cfg.data.format, cfg.data.image_root, max_chars)
+    result = fix_dataset(rows, cfg.data.fix, cfg.data.format, cfg.data.image_root, max_chars)
     if len(result.kept) + len(result.quarantined) != len(rows):
         raise RuntimeError(
             f"data.fix: {len(rows)} input rows but {len(result.kept)} kept + {len(result.quarantined)} "
@@ -213,6 +247,7 @@ def run(cfg, run_dir, fingerprint: str | None = None) -> dict:
     from specforge.targets.vl import is_vl, load_image_processor, vl_info
     from transformers import AutoConfig
 
+    check_limits(cfg.data)
     layout = RunLayout(run_dir)
     splits = split_files(cfg)
     for files in splits.values():
@@ -246,22 +281,29 @@ def run(cfg, run_dir, fingerprint: str | None = None) -> dict:
     if not train["samples"]:
         _write_report(layout, summary, None)
         raise ValueError(
-            f"data: no training samples left out of {train['counts']['input_rows']} rows; "
-            f"see {layout.quarantine} and {layout.data_report_md}"
+            f"data: no training samples left out of {train['counts']['input_rows']} rows "
+            f"(top reasons: {_top_reasons(train['counts'])}); see {layout.quarantine} and {layout.data_report_md}"
         )
+    too_many = [p for split, r in results.items() if (p := quarantined_share_problem(cfg, split, r))]
+    if too_many:
+        _write_report(layout, summary, None)
+        raise ValueError("; ".join(too_many) + f". Every row is accounted for in {layout.quarantine} and "
+                         f"{layout.data_report_md}; to accept this, raise data.max_quarantined_share (1.0: never fail)")
 
     vocab_size = target_vocab_size(target_path, tokenizer)
+    requested = cfg.draft.draft_vocab_size
     key = vocab_cache_key(
         file_fingerprint(layout.samples("train")), tokenizer_fingerprint(target_path),
-        vocab_size, cfg.draft.draft_vocab_size,
+        vocab_size, requested,
     )
-    d2t, t2d, hit = cached_vocab_mapping(
+    d2t, t2d, hit = cached_vocab_mapping(  # says so when it clamps the requested size
         cfg.cache_dir, key, ((s["input_ids"], s["loss_mask"]) for s in train["samples"]),
-        vocab_size, cfg.draft.draft_vocab_size,
+        vocab_size, requested,
     )
     save_vocab(layout.vocab, d2t, t2d)
     vocab = {
         "vocab_size": vocab_size,
+        "requested_draft_vocab_size": requested,
         "draft_vocab_size": int(len(d2t)),
         "cache_key": key,
         "cache_hit": hit,
@@ -269,6 +311,36 @@ def run(cfg, run_dir, fingerprint: str | None = None) -> dict:
     }
     _write_report(layout, summary, vocab)
     return {**summary, "vocab": vocab}
+
+
+def _ranked_reasons(counts: dict) -> list[tuple[str, int]]:
+    """(reason code, rows) pairs, most frequent first (ties by name)."""
+    return sorted(counts["by_reason"].items(), key=lambda kv: (-kv[1], kv[0]))
+
+
+def _top_reasons(counts: dict, n: int = 3) -> str:
+    """"invalid_row 19, duplicate 2": the most frequent quarantine reason codes."""
+    return ", ".join(f"{code} {k}" for code, k in _ranked_reasons(counts)[:n]) or "none"
+
+
+def quarantined_share_problem(cfg, split: str, result: dict) -> str | None:
+    """Why this split lost too many rows (share, top reasons, one example, a hint), or None.
+
+    A stage that quarantines most of its input almost always read it wrongly (data.format, the
+    wrong file); finishing with "done" would hide that behind a tiny training set."""
+    counts = result["counts"]
+    rows, quarantined = counts["input_rows"], counts["quarantined"]
+    limit = cfg.data.max_quarantined_share
+    if not rows or quarantined / rows <= limit:
+        return None
+    top = _ranked_reasons(counts)[0][0]
+    example = next(q for q in result["quarantine"] if reason_code(q["reason"]) == top)
+    reason = example["reason"] if len(example["reason"]) <= 200 else example["reason"][:197] + "..."
+    hint = SHARE_HINTS.get(top, SHARE_HINTS["invalid_row"]).format(
+        format=cfg.data.format, max_chars=max_chars_per_row(cfg.data), image_root=cfg.data.image_root)
+    return (f"data {split}: {quarantined} of {rows} rows quarantined ({quarantined / rows:.1%}), more than "
+            f"data.max_quarantined_share={limit}; top reasons: {_top_reasons(counts)}; e.g. {example['file']} "
+            f"line {example['line']}: {reason}; hint: {hint}")
 
 
 def _write_report(layout: RunLayout, summary: dict, vocab: dict | None) -> None:
@@ -292,9 +364,12 @@ def report_markdown(summary: dict, vocab: dict | None) -> str:
             lines += ["", f"## {title}", "", "| | " + " | ".join(splits) + " |", "|---|" + "---|" * len(splits)]
             lines += [f"| {n} | " + " | ".join(str(summary[s][key].get(n, 0)) for s in splits) + " |" for n in names]
     if vocab:
+        requested = vocab.get("requested_draft_vocab_size", vocab["draft_vocab_size"])
+        clamped = (f"; draft.draft_vocab_size={requested} clamped to the target vocab"
+                   if requested != vocab["draft_vocab_size"] else "")
         lines += ["", "## Draft vocabulary", "",
                   f"- {vocab['draft_vocab_size']} of {vocab['vocab_size']} target tokens "
-                  f"(cache {'hit' if vocab['cache_hit'] else 'miss'}, key {vocab['cache_key']})"]
+                  f"(cache {'hit' if vocab['cache_hit'] else 'miss'}, key {vocab['cache_key']}{clamped})"]
         lines += [f"- loss tokens covered by the draft vocab, {s}: {c:.2%}" for s, c in vocab["coverage"].items()]
     lines += ["", "Quarantined rows with file, line and reason: `quarantine.jsonl`.", ""]
     return "\n".join(lines)

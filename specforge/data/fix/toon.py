@@ -11,8 +11,10 @@ than taught.
    different meaning: `{"a": 1}` decodes as the key `{"a"` with the string value `1}`.
 2. A payload that decodes strictly is re-encoded with `toon_format.encode`. If that changes the
    bytes the row records "canonicalized" (so every TOON answer in the output has one spelling;
-   a canonical input is kept byte-identical). A document whose root is a single scalar (a line
-   of prose) is left as written: the encoder would quote it.
+   a canonical input is kept byte-identical). A payload whose root is a single scalar (a line
+   of prose, a number) is no TOON document: with `prose="quarantine"` (data.fix.toon_prose, the
+   data stage's default) it raises `ToonNotADocument`, so a prose answer is not taught as TOON;
+   with `prose="keep"` it is left as written (the encoder would only quote it).
 3. Otherwise the repairs below run in this fixed order, each on the result of the previous one,
    with a strict re-decode after each that changed the text. Each repair that changed the text
    is recorded; the first successful decode is re-encoded canonically (no extra
@@ -65,19 +67,30 @@ class ToonUnrepairable(ValueError):
     """A payload that no repair makes decode strictly; the message is the decoder's."""
 
 
+class ToonNotADocument(ValueError):
+    """A payload that decodes to one scalar: valid TOON, but prose rather than a document."""
+
+
+PROSE_POLICIES = ("quarantine", "keep")
+
+
 def decode_strict(text: str) -> Any:
     return toon_format.decode(text, strict=True)
 
 
-def repair_toon(text: str) -> tuple[str, list[str]]:
-    """(canonical payload, fixes applied) for one TOON payload; raises ToonUnrepairable."""
+def repair_toon(text: str, prose: str = "keep") -> tuple[str, list[str]]:
+    """(canonical payload, fixes applied) for one TOON payload; raises ToonUnrepairable, or
+    ToonNotADocument for a root scalar when `prose` is "quarantine"."""
     data = _json_container(text)
     if data is not None:
         return _from_json(text, data)
     try:
-        return _canonical(text, decode_strict(text), valid_as_given=True)
+        value = decode_strict(text)
     except ToonDecodeError as e:
         error = e
+    else:
+        _check_document(value, prose)
+        return _canonical(text, value, valid_as_given=True)
     fixes: list[str] = []
     for name, repair in REPAIRS:
         repaired = repair(text)
@@ -90,22 +103,24 @@ def repair_toon(text: str) -> tuple[str, list[str]]:
         except ToonDecodeError as e:
             error = e
             continue
+        _check_document(value, prose)
         canonical, _ = _canonical(text, value, valid_as_given=False)
         return canonical, fixes
     raise ToonUnrepairable(str(error))
 
 
-def repair_fenced(content: str) -> tuple[str, list[str]]:
-    """Repair each ```toon fenced block of a message; raises ToonUnrepairable naming the block."""
+def repair_fenced(content: str, prose: str = "keep") -> tuple[str, list[str]]:
+    """Repair each ```toon fenced block of a message (text outside the blocks is free prose);
+    raises ToonUnrepairable or ToonNotADocument naming the block."""
     fixes: list[str] = []
     pieces: list[str] = []
     end = 0
     for n, match in enumerate(FENCE.finditer(content), 1):
         payload = match.group(1)[:-1] if match.group(1).endswith("\n") else match.group(1)
         try:
-            canonical, block_fixes = repair_toon(payload)
-        except ToonUnrepairable as e:
-            raise ToonUnrepairable(f"{e} (```toon block {n})") from None
+            canonical, block_fixes = repair_toon(payload, prose)
+        except (ToonUnrepairable, ToonNotADocument) as e:
+            raise type(e)(f"{e} (```toon block {n})") from None
         fixes.extend(f for f in block_fixes if f not in fixes)
         pieces += [content[end:match.start()], f"```toon\n{canonical}\n```" if canonical else "```toon\n```"]
         end = match.end()
@@ -113,13 +128,20 @@ def repair_fenced(content: str) -> tuple[str, list[str]]:
     return "".join(pieces), fixes
 
 
-def repair_answers(messages: list[dict], where: str) -> tuple[list[dict], list[str]]:
-    """Repair the TOON of every assistant turn (`where`: "message" or "fenced").
+def repair_answers(messages: list[dict], where: str, prose: str = "keep") -> tuple[list[dict], list[str]]:
+    """Repair the TOON of every assistant turn (`where`: "message" or "fenced"; `prose`: what a
+    payload that is a single scalar gets, "quarantine" or "keep").
 
-    Raises ToonUnrepairable naming the assistant turn (counted among assistant turns)."""
+    Raises ToonUnrepairable or ToonNotADocument naming the assistant turn (counted among
+    assistant turns)."""
     if where not in ("message", "fenced"):
         raise ValueError(f"data.fix.toon_where: {where!r} is not 'message' or 'fenced'")
-    repair = repair_toon if where == "message" else repair_fenced
+    if prose not in PROSE_POLICIES:
+        raise ValueError(f"data.fix.toon_prose: {prose!r} is not one of {list(PROSE_POLICIES)}")
+    fn = repair_toon if where == "message" else repair_fenced
+
+    def repair(text: str) -> tuple[str, list[str]]:
+        return fn(text, prose)
     out, fixes, turn = [], [], 0
     for m in messages:
         if m["role"] != "assistant":
@@ -128,8 +150,8 @@ def repair_answers(messages: list[dict], where: str) -> tuple[list[dict], list[s
         turn += 1
         try:
             content, turn_fixes = _repair_content(m["content"], repair)
-        except ToonUnrepairable as e:
-            raise ToonUnrepairable(f"{e} (assistant turn {turn})") from None
+        except (ToonUnrepairable, ToonNotADocument) as e:
+            raise type(e)(f"{e} (assistant turn {turn})") from None
         out.append({**m, "content": content})
         fixes.extend(f for f in turn_fixes if f not in fixes)
     return out, fixes
@@ -147,6 +169,15 @@ def _repair_content(content: str | list, repair: Callable) -> tuple[str | list, 
             fixes.extend(f for f in part_fixes if f not in fixes)
         parts.append(part)
     return parts, fixes
+
+
+def _check_document(value: Any, prose: str) -> None:
+    """TOON documents are objects or arrays; a root scalar is what prose decodes to."""
+    if prose == "quarantine" and not isinstance(value, (dict, list)):
+        kind = {str: "string", bool: "boolean", type(None): "null"}.get(type(value), "number")
+        shown = json.dumps(value, ensure_ascii=False)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        raise ToonNotADocument(f"the answer decodes to a single {kind} ({shown}), not a TOON object or array")
 
 
 def _canonical(text: str, value: Any, valid_as_given: bool) -> tuple[str, list[str]]:
