@@ -16,7 +16,8 @@ from safetensors.torch import save_file
 from specforge.config import check_eagle31_options
 from specforge.models.draft import ARCHITECTURE, Eagle3Config, Eagle3Draft
 from specforge.targets.layers import check_aux_layer_ids
-from specforge.targets.loader import TargetIdentity
+from specforge.targets.loader import deepstack_layers, text_config
+from specforge.targets.vl import is_vl_config
 from specforge.utils.io import atomic_dir
 
 CONFIG_NAME = "config.json"
@@ -139,18 +140,27 @@ def save_checkpoint(draft: Eagle3Draft, out_dir: str | Path, dtype=torch.bfloat1
     return out_dir
 
 
+def read_config(path: str | Path) -> Eagle3Config:
+    """The validated config.json of a checkpoint directory, without reading its weights."""
+    cfg_path = Path(path) / CONFIG_NAME
+    if not cfg_path.exists():
+        raise CheckpointError(f"{cfg_path}: missing (a checkpoint is config.json + model.safetensors)")
+    try:
+        cfg_dict = json.loads(cfg_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{cfg_path}: invalid JSON ({e})") from None
+    if not isinstance(cfg_dict, dict):
+        raise CheckpointError(f"{cfg_path}: must hold a JSON object")
+    return validate_config(cfg_dict, str(cfg_path))
+
+
 def read_checkpoint(path: str | Path) -> tuple[Eagle3Config, dict[str, torch.Tensor]]:
     """Config and tensors of a checkpoint directory, validated."""
     path = Path(path)
-    cfg_path, weights_path = path / CONFIG_NAME, path / WEIGHTS_NAME
-    for p in (cfg_path, weights_path):
-        if not p.exists():
-            raise CheckpointError(f"{p}: missing (a checkpoint is config.json + model.safetensors)")
-    try:
-        cfg_dict = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{cfg_path}: invalid JSON ({e.msg} at line {e.lineno})") from None
-    cfg = validate_config(cfg_dict, str(cfg_path))
+    weights_path = path / WEIGHTS_NAME
+    cfg = read_config(path)
+    if not weights_path.exists():
+        raise CheckpointError(f"{weights_path}: missing (a checkpoint is config.json + model.safetensors)")
     try:
         with safe_open(weights_path, framework="pt") as f:
             tensors = {k: f.get_tensor(k) for k in f.keys()}
@@ -176,28 +186,43 @@ def load_draft(path: str | Path, device="cpu", dtype=torch.float32, attention: s
     return draft.to(device=device, dtype=dtype).requires_grad_(False).eval()
 
 
-def check_fits_target(cfg: Eagle3Config, target: TargetIdentity, where: str | Path,
+def check_fits_target(cfg: Eagle3Config, target_config, where: str | Path, target_fingerprint: str | None = None,
                       allow_other_target: bool = False) -> None:
-    """Refuse a draft that cannot run on `target` (vocab, hidden size, aux layers beyond its depth),
-    and one recorded as trained for another target unless `allow_other_target` (then warn): shapes
-    that happen to match would run and measure nonsense."""
-    where = f"{Path(where) / CONFIG_NAME}"
-    if cfg.vocab_size != target.vocab_size:
-        raise CheckpointError(f"{where}: vocab_size {cfg.vocab_size} != the target's {target.vocab_size} "
-                              f"({target.name}): a draft of another target")
-    if cfg.target_hidden_size != target.hidden_size:
-        raise CheckpointError(f"{where}: target_hidden_size {cfg.target_hidden_size} != the target's hidden size "
-                              f"{target.hidden_size} ({target.name}): a draft of another target")
+    """Refuse a draft (checkpoint directory `where`) that cannot run on the target: every field of
+    its config.json that disagrees with the target's transformers config, in one error; otherwise
+    a wrong width fails at the first request as a shape error, and a wrong vocab or layer never
+    fails at all, it only drafts garbage. With `target_fingerprint`, a draft recorded as trained for
+    another target is refused too (shapes that happen to match would measure nonsense), or only
+    warned about with `allow_other_target`."""
+    where = Path(where) / CONFIG_NAME
+    t = text_config(target_config)
+    problems = []
+    if cfg.target_hidden_size != t.hidden_size:
+        problems.append(f"target_hidden_size {cfg.target_hidden_size} != the target's hidden_size "
+                        f"{t.hidden_size} (fc reads the target's aux states, 3 x its width)")
+    if cfg.vocab_size != t.vocab_size:
+        problems.append(f"vocab_size {cfg.vocab_size} != the target's vocab_size {t.vocab_size} "
+                        "(d2t maps draft ids to target ids; t2d has one entry per target id)")
+    depth = deepstack_layers(target_config)
     try:
-        check_aux_layer_ids(cfg.aux_layer_ids, target.num_hidden_layers, count=3, min_id=None,
-                            what=f"{where}: eagle_config.eagle_aux_hidden_state_layer_ids")
+        check_aux_layer_ids(cfg.aux_layer_ids, t.num_hidden_layers, what="eagle_config.eagle_aux_hidden_state_layer_ids",
+                            count=3, min_id=depth, hint=f" (the target has {t.num_hidden_layers} decoder layers)",
+                            why_min=f"its output carries the target's deepstack visual features (layers 0..{depth - 1})"
+                            if depth else None)
     except ValueError as e:
-        raise CheckpointError(f"{e} ({target.name} has {target.num_hidden_layers} layers)") from None
+        problems.append(str(e))
+    vl = is_vl_config(target_config)
+    if vl != cfg.uses_mrope:
+        problems.append("rope_scaling.mrope_section: " + ("missing, but the target uses M-RoPE positions" if vl
+                        else f"{cfg.mrope_section}, but the target is a text model (1-D positions)"))
+    if problems:
+        raise CheckpointError(f"{where}: the draft does not fit the target: " + "; ".join(problems))
     recorded = cfg.extra.get(TARGET_KEY) or {}
-    if recorded.get("fingerprint") not in (None, target.fingerprint):
-        msg = (f"{where}: trained for target {recorded.get('name')!r} (fingerprint {recorded['fingerprint']}), "
-               f"this target is {target.name!r} (fingerprint {target.fingerprint})")
-        if not allow_other_target:
-            raise CheckpointError(msg + "; if the two are the same model (e.g. copied files), "
-                                  "set eval.allow_other_target=true")
-        print(f"[warning] {msg}; evaluating anyway (eval.allow_other_target=true)", flush=True)
+    if target_fingerprint is None or recorded.get("fingerprint") in (None, target_fingerprint):
+        return
+    msg = (f"{where}: trained for target {recorded.get('name')!r} (fingerprint {recorded['fingerprint']}), "
+           f"this target has fingerprint {target_fingerprint}")
+    if not allow_other_target:
+        raise CheckpointError(msg + "; if the two are the same model (e.g. copied files), "
+                              "set eval.allow_other_target=true")
+    print(f"[warning] {msg}; going on anyway", flush=True)

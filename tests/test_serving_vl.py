@@ -6,6 +6,7 @@ import json
 import re
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from specforge.models.draft import Eagle3Config, Eagle3Draft
 from specforge.eval import bench_client as bc
 from specforge.serving.app import EmbeddedServer
 from specforge.serving.model import load_model
+from specforge.serving.policy import ServePolicy
 from specforge.targets.loader import load_target, load_tokenizer
 from specforge.targets.vl import load_image_processor, vl_info
 
@@ -43,9 +45,10 @@ def setup(tiny_vl_dir, two_image_prompt, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def servers(setup, tiny_vl_dir):
-    _, _, ckpt, _, _ = setup
-    eagle = EmbeddedServer(lambda: load_model(tiny_vl_dir, ckpt, TREE, dtype="float32")).start()
-    base = EmbeddedServer(lambda: load_model(tiny_vl_dir, dtype="float32")).start()
+    _, _, ckpt, _, paths = setup
+    policy = ServePolicy(image_roots=(Path(paths[0]).parent,))  # --image-root: the prompt's images
+    eagle = EmbeddedServer(lambda: load_model(tiny_vl_dir, ckpt, TREE, dtype="float32"), policy=policy).start()
+    base = EmbeddedServer(lambda: load_model(tiny_vl_dir, dtype="float32"), policy=policy).start()
     eagle.wait_ready(120), base.wait_ready(120)
     yield eagle, base
     eagle.close(), base.close()
@@ -91,7 +94,7 @@ def test_image_data_gives_the_in_process_engines_tokens(setup, servers, tiny_vl_
 
 
 @pytest.mark.parametrize("image_data, message", [
-    (["/no/such.png"], "image /no/such.png: file not found"),
+    (["/no/such.png"], "image_data\\[0\\]: '/no/such.png' is not an image file under the server's --image-root"),
     (["http://example.com/a.png"], "local image files only"),
     ("one", "1 image placeholder tokens .* but 2 images|2 image placeholder tokens .* but 1 images"),
 ])

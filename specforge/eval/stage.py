@@ -48,13 +48,16 @@ def run_evaluation(run_cfg, ckpt: str | Path, eval_cfg, out_dir: str | Path | No
 def check_checkpoints(ckpts: list[Path], target_cfg, allow_other_target: bool) -> None:
     """Every selected checkpoint read and checked against the target before any model runs: a
     broken epoch_7 fails the evaluation at once, not after the base model's benchmark."""
-    from specforge.checkpoint import check_fits_target, read_checkpoint
-    from specforge.targets.loader import target_identity
+    from transformers import AutoConfig
 
-    target = target_identity(target_cfg)
+    from specforge.checkpoint import check_fits_target, read_checkpoint
+    from specforge.targets.loader import resolve_target_path, target_fingerprint
+
+    path = resolve_target_path(target_cfg)
+    target_config = AutoConfig.from_pretrained(path, trust_remote_code=target_cfg.trust_remote_code)
     for ckpt in ckpts:
         cfg, _ = read_checkpoint(ckpt)
-        check_fits_target(cfg, target, ckpt, allow_other_target)
+        check_fits_target(cfg, target_config, ckpt, target_fingerprint(path), allow_other_target)
 
 
 def run(cfg, run_dir: Path, fingerprint: str | None = None) -> dict:

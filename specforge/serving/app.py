@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import Callable
 
 from specforge.serving.handler import Handler
-from specforge.serving.model import LoadedModel, load_model
+from specforge.serving.model import LoadedModel, check_draft_checkpoint, load_model
+from specforge.serving.policy import (DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_READ_TIMEOUT_S,
+                                      ServePolicy, is_loopback)
 from specforge.serving.worker import EngineWorker
 
 log = logging.getLogger("specforge.serve")
@@ -25,6 +27,7 @@ class _HTTPServer(ThreadingHTTPServer):
     daemon_threads = True
     worker: EngineWorker
     model_name: str
+    policy: ServePolicy
 
     @property
     def version(self) -> str:
@@ -50,14 +53,16 @@ def _version() -> str:
 class EmbeddedServer:
     """The HTTP server and its engine thread. `loader` builds the LoadedModel in the engine
     thread, after the port is open (so /health answers 503 meanwhile). Use as a context manager
-    or call start() / close(). port=0 picks a free port."""
+    or call start() / close(). port=0 picks a free port. `policy`: API key, request limits and
+    image roots (default: no key, no local images)."""
 
     def __init__(self, loader: Callable[[], LoadedModel], *, host: str = "127.0.0.1", port: int = 0,
-                 model_name: str = "default"):
+                 model_name: str = "default", policy: ServePolicy | None = None):
         self.worker = EngineWorker(loader)
         self.httpd = _HTTPServer((host, port), Handler)
         self.httpd.worker = self.worker
         self.httpd.model_name = model_name
+        self.httpd.policy = policy or ServePolicy()
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="specforge-http", daemon=True)
 
     @property
@@ -99,8 +104,20 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", "--speculative-draft-model-path", dest="draft", default=None,
                    help="EAGLE3 draft checkpoint directory (omit to serve the base model)")
     p.add_argument("--tree", default="8_2_16", help="draft tree T_K_N (steps_topk_drafttokens)")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on; any other than loopback should come with --api-key")
     p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--api-key", default=None,
+                   help="every request but GET /health must send Authorization: Bearer KEY (SGLang's flag)")
+    p.add_argument("--image-root", dest="image_roots", action="extend", nargs="+", default=[], metavar="DIR",
+                   help="image_data may name local files inside these directories (after symlinks); "
+                        "default none: only base64 data: URIs")
+    p.add_argument("--max-image-bytes", type=int, default=DEFAULT_MAX_IMAGE_BYTES,
+                   help="largest image file or decoded data: URI, in bytes")
+    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help="largest request body, in bytes (larger: 413)")
+    p.add_argument("--read-timeout-s", type=float, default=DEFAULT_READ_TIMEOUT_S,
+                   help="longest wait on a client socket; a request body must arrive whole within it (else 408)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
@@ -120,12 +137,20 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info")
 
 
+def warn_if_exposed(host: str, policy: ServePolicy) -> None:
+    """A server reachable from other machines without a key runs anyone's requests: say so."""
+    if policy.api_key is None and not is_loopback(host):
+        print(f"serve: WARNING: listening on {host!r}, which other machines can reach, without --api-key: "
+              "anyone who can connect can use this server", file=sys.stderr, flush=True)
+
+
 def _interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
 
 def serve(args: argparse.Namespace) -> None:
-    """Run until SIGINT/SIGTERM; exit non-zero when the model cannot be loaded."""
+    """Run until SIGINT/SIGTERM; exit non-zero, before the port opens, on a bad flag or a draft that
+    does not fit the target, and once it is open, when the model cannot be loaded."""
     import signal
 
     from specforge.engine.tree import TreeSpec
@@ -143,6 +168,18 @@ def serve(args: argparse.Namespace) -> None:
             raise SystemExit("serve: aux hidden states need --enable-return-hidden-states, "
                              "--enable-return-aux-hidden-states and --return-aux-hidden-state-layer-ids")
         aux_ids = args.return_aux_hidden_state_layer_ids
+    try:
+        policy = ServePolicy(api_key=args.api_key, image_roots=tuple(args.image_roots),
+                             max_request_bytes=args.max_request_bytes, read_timeout_s=args.read_timeout_s,
+                             max_image_bytes=args.max_image_bytes)
+    except ValueError as e:
+        raise SystemExit(f"serve: {e}") from None
+    warn_if_exposed(args.host, policy)
+    if args.draft:
+        try:  # a draft for another target stops here, before the port opens
+            check_draft_checkpoint(args.draft, args.target)
+        except ValueError as e:
+            raise SystemExit(f"serve: {e}") from None
     if args.threads:
         import torch
 
@@ -156,7 +193,7 @@ def serve(args: argparse.Namespace) -> None:
 
     name = args.served_model_name or Path(args.target).name
     try:
-        server = EmbeddedServer(loader, host=args.host, port=args.port, model_name=name)
+        server = EmbeddedServer(loader, host=args.host, port=args.port, model_name=name, policy=policy)
     except OSError as e:
         raise SystemExit(f"serve: cannot listen on {args.host}:{args.port}: {e.strerror}") from None
     signal.signal(signal.SIGTERM, _interrupt)

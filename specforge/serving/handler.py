@@ -1,8 +1,8 @@
 """The HTTP routes of `specforge serve`: requests in SGLang's protocol turned into engine jobs,
 and the engine's tokens and statistics turned into SGLang's answers.
 
-One target (and optionally one EAGLE3 draft checkpoint with one tree `T_K_N`) served on
-127.0.0.1, so base and EAGLE3 are measured by the same client as a real SGLang server:
+One target (and optionally one EAGLE3 draft checkpoint with one tree `T_K_N`), so base and EAGLE3
+are measured by the same client as a real SGLang server:
 
 - `POST /generate` (SGLang native): `text` or `input_ids`, `sampling_params` {max_new_tokens,
   temperature, ignore_eos, stop_token_ids, sampling_seed}, `stream`. Returns `text`, `output_ids`
@@ -15,9 +15,10 @@ One target (and optionally one EAGLE3 draft checkpoint with one tree `T_K_N`) se
   {include_usage, continuous_usage_stats} are honoured.
 - `GET /health` (503 while the model loads, 200 after), `GET /server_info` (server args and
   `internal_states[0].avg_spec_accept_length`, cumulative since start), `GET /v1/models`.
-- Vision-language targets (Qwen3-VL, Qwen2.5-VL): `/generate` takes `image_data` (local image
-  paths, one per image placeholder of the prompt, as SGLang takes them); the placeholders are
-  expanded to the images' token counts and the engine prefills with the pixels.
+- Vision-language targets (Qwen3-VL, Qwen2.5-VL): `/generate` takes `image_data` (one image per
+  placeholder of the prompt, as SGLang takes them: a local path under `--image-root`, or a base64
+  `data:` URI; images.py); the placeholders are expanded to the images' token counts and the
+  engine prefills with the pixels.
 - Hidden states, as SGLang returns them (docs/contract.md §7), for the `server` extract backend: started
   with `--enable-return-hidden-states`, a `/generate` request with `return_hidden_states: true`
   and `max_new_tokens: 1` gets `meta_info.hidden_states = [rows]`, one row per prompt token: the
@@ -28,6 +29,12 @@ One target (and optionally one EAGLE3 draft checkpoint with one tree `T_K_N`) se
 
 The engine runs batch 1: requests queue (FIFO) for one engine thread; HTTP handling is threaded,
 so any number of clients may connect and stream concurrently.
+
+Every request first passes the server's ServePolicy (policy.py): the API key (`--api-key`, all
+routes but /health), the body's size (`--max-request-bytes`) and the time to read it
+(`--read-timeout-s`). Every refusal and every failure is answered with a JSON error
+`{"error": {"message", "code"}}`; a connection whose request was not read to its end is closed
+after the answer.
 """
 from __future__ import annotations
 
@@ -38,7 +45,9 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler
 from typing import Callable
 
+from specforge.serving.images import load_image_data
 from specforge.serving.model import LoadedModel
+from specforge.serving.policy import UNAUTHENTICATED_GETS, RequestError, content_length, is_authorized
 from specforge.serving.worker import Job
 
 log = logging.getLogger("specforge.serve")
@@ -49,12 +58,9 @@ NEUTRAL_SAMPLING = {"top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty
                     "frequency_penalty": 0.0, "presence_penalty": 0.0, "n": 1}
 UNSUPPORTED_FEATURES = ("return_logprob", "return_hidden_states", "image_data", "lora_path",
                         "logprobs", "echo", "suffix")
+DISCARD_BODY_BYTES = 1 << 16  # the largest unread body read (and dropped) to keep a connection after an error
 HIDDEN_STATES_DISABLED = ("The server is not configured to return the hidden states. "
                           "Please set `--enable-return-hidden-states` to enable this feature.")  # SGLang's words
-
-
-class RequestError(ValueError):
-    """A bad request: answered with HTTP 400 and this message."""
 
 
 def _meta_info(job: Job, prompt_tokens: int, output_ids: list[int], stats, model: LoadedModel) -> dict:
@@ -81,6 +87,10 @@ def _meta_info(job: Job, prompt_tokens: int, output_ids: list[int], stats, model
     return meta
 
 
+def _is_token_id(t) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool)
+
+
 class _TextDeltas:
     """Incremental detokenization: the text so far, holding back an incomplete UTF-8 character."""
 
@@ -103,7 +113,14 @@ class _TextDeltas:
 
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
-    server: "_HTTPServer"  # specforge.serving.app._HTTPServer: .worker, .model_name, .version
+    server: "_HTTPServer"  # specforge.serving.app._HTTPServer: .worker, .model_name, .version, .policy
+    _unread_body = False  # the request's body is still on the socket: close after answering
+    _responded = False  # the status line of this request's answer is sent
+
+    def setup(self):
+        # Every socket read waits at most this long: a silent client cannot hold a thread forever.
+        self.timeout = self.server.policy.read_timeout_s
+        super().setup()
 
     def log_message(self, fmt, *args):
         log.debug("%s - %s", self.address_string(), fmt % args)
@@ -114,13 +131,53 @@ class Handler(BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
+        if status == HTTPStatus.UNAUTHORIZED:
+            self.send_header("WWW-Authenticate", "Bearer")
+        if self._unread_body:  # the next bytes on this connection are no request
+            self.send_header("Connection", "close")
         self.end_headers()
+        self._responded = True
         self.wfile.write(body)
 
     def _send_error(self, status, message):
         self._send_json({"error": {"message": message, "code": int(status)}}, status)
 
+    def send_error(self, code, message=None, explain=None):
+        """http.server's own refusals (bad request line, headers too long, unknown method) as JSON too."""
+        self._unread_body = True
+        self._send_error(code, message or HTTPStatus(code).phrase)
+
+    def parse_request(self):
+        """http.server's request line + headers; headers that stop arriving get a 408, not silence."""
+        try:
+            return super().parse_request()
+        except TimeoutError:
+            self.send_error(HTTPStatus.REQUEST_TIMEOUT,
+                            f"the request headers were not received within --read-timeout-s "
+                            f"({self.server.policy.read_timeout_s:g} s)")
+            return False
+
+    def handle_expect_100(self):
+        """`Expect: 100-continue`: refuse a bad key or size before the client sends the body."""
+        if self.command == "POST":
+            try:
+                self._authorize()
+                content_length(self.headers, self.server.policy.max_request_bytes)
+            except RequestError as e:
+                self._unread_body = True
+                self._send_error(e.status, str(e))
+                return False
+        return super().handle_expect_100()
+
+    def _answer_failure(self, status, message):
+        """An error answer, or, when an answer (a stream) already started, the end of the connection."""
+        if self._responded:
+            self.close_connection = True
+        else:
+            self._send_error(status, message)
+
     def _start_stream(self):
+        self._responded = True
         self.send_response(HTTPStatus.OK)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
@@ -137,11 +194,51 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(b"0\r\n\r\n")
         self.wfile.flush()
 
-    def _read_json(self) -> dict:
-        length = int(self.headers.get("Content-Length") or 0)
+    def _authorize(self):
+        if not is_authorized(self.headers.get("Authorization"), self.server.policy.api_key):
+            raise RequestError("a valid API key is required: send the header Authorization: Bearer <key>",
+                               HTTPStatus.UNAUTHORIZED)
+
+    def _read_body(self, length: int) -> bytes:
+        """`length` bytes of body, read within --read-timeout-s in all (not per read, so a trickling
+        client is cut off too); 400 when the body ends early, 408 when it is too slow."""
+        policy = self.server.policy
+        deadline = time.monotonic() + policy.read_timeout_s
+        chunks, received = [], 0
         try:
-            body = json.loads(self.rfile.read(length) or b"{}")
-        except json.JSONDecodeError as e:
+            while received < length:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError
+                self.connection.settimeout(left)
+                chunk = self.rfile.read1(min(length - received, 1 << 20))
+                if not chunk:
+                    raise RequestError(f"the request body ended after {received} of {length} bytes (Content-Length)")
+                chunks.append(chunk)
+                received += len(chunk)
+        except TimeoutError:
+            raise RequestError(f"the request body was not received within --read-timeout-s "
+                               f"({policy.read_timeout_s:g} s): {received} of {length} bytes",
+                               HTTPStatus.REQUEST_TIMEOUT) from None
+        self.connection.settimeout(policy.read_timeout_s)
+        self._unread_body = False
+        return b"".join(chunks)
+
+    def _discard_small_body(self) -> None:
+        """Before an error answer to a request whose body was not read: read and drop a small body,
+        so the connection stays usable and the client is not reset before it reads the answer; a
+        large or bad one is left, and the connection closed."""
+        try:
+            limit = min(DISCARD_BODY_BYTES, self.server.policy.max_request_bytes)
+            self._read_body(content_length(self.headers, limit))
+        except (RequestError, OSError):
+            pass
+
+    def _read_json(self) -> dict:
+        raw = self._read_body(content_length(self.headers, self.server.policy.max_request_bytes))
+        try:
+            body = json.loads(raw or b"{}")
+        except (ValueError, RecursionError) as e:  # bad JSON, bad UTF-8, nesting too deep
             raise RequestError(f"invalid JSON body: {e}") from None
         if not isinstance(body, dict):
             raise RequestError("the JSON body must be an object")
@@ -149,8 +246,14 @@ class Handler(BaseHTTPRequestHandler):
 
     # -- routes
     def do_GET(self):
+        self._unread_body = self._responded = False
         worker = self.server.worker
         path = self.path.split("?")[0]
+        if path not in UNAUTHENTICATED_GETS:
+            try:
+                self._authorize()
+            except RequestError as e:
+                return self._send_error(e.status, str(e))
         if path in ("/health", "/health_generate"):
             if worker.ready.is_set():
                 return self._send_json({"status": "ok"})
@@ -174,28 +277,37 @@ class Handler(BaseHTTPRequestHandler):
         self._send_error(HTTPStatus.NOT_FOUND, f"no route GET {path}")
 
     def do_POST(self):
+        """Credentials, route and body are checked before anything reaches the engine; whatever
+        fails later is still answered (500), never a dropped connection."""
+        self._unread_body, self._responded = True, False
         path = self.path.split("?")[0]
         routes = {"/generate": self._generate, "/v1/completions": self._completions}
-        if path not in routes:
-            return self._send_error(HTTPStatus.NOT_FOUND, f"no route POST {path}")
         try:
+            self._authorize()
+            if path not in routes:
+                raise RequestError(f"no route POST {path}", HTTPStatus.NOT_FOUND)
             body = self._read_json()
             worker = self.server.worker
             if not worker.ready.is_set():
                 msg = "model is loading" if worker.load_error is None else f"model failed to load: {worker.load_error}"
-                return self._send_error(HTTPStatus.SERVICE_UNAVAILABLE, msg)
+                raise RequestError(msg, HTTPStatus.SERVICE_UNAVAILABLE)
             routes[path](body)
         except RequestError as e:
-            self._send_error(HTTPStatus.BAD_REQUEST, str(e))
-        except (BrokenPipeError, ConnectionResetError):
-            pass
+            if self._unread_body and e.status in (HTTPStatus.UNAUTHORIZED, HTTPStatus.NOT_FOUND):
+                self._discard_small_body()
+            self._answer_failure(e.status, str(e))
+        except (ConnectionError, TimeoutError):  # the client went away or stopped reading
+            self.close_connection = True
+        except Exception as e:
+            log.exception("POST %s failed", path)
+            self._answer_failure(HTTPStatus.INTERNAL_SERVER_ERROR, f"internal error: {type(e).__name__}: {e}")
 
     # -- request -> job
     def _job(self, prompt, params: dict, ignore_eos: bool, seed) -> Job:
         model = self.server.worker.model
         if isinstance(prompt, str):
             ids = model.tokenizer(prompt, add_special_tokens=True)["input_ids"]
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        elif isinstance(prompt, list) and prompt and all(_is_token_id(t) for t in prompt):
             ids = list(prompt)
         elif isinstance(prompt, list) and prompt and all(isinstance(t, (str, list)) for t in prompt):
             raise RequestError("batch requests are not supported (the engine runs batch 1): send one prompt per request")
@@ -216,29 +328,46 @@ class Handler(BaseHTTPRequestHandler):
             if params.get(key, neutral) != neutral:
                 raise RequestError(f"{key}={params[key]!r} is not supported by the embedded engine "
                                    f"(only {neutral!r})")
+        extra_stop = params.get("stop_token_ids") or []
+        if not isinstance(extra_stop, list) or not all(_is_token_id(t) for t in extra_stop):
+            raise RequestError(f"stop_token_ids must be a list of token ids, got {extra_stop!r}")
         # As SGLang: ignore_eos drops the eos ids, explicit stop_token_ids still stop.
-        stop = ([] if ignore_eos else list(model.eos_token_ids)) + [int(t) for t in params.get("stop_token_ids") or []]
+        stop = ([] if ignore_eos else list(model.eos_token_ids)) + extra_stop
         return Job(ids, max_new, float(temperature), stop or None, seed)
 
     def _attach_images(self, job: Job, image_data) -> None:
-        """SGLang's `image_data` (one local path per image placeholder of the prompt, in order):
-        the placeholders expanded to the images' token counts, the pixels kept for the prefill."""
-        from specforge.data.vl_render import prompt_with_images
+        """SGLang's `image_data` (one image per placeholder of the prompt, in order; images.py says
+        which are accepted): the placeholders expanded to the images' token counts, the pixels kept
+        for the prefill (data/vl_render.prompt_with_images, from decoded images)."""
+        from specforge.targets.vl import expand_image_tokens, image_inputs, image_token_counts
 
         model = self.server.worker.model
         if model.vl is None:
             raise RequestError("image_data needs a vision-language target; this server serves a text model")
-        paths = [image_data] if isinstance(image_data, str) else image_data
-        if not isinstance(paths, list) or not paths or not all(isinstance(p, str) for p in paths):
-            raise RequestError("image_data must be an image path or a list of image paths")
-        if any(p.startswith(("http://", "https://", "data:")) for p in paths):
-            raise RequestError("image_data: the embedded server reads local image files only (no URLs or base64)")
+        processor, info = model.vl
+        pictures = load_image_data(image_data, self.server.policy)
         try:
-            ids, images = prompt_with_images(job.input_ids, paths, *model.vl)
-        except (OSError, ValueError) as e:
+            images = image_inputs(pictures, processor)
+            counts = image_token_counts(images["image_grid_thw"].tolist(), info.spatial_merge_size)
+            ids, _ = expand_image_tokens(list(job.input_ids), [0] * len(job.input_ids), counts, info.image_token_id)
+        except ValueError as e:
             raise RequestError(f"image_data: {e}") from None
         self._check_context(len(ids), job.max_new_tokens, "prompt with images")
         job.input_ids, job.images = ids, images
+
+    def _check_placeholders(self, job: Job) -> None:
+        """A vision-language prompt's image/video placeholder tokens need their pixels: without them
+        the engine fails mid-prefill (a 500), so they are the request's error (400)."""
+        vl = self.server.worker.model.vl
+        if vl is None:
+            return
+        info = vl[1]
+        if info.video_token_id is not None and info.video_token_id in job.input_ids:
+            raise RequestError(f"the prompt holds video placeholder tokens (id {info.video_token_id}): "
+                               "video inputs are not supported by the embedded server")
+        if job.images is None and info.image_token_id in job.input_ids:
+            raise RequestError(f"the prompt holds {job.input_ids.count(info.image_token_id)} image placeholder "
+                               f"tokens (id {info.image_token_id}) but no image_data")
 
     def _check_context(self, prompt_tokens: int, max_new: int, what: str) -> None:
         limit = self.server.worker.model.max_context
@@ -289,7 +418,10 @@ class Handler(BaseHTTPRequestHandler):
     @staticmethod
     def _sampling(body: dict) -> tuple[dict, bool, object]:
         """/generate's sampling_params -> (params for _job, ignore_eos, seed)."""
-        sp = dict(body.get("sampling_params") or {})
+        sp = body.get("sampling_params") or {}
+        if not isinstance(sp, dict):
+            raise RequestError(f"sampling_params must be an object, got {sp!r}")
+        sp = dict(sp)
         params = {"max_new_tokens": sp.pop("max_new_tokens", DEFAULT_MAX_NEW_TOKENS),
                   "temperature": sp.pop("temperature", 1.0),
                   "stop_token_ids": sp.pop("stop_token_ids", None)}
@@ -314,6 +446,7 @@ class Handler(BaseHTTPRequestHandler):
         job = self._job(prompt, params, ignore_eos, seed)
         if body.get("image_data"):
             self._attach_images(job, body["image_data"])
+        self._check_placeholders(job)
         model = self.server.worker.model
         text = _TextDeltas(model.tokenizer)
 
@@ -381,6 +514,7 @@ class Handler(BaseHTTPRequestHandler):
         if body.get("stop"):
             raise RequestError("`stop` strings are not supported by the embedded server; use stop_token_ids")
         job = self._job(prompt, params, bool(body.get("ignore_eos", False)), body.get("seed"))
+        self._check_placeholders(job)
         model = self.server.worker.model
         name = self.server.model_name
         created = int(time.time())

@@ -1,7 +1,7 @@
 """Loading `specforge serve`'s model: the target (+ an EAGLE3 draft checkpoint and its tree) as a
 SpeculativeEngine, with the tokenizer, eos ids, hidden-state extractor and image processor that
 the HTTP handler needs. Separate so that the engine thread and the tests load models the same way
-without pulling in HTTP.
+without pulling in HTTP. Also what `serve` checks of a draft before it opens its port.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def load_model(target_path, draft_path=None, tree: str | None = None, *, dtype: 
     import torch
     from transformers import AutoTokenizer
 
-    from specforge.checkpoint import load_draft
+    from specforge.checkpoint import check_fits_target, load_draft, read_config
     from specforge.engine.tree import TreeSpec
     from specforge.targets.loader import model_class, text_config, torch_dtype
     from specforge.targets.vl import is_vl_config, load_image_processor, vl_info
@@ -57,6 +57,7 @@ def load_model(target_path, draft_path=None, tree: str | None = None, *, dtype: 
     tokenizer = AutoTokenizer.from_pretrained(str(target_path))
     draft = None
     if draft_path is not None:
+        check_fits_target(read_config(draft_path), target.config, draft_path)
         draft = load_draft(draft_path, device=device, dtype=torch_type,
                            embed_tokens=target.get_input_embeddings().weight.detach())
     from specforge.engine.speculative import SpeculativeEngine
@@ -98,3 +99,20 @@ def load_model(target_path, draft_path=None, tree: str | None = None, *, dtype: 
         vl = (load_image_processor(target_path, image_min_pixels, image_max_pixels), vl_info(target.config))
     return LoadedModel(engine, tokenizer, info, eos, cfg.vocab_size, getattr(cfg, "max_position_embeddings", None),
                        hidden, vl)
+
+
+def check_draft_checkpoint(draft_path, target_path) -> None:
+    """What `serve` checks before it listens: the checkpoint (checkpoint.read_checkpoint) and its fit
+    with the target's config.json; a draft recorded for another target is only warned about.
+    Raises CheckpointError (a ValueError) naming the file and the field."""
+    from transformers import AutoConfig
+
+    from specforge.checkpoint import CONFIG_NAME, check_fits_target, read_checkpoint
+    from specforge.targets.loader import target_fingerprint
+
+    cfg, _ = read_checkpoint(draft_path)
+    try:
+        target_config = AutoConfig.from_pretrained(str(target_path))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{Path(target_path) / CONFIG_NAME}: cannot be read as a model config ({e})") from None
+    check_fits_target(cfg, target_config, draft_path, target_fingerprint(target_path), allow_other_target=True)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -190,27 +189,3 @@ def target_fingerprint(path: str | Path) -> str:
             h.update(p.read_bytes())
     return h.hexdigest()[:16]
 
-
-@dataclass(frozen=True)
-class TargetIdentity:
-    """What a draft must match in its target: the shapes it computes with, and which target it is."""
-
-    fingerprint: str
-    vocab_size: int
-    hidden_size: int
-    num_hidden_layers: int
-    name: str
-
-    def record(self) -> dict:
-        """What a checkpoint keeps of its target (config.json, specforge_target)."""
-        return {"fingerprint": self.fingerprint, "name": self.name, "num_hidden_layers": self.num_hidden_layers}
-
-
-def target_identity(target_cfg) -> TargetIdentity:
-    """The identity of the configured target from its files alone (no weights are loaded)."""
-    from transformers import AutoConfig
-
-    path = resolve_target_path(target_cfg)
-    text = text_config(AutoConfig.from_pretrained(path, trust_remote_code=target_cfg.trust_remote_code))
-    return TargetIdentity(target_fingerprint(path), text.vocab_size, text.hidden_size, text.num_hidden_layers,
-                          path.name)
