@@ -273,6 +273,18 @@ def test_the_key_opens_every_route_and_health_needs_none(keyed_server):
     assert_serving(keyed_server, good)
 
 
+def test_our_benchmark_client_sends_the_key(keyed_server):
+    """eval.api_key / `specforge bench --api-key`: the serving benchmark can measure a keyed server."""
+    from specforge.eval.bench_client import random_token_requests, run_benchmark
+
+    url = f"http://127.0.0.1:{port_of(keyed_server)}"
+    requests = random_token_requests(2, 4, 3, 50, seed=0)
+    result = run_benchmark(url, requests, warmup=0, api_key=KEY)
+    assert result.metrics["completed"] == 2 and result.metrics["failed"] == 0
+    refused = run_benchmark(url, requests, warmup=0)
+    assert refused.metrics["completed"] == 0 and "HTTP 401" in refused.metrics["errors"][0]
+
+
 def test_the_key_is_refused_on_a_kept_alive_connection_without_losing_it(keyed_server):
     """A 401 reads a small body first, so the client reads the answer and may go on."""
     conn = http.client.HTTPConnection("127.0.0.1", port_of(keyed_server), timeout=30)

@@ -258,9 +258,10 @@ async def run_benchmark_async(base_url: str, requests: Sequence[BenchRequest], *
                               request_rate: float = math.inf, max_concurrency: int | None = None,
                               temperature: float = 0.0, ignore_eos: bool = True, model: str | None = None,
                               seed: int = 0, timeout_s: float = 3600.0, label: str = "",
-                              warmup: int = 1) -> BenchResult:
+                              warmup: int = 1, api_key: str | None = None) -> BenchResult:
     """Send `requests` (after `warmup` untimed requests, as bench_serving) and measure them.
-    A failed warmup raises (the server is not usable); failed timed requests are counted."""
+    A failed warmup raises (the server is not usable); failed timed requests are counted.
+    `api_key`: sent as `Authorization: Bearer` (SGLang's and `specforge serve`'s --api-key)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r}: one of {BACKENDS}")
     base_url = base_url.rstrip("/")
@@ -268,8 +269,9 @@ async def run_benchmark_async(base_url: str, requests: Sequence[BenchRequest], *
     semaphore = asyncio.Semaphore(limit)
     limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
     # trust_env=False: never send localhost benchmark traffic through a proxy from the environment.
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=30.0), limits=limits,
-                                 trust_env=False) as client:
+                                 trust_env=False, headers=headers) as client:
 
         async def one(req: BenchRequest) -> RequestResult:
             async with semaphore:
@@ -420,6 +422,7 @@ def add_bench_args(p) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the JSON results here")
+    p.add_argument("--api-key", default=None, help="the servers' --api-key, sent as Authorization: Bearer")
 
 
 def bench(args) -> dict:
@@ -444,7 +447,7 @@ def bench(args) -> dict:
         special = tokenizer.all_special_ids if tokenizer is not None else ()
         requests = random_token_requests(scenario.num_prompts, scenario.input_len, scenario.output_len,
                                          vocab, exclude_ids=special, seed=args.seed)
-    kw = dict(backend=args.backend, temperature=args.temperature, seed=args.seed)
+    kw = dict(backend=args.backend, temperature=args.temperature, seed=args.seed, api_key=args.api_key)
     results = {"scenario": scenario.to_dict()}
     eagle = run_scenario(args.url, scenario, requests, label="eagle3", **kw)
     results["eagle3"] = eagle.to_dict(with_requests=False)
