@@ -77,6 +77,20 @@ def test_wrong_format_fails_after_writing_quarantine_and_report(tmp_path, tiny_t
     assert not (run_dir / ".stage_data.json").exists()
 
 
+def test_wrong_format_fails_before_any_regeneration(tmp_path, tiny_target_dir):
+    """With regeneration on, the share is checked on the parsed rows first: the (unreachable) server
+    is never asked, and the quarantine is written."""
+    train = sharegpt_on_messages(tmp_path)
+    cfg = make_cfg(tmp_path, tiny_target_dir, train, format="sharegpt")
+    OmegaConf.update(cfg, "data.regenerate", {"enabled": True, "backend": "openai", "model": "m",
+                                              "urls": ["http://127.0.0.1:9"]}, merge=True)
+    run_dir = tmp_path / "out" / "t"
+    with pytest.raises(ValueError, match=r"data train: 19 of 20 rows quarantined \(95.0%\).*Nothing was regenerated"):
+        stage.run(cfg, run_dir)
+    assert [q["line"] for q in read_jsonl(run_dir / "data" / "quarantine.jsonl")] == list(range(1, 20))
+    assert not list((run_dir / "data").glob("regen_*"))
+
+
 def test_top_three_reasons_with_counts(tmp_path, tiny_target_dir):
     good = weather_rows(4)
     lines = [json.dumps(r) for r in good]

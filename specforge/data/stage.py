@@ -165,6 +165,7 @@ def process_split(cfg, split: str, files: list[str], tokenizer, progress=None, r
 
         if run_dir is None:
             raise ValueError("data.regenerate: needs the run directory for its resume journal")
+        refuse_before_regeneration(cfg, split, len(rows), quarantine, RunLayout(run_dir))
         convs, regenerated = regenerate_conversations(
             convs, cfg.data.regenerate, cfg.target, RunLayout(run_dir).data_dir, split,
             fix=cfg.data.fix, image_root=cfg.data.image_root, seed=cfg.seed, progress=progress)
@@ -311,6 +312,18 @@ def run(cfg, run_dir, fingerprint: str | None = None) -> dict:
     }
     _write_report(layout, summary, vocab)
     return {**summary, "vocab": vocab}
+
+
+def refuse_before_regeneration(cfg, split: str, rows: int, quarantine: list[dict], layout: RunLayout) -> None:
+    """The quarantined-share check on the parsed rows, before the target answers any of them: a
+    wrong data.format must not cost a regeneration first. The quarantine is written before failing."""
+    counts = {"input_rows": rows, "quarantined": len(quarantine),
+              "by_reason": dict(Counter(reason_code(q["reason"]) for q in quarantine))}
+    problem = quarantined_share_problem(cfg, split, {"counts": counts, "quarantine": quarantine})
+    if problem:
+        write_jsonl(layout.quarantine, quarantine)
+        raise ValueError(f"{problem}. Nothing was regenerated; every quarantined row is in {layout.quarantine}; "
+                         "to accept this, raise data.max_quarantined_share (1.0: never fail)")
 
 
 def _ranked_reasons(counts: dict) -> list[tuple[str, int]]:
