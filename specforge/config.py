@@ -191,7 +191,6 @@ class EvalConfig:
     baseline_url: Optional[str] = None  # engine=server: a base-model server to compare eval.url with
     prompts: str = "conversations"  # conversations (data/eval.conversations.jsonl) | random (scenario input_len)
     bench_backend: str = "sglang"  # sglang (POST /generate) | openai (POST /v1/completions)
-    api_key: Optional[str] = None  # the servers' --api-key (eval.url / eval.baseline_url), sent as a Bearer token
     bench_num_prompts: Optional[int] = None  # overrides of the scenario's values (scale presets down for CPU)
     bench_input_len: Optional[int] = None
     bench_output_len: Optional[int] = None

@@ -285,6 +285,20 @@ def test_our_benchmark_client_sends_the_key(keyed_server):
     assert refused.metrics["completed"] == 0 and "HTTP 401" in refused.metrics["errors"][0]
 
 
+def test_our_clients_take_the_key_from_the_environment(keyed_server, monkeypatch):
+    """SPECFORGE_API_KEY, read by the benchmark client and by http_json (extract=server's calls)."""
+    from specforge.eval.bench_client import random_token_requests, run_benchmark
+    from specforge.launch.process import API_KEY_ENV, http_json
+
+    url = f"http://127.0.0.1:{port_of(keyed_server)}"
+    with pytest.raises(RuntimeError, match="HTTP 401"):
+        http_json(url + "/server_info", timeout=30)
+    monkeypatch.setenv(API_KEY_ENV, KEY)
+    assert http_json(url + "/server_info", timeout=30)
+    result = run_benchmark(url, random_token_requests(1, 4, 3, 50, seed=0), warmup=0)
+    assert result.metrics["completed"] == 1
+
+
 def test_the_key_is_refused_on_a_kept_alive_connection_without_losing_it(keyed_server):
     """A 401 reads a small body first, so the client reads the answer and may go on."""
     conn = http.client.HTTPConnection("127.0.0.1", port_of(keyed_server), timeout=30)

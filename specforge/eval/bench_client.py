@@ -31,6 +31,7 @@ import httpx
 import numpy as np
 
 from specforge.eval.scenarios import Scenario
+from specforge.launch.process import api_key_from_env, auth_headers
 from specforge.run_layout import RunLayout
 
 BACKENDS = ("sglang", "openai")
@@ -261,7 +262,8 @@ async def run_benchmark_async(base_url: str, requests: Sequence[BenchRequest], *
                               warmup: int = 1, api_key: str | None = None) -> BenchResult:
     """Send `requests` (after `warmup` untimed requests, as bench_serving) and measure them.
     A failed warmup raises (the server is not usable); failed timed requests are counted.
-    `api_key`: sent as `Authorization: Bearer` (SGLang's and `specforge serve`'s --api-key)."""
+    `api_key` (default: $SPECFORGE_API_KEY): sent as `Authorization: Bearer` (SGLang's and
+    `specforge serve`'s --api-key)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r}: one of {BACKENDS}")
     base_url = base_url.rstrip("/")
@@ -269,7 +271,7 @@ async def run_benchmark_async(base_url: str, requests: Sequence[BenchRequest], *
     semaphore = asyncio.Semaphore(limit)
     limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
     # trust_env=False: never send localhost benchmark traffic through a proxy from the environment.
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    headers = auth_headers(api_key or api_key_from_env())
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=30.0), limits=limits,
                                  trust_env=False, headers=headers) as client:
 
@@ -422,7 +424,8 @@ def add_bench_args(p) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the JSON results here")
-    p.add_argument("--api-key", default=None, help="the servers' --api-key, sent as Authorization: Bearer")
+    p.add_argument("--api-key", default=None,
+                   help="the servers' --api-key, sent as Authorization: Bearer (default: $SPECFORGE_API_KEY)")
 
 
 def bench(args) -> dict:

@@ -152,7 +152,7 @@ def eval_with_servers(run_cfg, checkpoints: Sequence[Path], eval_cfg, run_dir, o
     for label, server in runs:
         results[label] = run_server_benchmark(
             server, requests, scenario=scenario, label=label, temperature=ev.temperature,
-            backend=getattr(ev, "bench_backend", "sglang"), seed=seed, api_key=getattr(ev, "api_key", None))
+            backend=getattr(ev, "bench_backend", "sglang"), seed=seed)  # key: $SPECFORGE_API_KEY
         results[label].save(out_dir / f"{label}.json")
 
     summary = {"engine": ev.engine, "scenario": scenario.to_dict(), "prompts": getattr(ev, "prompts", "conversations"),

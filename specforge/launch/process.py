@@ -58,11 +58,26 @@ def http_status(url: str, timeout: float = 5.0) -> int | None:
         return None
 
 
+API_KEY_ENV = "SPECFORGE_API_KEY"  # the servers' API key, for our clients and `specforge serve` alike
+
+
+def api_key_from_env() -> str | None:
+    """The key from the environment: never in a config file a run saves, nor in `ps`."""
+    return os.environ.get(API_KEY_ENV) or None
+
+
+def auth_headers(api_key: str | None) -> dict:
+    """SGLang's (and `specforge serve`'s) --api-key, as a Bearer token."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 def http_json(url: str, body=None, timeout: float = 600.0, *, raw: bool = False):
-    """GET url (body None) or POST body as JSON; the decoded JSON answer (raw: its bytes). An HTTP
-    error raises RuntimeError with the server's own message; nothing answering, ConnectionError."""
+    """GET url (body None) or POST body as JSON, with the key of SPECFORGE_API_KEY if set; the
+    decoded JSON answer (raw: its bytes). An HTTP error raises RuntimeError with the server's own
+    message; nothing answering, ConnectionError."""
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json", **auth_headers(api_key_from_env())}
+    req = urllib.request.Request(url, data=data, headers=headers)
     try:
         with _DIRECT.open(req, timeout=timeout) as r:
             content = r.read()

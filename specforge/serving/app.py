@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import threading
 import time
@@ -14,6 +15,7 @@ from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Callable
 
+from specforge.launch.process import API_KEY_ENV
 from specforge.serving.handler import Handler
 from specforge.serving.model import LoadedModel, check_draft_checkpoint, load_model
 from specforge.serving.policy import (DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_READ_TIMEOUT_S,
@@ -107,8 +109,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on; any other than loopback should come with --api-key")
     p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--api-key", default=None,
-                   help="every request but GET /health must send Authorization: Bearer KEY (SGLang's flag)")
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+                   help="every request but GET /health must send Authorization: Bearer KEY (SGLang's flag; "
+                        "default: $SPECFORGE_API_KEY, which keeps the key out of `ps`)")
     p.add_argument("--image-root", dest="image_roots", action="extend", nargs="+", default=[], metavar="DIR",
                    help="image_data may name local files inside these directories (after symlinks); "
                         "default none: only base64 data: URIs")
