@@ -14,13 +14,14 @@ import pytest
 from omegaconf import OmegaConf
 
 from data_prep.weather import generate
-from specforge.config import Config, FixConfig
+from specforge.config import FixConfig
 from specforge.data import stage
 from specforge.data.fix import fix_dataset
 from specforge.data.formats import DataFileError, read_raw_rows
 from specforge.data.vocab import cached_vocab_mapping
 from specforge.targets import smollm2
 from specforge.utils.io import read_json, read_jsonl, write_jsonl
+from tests.test_data_stage import make_cfg as data_stage_cfg
 
 ROOT = Path(__file__).resolve().parents[1]
 PROSE = "It will be sunny in Oslo tomorrow, around 18 degrees."
@@ -28,19 +29,7 @@ PROSE = "It will be sunny in Oslo tomorrow, around 18 degrees."
 
 def make_cfg(tmp_path, target_dir, train, **data):
     """The data stage alone on the tiny target, one train file, no eval split."""
-    cfg = OmegaConf.structured(Config)
-    cfg.run_name = "t"
-    cfg.output_dir = str(tmp_path / "out")
-    cfg.cache_dir = str(tmp_path / "cache")
-    cfg.stages = ["data"]
-    cfg.target.name = "tiny"
-    cfg.target.path = str(target_dir)
-    cfg.data.train_files = [str(train)]
-    cfg.data.eval_files = []
-    cfg.draft.draft_vocab_size = 64
-    for k, v in data.items():
-        OmegaConf.update(cfg, f"data.{k}", v)
-    return cfg
+    return data_stage_cfg(tmp_path, target_dir, train, None, **data)
 
 
 def weather_rows(n, fmt="messages"):
