@@ -154,20 +154,29 @@ def read_config(path: str | Path) -> Eagle3Config:
     return validate_config(cfg_dict, str(cfg_path))
 
 
-def read_checkpoint(path: str | Path) -> tuple[Eagle3Config, dict[str, torch.Tensor]]:
-    """Config and tensors of a checkpoint directory, validated."""
+def read_checkpoint(path: str | Path, weights: bool = True) -> tuple[Eagle3Config, dict[str, torch.Tensor]]:
+    """Config and tensors of a checkpoint directory, validated. weights=False: the same checks from
+    the file's header and d2t/t2d alone (returned as the only tensors), for a check before work
+    that does not read the weights a load reads again."""
     path = Path(path)
     weights_path = path / WEIGHTS_NAME
     cfg = read_config(path)
     if not weights_path.exists():
         raise CheckpointError(f"{weights_path}: missing (a checkpoint is config.json + model.safetensors)")
-    try:
-        with safe_open(weights_path, framework="pt") as f:
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except Exception as e:  # safetensors raises its own error types, naming no file
-        raise CheckpointError(f"{weights_path}: not a readable safetensors file, truncated or corrupt "
-                              f"({type(e).__name__}: {e})") from None
-    validate_tensors(cfg, {k: tuple(v.shape) for k, v in tensors.items()}, str(weights_path))
+
+    def read(names=None):
+        try:
+            with safe_open(weights_path, framework="pt") as f:
+                if names is None:
+                    return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+                return {k: f.get_tensor(k) for k in names}
+        except Exception as e:  # safetensors raises its own error types, naming no file
+            raise CheckpointError(f"{weights_path}: not a readable safetensors file, truncated or corrupt "
+                                  f"({type(e).__name__}: {e})") from None
+
+    shapes = read()
+    validate_tensors(cfg, shapes, str(weights_path))
+    tensors = read(list(shapes) if weights else ["d2t", "t2d"])
     validate_vocab(tensors["d2t"], tensors["t2d"], str(weights_path))
     return cfg, tensors
 

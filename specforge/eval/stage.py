@@ -56,7 +56,7 @@ def check_checkpoints(ckpts: list[Path], target_cfg, allow_other_target: bool) -
     path = resolve_target_path(target_cfg)
     target_config = AutoConfig.from_pretrained(path, trust_remote_code=target_cfg.trust_remote_code)
     for ckpt in ckpts:
-        cfg, _ = read_checkpoint(ckpt)
+        cfg, _ = read_checkpoint(ckpt, weights=False)  # the evaluation loads the weights later
         check_fits_target(cfg, target_config, ckpt, target_fingerprint(path), allow_other_target)
 
 

@@ -110,7 +110,7 @@ def check_draft_checkpoint(draft_path, target_path) -> None:
     from specforge.checkpoint import CONFIG_NAME, check_fits_target, read_checkpoint
     from specforge.targets.loader import target_fingerprint
 
-    cfg, _ = read_checkpoint(draft_path)
+    cfg, _ = read_checkpoint(draft_path, weights=False)  # loading reads the weights later
     try:
         target_config = AutoConfig.from_pretrained(str(target_path))
     except (OSError, ValueError) as e:
