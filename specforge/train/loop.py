@@ -242,9 +242,11 @@ def train(cfg, run_dir: Path, fingerprint: str) -> dict:
     eval_dir = layout.store("eval")
     eval_store = HiddenStateStore(eval_dir) if (eval_dir / "manifest.json").exists() else None
     vocab = load_file(layout.vocab)
-    # packed rows differ per epoch (and so may their number): every epoch takes as many steps as the shortest
+    # packed rows differ per epoch (and so may their number): every epoch takes as many steps as the
+    # shortest; unpacked, every epoch has the same number of micro-batches
+    epochs = range(1, tc.epochs + 1) if tc.pack_tokens else [1]
     micro_batches = min(len(global_batches(train_store.lengths, tc.batch_size, cfg.seed, epoch,
-                                           pack_tokens=tc.pack_tokens)) for epoch in range(1, tc.epochs + 1))
+                                           pack_tokens=tc.pack_tokens)) for epoch in epochs)
     per_epoch = steps_per_epoch(micro_batches, tc.grad_accum, env.world_size)
     global_batch = tc.batch_size * tc.grad_accum * env.world_size
     unit = f"rows of <= {tc.pack_tokens} tokens" if tc.pack_tokens else "samples"
