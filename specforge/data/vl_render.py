@@ -22,7 +22,12 @@ def image_paths(messages: list[dict]) -> list[str]:
 def prompt_with_images(input_ids: list[int], paths: list[str], image_processor, info) -> tuple[list[int], dict]:
     """A prompt rendered with one placeholder per image -> (expanded ids, {"pixel_values",
     "image_grid_thw"}): what the engine's prefill takes."""
-    images = image_inputs(open_images(paths), image_processor)
+    return prompt_with_pictures(input_ids, open_images(paths), image_processor, info)
+
+
+def prompt_with_pictures(input_ids: list[int], pictures: list, image_processor, info) -> tuple[list[int], dict]:
+    """prompt_with_images from images already opened (PIL), e.g. decoded from a request."""
+    images = image_inputs(pictures, image_processor)
     counts = image_token_counts(images["image_grid_thw"].tolist(), info.spatial_merge_size)
     ids, _ = expand_image_tokens(list(input_ids), [0] * len(input_ids), counts, info.image_token_id)
     return ids, images

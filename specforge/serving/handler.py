@@ -338,18 +338,15 @@ class Handler(BaseHTTPRequestHandler):
     def _attach_images(self, job: Job, image_data) -> None:
         """SGLang's `image_data` (one image per placeholder of the prompt, in order; images.py says
         which are accepted): the placeholders expanded to the images' token counts, the pixels kept
-        for the prefill (data/vl_render.prompt_with_images, from decoded images)."""
-        from specforge.targets.vl import expand_image_tokens, image_inputs, image_token_counts
+        for the prefill (data/vl_render.prompt_with_pictures)."""
+        from specforge.data.vl_render import prompt_with_pictures
 
         model = self.server.worker.model
         if model.vl is None:
             raise RequestError("image_data needs a vision-language target; this server serves a text model")
-        processor, info = model.vl
         pictures = load_image_data(image_data, self.server.policy)
         try:
-            images = image_inputs(pictures, processor)
-            counts = image_token_counts(images["image_grid_thw"].tolist(), info.spatial_merge_size)
-            ids, _ = expand_image_tokens(list(job.input_ids), [0] * len(job.input_ids), counts, info.image_token_id)
+            ids, images = prompt_with_pictures(job.input_ids, pictures, *model.vl)
         except ValueError as e:
             raise RequestError(f"image_data: {e}") from None
         self._check_context(len(ids), job.max_new_tokens, "prompt with images")
