@@ -266,10 +266,11 @@ class SpeculativeEngine:
 
     @torch.inference_mode()
     def draft_extend(self, tokens: torch.Tensor, aux: torch.Tensor, position_ids=None,
-                     input_embeds=None) -> DraftState:
+                     input_embeds=None, every_row: bool = False) -> DraftState:
         """Catch up over newly committed positions, pairing (token p+1, target feature p), causal.
 
-        The last row is the draft's first step of the next round: its top-K is level 1. The
+        The last row is the draft's first step of the next round: its top-K is level 1
+        (`every_row`: the state of every row, [n, K] and [n, H], for the planner). The
         prompt of a vision-language target brings its own M-RoPE `position_ids` [3, n] and
         `input_embeds` [n, H]; later tokens sit at their index + the target's rope delta.
         """
@@ -284,15 +285,23 @@ class SpeculativeEngine:
             input_embeds=None if input_embeds is None else input_embeds[None].to(self.draft_dtype))
         self.draft_kv.write(start, k, v)
         self.draft_kv.length = start + n
-        probs, ids = self._draft_topk(logits[0, -1])
-        return DraftState(probs, ids, out[0, -1])
+        rows = slice(None) if every_row else -1
+        probs, ids = self._draft_topk(logits[0, rows])
+        return DraftState(probs, ids, out[0, rows])
 
     @torch.inference_mode()
     def draft_tree(self, root: torch.Tensor, state: DraftState) -> Tree:
-        """T-1 decode steps over K lanes from the level-1 top-K, then the global top-(N-1).
+        """T-1 decode steps over K lanes from the level-1 top-K, then the global top-(N-1)."""
+        return build_tree(root, *self.draft_levels(state), self.spec)
+
+    @torch.inference_mode()
+    def draft_levels(self, state: DraftState):
+        """The T levels of candidates, (score_list, token_list, parents_list) as build_tree takes them.
 
         All lanes run as one sequence of K tokens at the same position; the mask gives each lane
         the committed prefix, the earlier-step keys it may see (lane_attention_mask) and itself.
+        Level d depends on levels < d only, never on T or N: the levels of a shorter T are a
+        prefix of these (the planner, specforge/eval/planner.py, relies on it).
         """
         k, steps = self.spec.topk, self.spec.steps
         scores, s0, t0, p0 = first_level(state.probs, state.ids)
@@ -319,7 +328,7 @@ class SpeculativeEngine:
                 parent_lane = sel // k
                 lane_tok, lane_feat = flat_tok[sel], out[0][parent_lane]
                 lane_mask = lane_attention_mask(lane_mask, parent_lane, k, self.exact)
-        return build_tree(root, score_list, token_list, parents_list, self.spec)
+        return score_list, token_list, parents_list
 
     # ---- generation ---------------------------------------------------------------------------
 

@@ -18,7 +18,12 @@ def greedy_verify(tree: Tree, logits: torch.Tensor):
     parent. Siblings carry distinct tokens, so those nodes form one chain; the deepest is the end.
     `logits` [N, V] are the target's at the tree nodes. Returns (path [a+1], emitted [a+1]).
     """
-    pred = logits.argmax(dim=-1)
+    return greedy_walk(tree, logits.argmax(dim=-1))
+
+
+def greedy_walk(tree: Tree, pred: torch.Tensor):
+    """`greedy_verify` given the target's argmax token at each node, `pred` [N] (the planner,
+    specforge/eval/planner.py, reads it off a greedy trajectory instead of a verify forward)."""
     ok = tree.tokens == pred[tree.parent.clamp(min=0)]
     ok[0] = True
     on_walk = ~(tree.mask & ~ok[None, :]).any(dim=1)
