@@ -88,6 +88,7 @@ class RegenerateConfig:
 @dataclass
 class DataConfig:
     name: str = MISSING
+    # .jsonl, .json, .parquet, .arrow, save_to_disk folders, hub:OWNER/NAME[:SPLIT] (data/sources.py)
     train_files: List[str] = MISSING
     eval_files: List[str] = field(default_factory=list)
     format: str = "auto"  # auto | sharegpt | messages | conversations
@@ -106,6 +107,9 @@ class DataConfig:
     # quarantine file and the report): usually a wrong data.format, not bad data. 1.0: never fail.
     max_quarantined_share: float = 0.5
     fix: FixConfig = field(default_factory=FixConfig)
+    # Worker processes for the per-row work (parse, fix, chat template): 0 runs it in this
+    # process; N >= 1 through datasets.map(num_proc=N), cached under cache_dir/datasets. Same result.
+    num_proc: int = 0
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
 
 

@@ -5,6 +5,9 @@ quarantine it with its file and line. A file that is not UTF-8 text (binary, com
 encoding) raises `DataFileError` naming the file, line and byte instead: quarantining its "lines"
 one by one would only hide that the wrong file was given. `to_conversation` raises `DataError`
 naming the offending field, which the fix step (or the stage) turns into a quarantine reason.
+
+Tables (Parquet, Arrow, `datasets.save_to_disk` folders, hub datasets) are read by
+`specforge.data.sources`; `read_raw_rows` takes any of them.
 """
 from __future__ import annotations
 
@@ -37,7 +40,10 @@ IMAGE_PLACEHOLDER = "<image>"  # LLaVA / ShareGPT: where a row-level image goes 
 
 @dataclass
 class RawRow:
-    """One line (JSONL) or element (JSON list) of an input file, parsed or not."""
+    """One row of an input: a line (JSONL), an element (JSON list) or a table row, parsed or not.
+
+    `line` is 1-based: the line in a text file, the row index in a table (Parquet, Arrow, a
+    `datasets` folder or hub dataset), so quarantine entries always read "file, line"."""
 
     file: str
     line: int
@@ -50,27 +56,68 @@ class DataError(ValueError):
 
 
 class DataFileError(ValueError):
-    """A data file that is not UTF-8 text; the message names the file, line and byte."""
+    """An input that cannot be read at all (not UTF-8 text, not a Parquet/Arrow file, an
+    unreachable hub dataset); the message names the file (and line and byte, for text)."""
 
 
 SNIFF_BYTES = 1 << 16  # a NUL byte this early means binary data: refuse before reading a huge "line"
+TEXT_SUFFIXES = (".jsonl", ".json")
+SUPPORTED = (".jsonl, .json, .parquet, .arrow, a datasets.save_to_disk folder or hub:OWNER/NAME[:SPLIT] "
+             "(see specforge/data/sources.py)")
 
 
 def read_raw_rows(path: str | Path) -> Iterator[RawRow]:
-    """Rows of a .jsonl (one per non-blank line) or .json (a list of objects) file.
+    """Rows of a .jsonl (one per non-blank line) or .json (a list of objects) file, or of a
+    table source (specforge.data.sources: .parquet, .arrow, a save_to_disk folder, `hub:...`).
 
     Bad JSON or a non-object row yields a RawRow with `error` set; nothing is skipped silently.
-    A missing file, an unsupported extension or a file that is not UTF-8 text (DataFileError)
-    raises."""
+    A missing file, an unsupported extension or an unreadable file (DataFileError) raises."""
+    from specforge.data import sources  # tables need pyarrow / datasets: imported only for them
+
+    if sources.is_table_source(path):
+        yield from sources.read_table_rows(path)
+        return
+    path = _text_file(path)
+    yield from _read_jsonl(path) if path.suffix.lower() == ".jsonl" else _read_json_list(path)
+
+
+def read_raw_texts(path: str | Path) -> Iterator[tuple[str, int, str | None, str | None]]:
+    """(file, line, JSON text, error) per row, in input order, for `parse_raw_text` to parse
+    elsewhere (the data.num_proc workers): JSONL lines are not parsed here; rows of other sources
+    are parsed and serialised back to JSON (ASCII, so any string survives the trip)."""
+    from specforge.data import sources
+
+    if not sources.is_table_source(path) and _text_file(path).suffix.lower() == ".jsonl":
+        file = str(path)
+        for lineno, text in _jsonl_lines(Path(path)):
+            yield file, lineno, text, None
+        return
+    for raw in read_raw_rows(path):
+        yield raw.file, raw.line, None if raw.data is None else json.dumps(raw.data), raw.error
+
+
+def parse_raw_text(file: str, line: int, text: str | None, error: str | None) -> RawRow:
+    """The RawRow of one `read_raw_texts` item: what `read_raw_rows` yields for that row."""
+    if text is None:
+        return RawRow(file, line, None, error)
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        return RawRow(file, line, None, f"invalid JSON: {e.msg} (column {e.colno})")
+    return _object_or_error(file, line, obj)
+
+
+def _text_file(path: str | Path) -> Path:
+    """`path` checked to be an existing .jsonl/.json file whose head is UTF-8 text."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such data file")
     suffix = path.suffix.lower()
-    if suffix not in (".jsonl", ".json"):
-        raise ValueError(f"{path}: unsupported data file type {suffix!r}; expected .jsonl or .json")
+    if suffix not in TEXT_SUFFIXES:
+        raise ValueError(f"{path}: unsupported data file type {suffix!r}; expected {SUPPORTED}")
     with open(path, "rb") as f:
         _check_text(path, f.read(SNIFF_BYTES), 0, 1, sniff=True)
-    yield from _read_jsonl(path) if suffix == ".jsonl" else _read_json_list(path)
+    return path
 
 
 def _object_or_error(file: str, line: int, obj: Any) -> RawRow:
@@ -106,21 +153,22 @@ def _refuse(path: Path, data: bytes, offset: int, line: int, at: int, what: str)
     )
 
 
-def _read_jsonl(path: Path) -> Iterator[RawRow]:
-    file = str(path)
+def _jsonl_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """(line number, text) of each non-blank line; raises DataFileError at the first line that
+    is not UTF-8 text."""
     offset = 0
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
             text = _check_text(path, raw, offset, lineno)
             offset += len(raw)
-            if not text.strip():
-                continue
-            try:
-                obj = json.loads(text)
-            except json.JSONDecodeError as e:
-                yield RawRow(file, lineno, None, f"invalid JSON: {e.msg} (column {e.colno})")
-                continue
-            yield _object_or_error(file, lineno, obj)
+            if text.strip():
+                yield lineno, text
+
+
+def _read_jsonl(path: Path) -> Iterator[RawRow]:
+    file = str(path)
+    for lineno, text in _jsonl_lines(path):
+        yield parse_raw_text(file, lineno, text, None)
 
 
 def _read_json_list(path: Path) -> Iterator[RawRow]:

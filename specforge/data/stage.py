@@ -10,11 +10,12 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from specforge.data.fix import fix_dataset, reason_code
-from specforge.data.fix.conversations import ImageChecker, Quarantine, check_row_length
-from specforge.data.formats import DataError, RawRow, read_raw_rows, to_conversation
-from specforge.data.template import render
-from specforge.data.vl_render import render_vl
+from specforge.config import FixConfig
+from specforge.data.fix import fix_dataset, quarantine_entry, reason_code
+from specforge.data.fix.conversations import ImageChecker, Quarantine
+from specforge.data.formats import RawRow, read_raw_rows
+from specforge.data.rows import normalise_row, render_row
+from specforge.data.sources import check_source, source_fingerprint
 from specforge.data.vocab import cached_vocab_mapping, save_vocab, vocab_cache_key
 from specforge.run_layout import RunLayout
 from specforge.utils.io import file_fingerprint, fingerprint, write_json, write_jsonl, write_text
@@ -46,17 +47,21 @@ def split_files(cfg) -> dict[str, list[str]]:
 
 
 def _check_exists(path: str) -> None:
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"data file {path} not found; {GENERATE_HINT}")
+    """A data file, a save_to_disk folder or a hub name (specforge/data/sources.py)."""
+    try:
+        check_source(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"data file {path} not found; {GENERATE_HINT}") from None
 
 
 def extra_inputs(cfg) -> dict:
-    """Content fingerprints of the raw files: editing a file re-runs the stage."""
+    """Content fingerprints of the raw files (folders: of all their files; hub datasets: their
+    name only): editing a file re-runs the stage."""
     out = {}
     for split, files in split_files(cfg).items():
         for f in files:
             _check_exists(f)
-        out[split] = {f: file_fingerprint(f) for f in files}
+        out[split] = {f: source_fingerprint(f) for f in files}
     return out
 
 
@@ -79,7 +84,6 @@ def tokenizer_fingerprint(target_path: Path) -> str:
 def _read_split(files: list[str]) -> list[RawRow]:
     rows: list[RawRow] = []
     for f in files:
-        _check_exists(f)
         rows.extend(read_raw_rows(f))
     return rows
 
@@ -101,29 +105,21 @@ def check_limits(data_cfg) -> None:
     share = data_cfg.max_quarantined_share
     if not 0.0 <= share <= 1.0:
         raise ValueError(f"data.max_quarantined_share: must lie in [0, 1], got {share}")
+    if data_cfg.num_proc < 0:
+        raise ValueError(f"data.num_proc: must be >= 0 (0: no worker processes), got {data_cfg.num_proc}")
 
 
 def _parse_only(rows: list[RawRow], fmt: str, image_root: str | None = None,
                 max_chars: int | None = None) -> tuple[list[dict], list[dict]]:
     """Without the fix step: parse each row, quarantine what does not parse, is too long or names
     a bad image (same reason codes); image paths are resolved as the fix step resolves them."""
-    images = ImageChecker(image_root)
+    images, off = ImageChecker(image_root), FixConfig(enabled=False)
     kept, quarantined = [], []
     for raw in rows:
-        if raw.error is not None:
-            quarantined.append({"file": raw.file, "line": raw.line, "reason": f"invalid_json: {raw.error}",
-                                "row": raw.error})
-            continue
         try:
-            conv = to_conversation(raw.data, fmt)
-        except DataError as e:
-            quarantined.append({"file": raw.file, "line": raw.line, "reason": f"invalid_row: {e}", "row": raw.data})
-            continue
-        try:
-            check_row_length(conv["messages"], max_chars)
-            conv["messages"] = images.resolve_images(conv["messages"], raw.file)
+            conv, _ = normalise_row(raw, off, fmt, images, max_chars)
         except Quarantine as q:
-            quarantined.append({"file": raw.file, "line": raw.line, "reason": q.reason, "row": raw.data})
+            quarantined.append(quarantine_entry(raw, q.reason))
             continue
         kept.append({**conv, "fixes": [], "file": raw.file, "line": raw.line})
     return kept, quarantined
@@ -147,10 +143,26 @@ def process_split(cfg, split: str, files: list[str], tokenizer, progress=None, r
     """Read, normalise, limit, (regenerate) and render one split. `vl`: (image processor, VLInfo)
     of a vision-language target; its rows also carry `images` and `image_grid_thw`.
 
-    Returns {"samples", "conversations", "quarantine", "counts"}; samples that cannot be used
-    after rendering (over-length, template errors) move from kept/fixed to quarantined."""
-    rows = _read_split(files)
-    convs, quarantine = _normalise(cfg, rows)
+    data.num_proc >= 1 runs the per-row steps in `datasets.map` workers (specforge/data/parallel.py)
+    with the same functions and the same result. Returns {"samples", "conversations",
+    "quarantine", "counts"}; samples that cannot be used after rendering (over-length, template
+    errors) move from kept/fixed to quarantined."""
+    for f in files:
+        _check_exists(f)
+    mapped = cfg.data.num_proc > 0
+    renders = None  # one RowRender per conversation once rendered
+    if mapped:
+        from specforge.data import parallel
+
+        # Rendered in the same pass as the fix unless regeneration or max_samples come between.
+        fused = not cfg.data.regenerate.enabled and cfg.data.max_samples is None
+        n_rows, convs, quarantine, renders = parallel.normalise_split(
+            cfg, files, max_chars_per_row(cfg.data), tokenizer if fused else None, vl)
+    else:
+        rows = _read_split(files)
+        n_rows = len(rows)
+        convs, quarantine = _normalise(cfg, rows)
+        del rows
     quarantine = [{"split": split, **q} for q in quarantine]
 
     skipped = 0
@@ -165,47 +177,52 @@ def process_split(cfg, split: str, files: list[str], tokenizer, progress=None, r
 
         if run_dir is None:
             raise ValueError("data.regenerate: needs the run directory for its resume journal")
-        refuse_before_regeneration(cfg, split, len(rows), quarantine, RunLayout(run_dir))
+        refuse_before_regeneration(cfg, split, n_rows, quarantine, RunLayout(run_dir))
         convs, regenerated = regenerate_conversations(
             convs, cfg.data.regenerate, cfg.target, RunLayout(run_dir).data_dir, split,
             fix=cfg.data.fix, image_root=cfg.data.image_root, seed=cfg.seed, progress=progress)
         quarantine += [{"split": split, **q} for q in regenerated.pop("quarantine")]
 
+    task = progress.add_task(f"data {split}", total=len(convs), info="") if progress else None
+    if renders is None and mapped:
+        renders = parallel.render_split(cfg, convs, tokenizer, vl)
+    if renders is None:
+        renders = []
+        for conv in convs:
+            renders.append(render_row(tokenizer, conv["messages"], cfg.data.max_length, cfg.data.overlength, vl))
+            if task is not None:
+                progress.advance(task)
+    elif task is not None:
+        progress.update(task, completed=len(convs))
+    result = _collect(split, convs, renders, quarantine, n_rows, skipped)
+    if regenerated is not None:
+        result["counts"]["regenerate"] = regenerated
+    return result
+
+
+def _collect(split: str, convs: list[dict], renders: list, quarantine: list[dict], n_rows: int, skipped: int) -> dict:
+    """The split's result from its rendered conversations (one RowRender each, in order): samples,
+    clean conversations, the quarantine (rows that rendered to a reason join it, in order) and
+    the counts, which must reconcile with the `n_rows` input rows."""
     samples, conversations = [], []
     fixes: Counter = Counter()
     kept = fixed = truncated = 0
-    task = progress.add_task(f"data {split}", total=len(convs), info="") if progress else None
-    for conv in convs:
-        images = {}
-        try:
-            if vl is None:
-                r = render(tokenizer, conv["messages"], cfg.data.max_length, cfg.data.overlength)
-            else:
-                r, paths, grids = render_vl(tokenizer, conv["messages"], *vl, cfg.data.max_length, cfg.data.overlength)
-                images = {"images": paths, "image_grid_thw": grids} if paths else {}
-            reason = r.drop_reason
-        except DataError as e:  # TemplateError: the template cannot be mapped for this row
-            r, reason = None, str(e) if str(e).startswith(("image_", "template_error")) else f"template_error: {e}"
-        if reason is not None:
-            if r is not None:
-                reason = f"{reason}: {r.full_length} tokens > max_length {cfg.data.max_length}"
-            quarantine.append({"split": split, "file": conv.get("file"), "line": conv.get("line"), "reason": reason,
+    for conv, r in zip(convs, renders, strict=True):
+        if r.reason is not None:
+            quarantine.append({"split": split, "file": conv.get("file"), "line": conv.get("line"), "reason": r.reason,
                                "row": {"id": conv["id"], "messages": conv["messages"]}})
+            continue
+        truncated += r.truncated
+        if conv.get("fixes"):
+            fixed += 1
+            fixes.update(conv["fixes"])
         else:
-            truncated += r.truncated
-            if conv.get("fixes"):
-                fixed += 1
-                fixes.update(conv["fixes"])
-            else:
-                kept += 1
-            samples.append({"id": conv["id"], "input_ids": r.input_ids, "loss_mask": r.loss_mask, **images})
-            conversations.append({"id": conv["id"], "messages": conv["messages"]})
-        if task is not None:
-            progress.advance(task)
-
+            kept += 1
+        samples.append({"id": conv["id"], "input_ids": r.input_ids, "loss_mask": r.loss_mask, **r.images})
+        conversations.append({"id": conv["id"], "messages": conv["messages"]})
     lengths = [len(s["input_ids"]) for s in samples]
     counts = {
-        "input_rows": len(rows),
+        "input_rows": n_rows,
         "kept": kept,
         "fixed": fixed,
         "quarantined": len(quarantine),
@@ -219,12 +236,10 @@ def process_split(cfg, split: str, files: list[str], tokenizer, progress=None, r
         "images": sum(len(s.get("images", ())) for s in samples),
         "max_tokens": max(lengths, default=0),
     }
-    if regenerated is not None:
-        counts["regenerate"] = regenerated
     accounted = kept + fixed + len(quarantine) + skipped
-    if accounted != len(rows):
+    if accounted != n_rows:
         raise RuntimeError(
-            f"data {split}: {len(rows)} input rows but {accounted} accounted for "
+            f"data {split}: {n_rows} input rows but {accounted} accounted for "
             f"(kept {kept} + fixed {fixed} + quarantined {len(quarantine)} + skipped {skipped})"
         )
     return {"samples": samples, "conversations": conversations, "quarantine": quarantine, "counts": counts}

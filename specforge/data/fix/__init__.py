@@ -42,7 +42,8 @@ from specforge.data.fix.conversations import (
 from specforge.data.fix.toon import PROSE_POLICIES, ToonNotADocument, ToonUnrepairable, repair_answers, repair_toon
 from specforge.data.formats import DataError, RawRow, to_conversation
 
-__all__ = ["FixResult", "Quarantine", "fix_dataset", "fix_row", "reason_code", "repair_toon"]
+__all__ = ["FixResult", "Quarantine", "check_duplicate", "fix_dataset", "fix_row", "quarantine_entry", "reason_code",
+           "repair_toon"]
 
 _CHOICES = {
     "empty_turns": ("drop_turn", "quarantine"),
@@ -78,10 +79,9 @@ def fix_dataset(
         try:
             conv, fixes = fix_row(raw, cfg, fmt, images, max_chars)
             if cfg.enabled and cfg.dedupe:
-                _check_duplicate(conv, raw, first_seen)
+                check_duplicate(dedupe_key(conv["messages"]), f"{raw.file}:{raw.line}", first_seen)
         except Quarantine as q:
-            row = raw.data if raw.data is not None else raw.error
-            result.quarantined.append({"file": raw.file, "line": raw.line, "reason": q.reason, "row": row})
+            result.quarantined.append(quarantine_entry(raw, q.reason))
             continue
         result.kept.append({"id": conv["id"], "messages": conv["messages"], "fixes": fixes,
                             "file": raw.file, "line": raw.line})
@@ -133,11 +133,18 @@ def check_config(cfg: FixConfig) -> None:
             raise ValueError(f"data.fix.{name}: {getattr(cfg, name)!r} is not one of {list(allowed)}")
 
 
-def _check_duplicate(conv: dict, raw: RawRow, first_seen: dict[str, str]) -> None:
-    key = dedupe_key(conv["messages"])
+def check_duplicate(key: str, where: str, first_seen: dict[str, str]) -> None:
+    """Quarantine a row whose `dedupe_key` a kept row already had; else remember it as the first
+    (`where`: "file:line"). Rows must come in input order: the first kept occurrence wins."""
     if key in first_seen:
         raise Quarantine(f"duplicate: same messages as {first_seen[key]}")
-    first_seen[key] = f"{raw.file}:{raw.line}"
+    first_seen[key] = where
+
+
+def quarantine_entry(raw: RawRow, reason: str) -> dict:
+    """{"file", "line", "reason", "row"}: the row as parsed, or its JSON error when it did not parse."""
+    return {"file": raw.file, "line": raw.line, "reason": reason,
+            "row": raw.data if raw.data is not None else raw.error}
 
 
 def reason_code(reason: str) -> str:

@@ -1,0 +1,299 @@
+"""data.num_proc >= 1: the data stage's per-row work in `datasets.Dataset.map` worker processes.
+
+Workers run only per-row steps, through the functions the in-process loop calls
+(`parse_raw_text`, `normalise_row`, `render_row`, `dedupe_key`), so both paths give the same
+samples, reasons and counts. What needs the whole split stays in this process, in input order:
+duplicates (`check_duplicate`: the first kept occurrence wins, as in `fix_dataset`),
+max_samples and regeneration (which then comes before rendering: a second map).
+
+Rows go into Arrow as JSON strings (`raw`, or its read `error`, + `file` + `line`), never as
+nested columns, so heterogeneous rows cannot break schema inference; workers send conversations
+back as JSON too, and token ids as int lists. Everything lives under `cache_dir/datasets/`: the input rows
+(`rows-<hash>.arrow`) and each map's output, named by a fingerprint of the rows, the config, the
+tokenizer and this code, so a re-run (with any num_proc) loads the output instead of recomputing.
+Image files are not part of that fingerprint. Nothing there is deleted: clear it by hand.
+"""
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import os
+import tempfile
+from contextlib import contextmanager
+from dataclasses import asdict, is_dataclass
+from pathlib import Path
+
+from specforge.data.fix import Quarantine, check_config, check_duplicate, quarantine_entry
+from specforge.data.fix.conversations import ImageChecker, dedupe_key
+from specforge.data.formats import parse_raw_text, read_raw_texts
+from specforge.data.rows import RowRender, normalise_row, render_row
+from specforge.utils.io import file_fingerprint, fingerprint
+
+MAP_BATCH = 64  # rows per call of the map function (a row costs ~1-3 ms of chat template)
+READ_BATCH = 4096  # rows per Arrow batch written and read back in this process
+# The per-row code: a change to it must not load stale results from the cache.
+CODE = [Path(__file__).parent / n for n in ("formats.py", "sources.py", "rows.py", "template.py", "vl_render.py",
+                                            "parallel.py", "fix/__init__.py", "fix/conversations.py", "fix/toon.py")]
+CODE.append(Path(__file__).parents[1] / "targets" / "vl.py")
+
+
+def normalise_split(cfg, files: list[str], max_chars: int, tokenizer=None,
+                    vl=None) -> tuple[int, list[dict], list[dict], list | None]:
+    """(input rows, conversations, quarantine entries, renders) of `files`: the conversations
+    and quarantine of the loop's read + fix step; with a `tokenizer`, also each conversation's
+    RowRender from the same pass (else None: render with `render_split` later)."""
+    fix_cfg = _plain_config(cfg.data.fix)
+    if fix_cfg.enabled:
+        check_config(fix_cfg)
+    cache = Path(cfg.cache_dir) / "datasets"
+    rows, rows_key = _rows_dataset(files, cache)
+    render = _Render(tokenizer, vl, cfg.data.max_length, cfg.data.overlength) if tokenizer is not None else None
+    step = _Normalise(fix_cfg, cfg.data.format, cfg.data.image_root, max_chars, render)
+    if len(rows) == 0:
+        return 0, [], [], [] if render else None
+    key = fingerprint(rows_key, step.key(), _code_key())
+    out = _map(rows, step, step.features(), cache / f"fix-{key}.arrow", key, cfg.data.num_proc)
+
+    first_seen: dict[str, str] = {}
+    convs, quarantine, renders = [], [], []
+    with _no_gc():
+        for i, rec in enumerate(_records(out)):
+            reason = json.loads(rec["reason"]) if rec["reason"] is not None else None
+            if reason is None and rec["key"] is not None:
+                try:
+                    check_duplicate(rec["key"], f"{rec['file']}:{rec['line']}", first_seen)
+                except Quarantine as q:
+                    reason = q.reason
+            if reason is not None:
+                row = rows[i]
+                raw = parse_raw_text(row["file"], row["line"], row["raw"], row["error"])
+                quarantine.append(quarantine_entry(raw, reason))
+                continue
+            conv = json.loads(rec["conv"])
+            convs.append({"id": conv["id"], "messages": conv["messages"], "fixes": rec["fixes"],
+                          "file": rec["file"], "line": rec["line"]})
+            if render:
+                renders.append(_row_render(rec))
+    return len(rows), convs, quarantine, renders if render else None
+
+
+def render_split(cfg, convs: list[dict], tokenizer, vl=None) -> list[RowRender]:
+    """One RowRender per conversation (after max_samples / regeneration), rendered by workers."""
+    if not convs:
+        return []
+    import pyarrow as pa
+
+    cache = Path(cfg.cache_dir) / "datasets"
+    messages = pa.array([json.dumps(c["messages"]) for c in convs], pa.large_string())
+    batch = pa.record_batch([messages], names=["messages"])
+    rows, rows_key = _write_rows(cache, [batch])
+    step = _Render(tokenizer, vl, cfg.data.max_length, cfg.data.overlength)
+    key = fingerprint(rows_key, step.key(), _code_key())
+    out = _map(rows, step, step.features(), cache / f"render-{key}.arrow", key, cfg.data.num_proc)
+    with _no_gc():
+        return [_row_render(rec) for rec in _records(out)]
+
+
+class _Render:
+    """The map function of the render step (and the render half of a fused _Normalise)."""
+
+    def __init__(self, tokenizer, vl, max_length: int, overlength: str) -> None:
+        self.tokenizer, self.vl, self.max_length, self.overlength = tokenizer, vl, max_length, overlength
+
+    def key(self) -> dict:
+        vl = None if self.vl is None else (self.vl[0].to_dict(), repr(self.vl[1]))
+        return {"tokenizer": _tokenizer_key(self.tokenizer), "vl": vl,
+                "max_length": self.max_length, "overlength": self.overlength}
+
+    @staticmethod
+    def features() -> dict:
+        from datasets import List, Value
+
+        return {"ids": List(Value("int32")), "mask": List(Value("int8")), "truncated": Value("bool"),
+                "rreason": Value("string"), "images": Value("string")}
+
+    def columns(self, messages: list[list[dict] | None]) -> dict[str, list]:
+        """Output columns for these conversations (None: quarantined before rendering)."""
+        out: dict[str, list] = {k: [] for k in ("ids", "mask", "truncated", "rreason", "images")}
+        for m in messages:
+            r = RowRender() if m is None else render_row(self.tokenizer, m, self.max_length, self.overlength, self.vl)
+            out["ids"].append(r.input_ids)
+            out["mask"].append(r.loss_mask)
+            out["truncated"].append(r.truncated)
+            out["rreason"].append(None if r.reason is None else json.dumps(r.reason))
+            out["images"].append(json.dumps(r.images) if r.images else None)
+        return out
+
+    def __call__(self, batch: dict) -> dict:
+        return self.columns([json.loads(m) for m in batch["messages"]])
+
+
+class _Normalise:
+    """The map function of the fix step: parse, normalise_row, dedupe key (+ render when fused)."""
+
+    def __init__(self, fix_cfg, fmt: str, image_root: str | None, max_chars: int, render: _Render | None) -> None:
+        self.fix, self.fmt, self.image_root, self.max_chars, self.render = fix_cfg, fmt, image_root, max_chars, render
+        self.images = ImageChecker(image_root)
+        self.dedupe = fix_cfg.enabled and fix_cfg.dedupe
+
+    def key(self) -> dict:
+        return {"fix": asdict(self.fix), "format": self.fmt, "image_root": self.image_root, "cwd": os.getcwd(),
+                "max_chars": self.max_chars, "render": self.render.key() if self.render else None}
+
+    def features(self):
+        from datasets import Features, List, Value
+
+        cols = {"file": Value("string"), "line": Value("int64"), "conv": Value("large_string"),
+                "fixes": List(Value("string")), "reason": Value("string"), "key": Value("string")}
+        return Features({**cols, **(self.render.features() if self.render else {})})
+
+    def __call__(self, batch: dict) -> dict:
+        out: dict[str, list] = {k: [] for k in ("file", "line", "conv", "fixes", "reason", "key")}
+        messages = []
+        for text, error, file, line in zip(batch["raw"], batch["error"], batch["file"], batch["line"]):
+            raw = parse_raw_text(file, line, text, error)
+            conv, fixes, reason = None, [], None
+            try:
+                conv, fixes = normalise_row(raw, self.fix, self.fmt, self.images, self.max_chars)
+            except Quarantine as q:
+                reason = json.dumps(q.reason)  # JSON: a reason may quote any string of the row
+            out["file"].append(file)
+            out["line"].append(line)
+            out["conv"].append(None if conv is None else json.dumps(conv))
+            out["fixes"].append(fixes)
+            out["reason"].append(reason)
+            out["key"].append(dedupe_key(conv["messages"]) if conv is not None and self.dedupe else None)
+            messages.append(None if conv is None else conv["messages"])
+        if self.render:
+            out.update(self.render.columns(messages))
+        return out
+
+
+def _rows_dataset(files: list[str], cache: Path):
+    """The input rows as a memory-mapped Dataset (file, line, raw, error) and its content hash."""
+    import pyarrow as pa
+
+    def batches():
+        cols: dict[str, list] = {"file": [], "line": [], "raw": [], "error": []}  # read_raw_texts' order
+        for f in files:
+            for item in read_raw_texts(f):
+                for name, value in zip(cols, item):
+                    cols[name].append(value)
+                if len(cols["line"]) == READ_BATCH:
+                    yield _batch(cols)
+        yield _batch(cols)  # the rest (maybe empty: the file needs a schema)
+
+    def _batch(cols: dict[str, list]):
+        b = pa.record_batch([pa.array(cols["file"], pa.string()), pa.array(cols["line"], pa.int64()),
+                             pa.array(cols["raw"], pa.large_string()), pa.array(cols["error"], pa.string())],
+                            names=list(cols))
+        for v in cols.values():
+            v.clear()
+        return b
+
+    return _write_rows(cache, batches())
+
+
+def _write_rows(cache: Path, batches):
+    """Write record batches once to cache/rows-<content hash>.arrow; (Dataset, hash)."""
+    import pyarrow as pa
+    from datasets import Dataset
+
+    cache.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256()
+    fd, tmp = tempfile.mkstemp(prefix=".rows.", suffix=".tmp", dir=cache)
+    os.close(fd)
+    try:
+        writer = None
+        for b in batches:
+            if writer is None:
+                writer = pa.ipc.new_stream(tmp, b.schema)
+                digest.update(b.schema.serialize())  # same bytes under other columns: another file
+            writer.write_batch(b)
+            for col in b.columns:
+                for buf in col.buffers():
+                    digest.update(b"-" if buf is None else memoryview(buf))
+        writer.close()
+        key = digest.hexdigest()[:16]
+        final = cache / f"rows-{key}.arrow"
+        if not final.exists():
+            os.replace(tmp, final)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    return Dataset.from_file(str(final)), key
+
+
+def _map(rows, fn, features, cache_file: Path, key: str, num_proc: int):
+    """rows.map(fn) in `num_proc` worker processes, loaded from `cache_file` when there."""
+    from datasets import Features
+
+    out = rows.map(fn, batched=True, batch_size=MAP_BATCH, remove_columns=rows.column_names,
+                   features=Features(features), num_proc=num_proc, cache_file_name=str(cache_file),
+                   new_fingerprint=key, load_from_cache_file=True, desc="data rows")
+    if len(out) != len(rows):
+        raise RuntimeError(f"data.num_proc: {len(rows)} rows in but {len(out)} out; every row must be accounted for")
+    return out
+
+
+def _records(ds):
+    """The rows of a mapped Dataset as dicts, batch by batch (token ids via numpy: much faster
+    than pyarrow's to_pylist for long int lists)."""
+    for table in ds.with_format("arrow").iter(batch_size=READ_BATCH):
+        cols = {}
+        for name in table.column_names:
+            col = table.column(name).combine_chunks()
+            cols[name] = _int_lists(col) if name in ("ids", "mask") else col.to_pylist()
+        yield from (dict(zip(cols, values)) for values in zip(*cols.values()))
+
+
+def _int_lists(col) -> list[list[int]]:
+    offsets = col.offsets.to_numpy()
+    values = col.flatten().to_numpy().tolist()
+    starts = (offsets[:-1] - offsets[0]).tolist()
+    ends = (offsets[1:] - offsets[0]).tolist()
+    return [values[a:b] for a, b in zip(starts, ends)]
+
+
+def _row_render(rec: dict) -> RowRender:
+    reason = json.loads(rec["rreason"]) if rec["rreason"] is not None else None
+    images = json.loads(rec["images"]) if rec["images"] is not None else {}
+    return RowRender(rec["ids"], rec["mask"], rec["truncated"], reason, images)
+
+
+@contextmanager
+def _no_gc():
+    """No cyclic GC while this process turns the workers' output into Python objects: they hold
+    no cycles, and with a heap of 100K samples the collector's passes cost more than the rest."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _plain_config(cfg):
+    """A plain dataclass of an OmegaConf node: cheap attribute access in workers, and picklable."""
+    if is_dataclass(cfg):
+        return cfg
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_object(cfg)
+
+
+def _tokenizer_key(tokenizer) -> str:
+    """What rendering depends on: vocab, merges, added/special tokens (the fast tokenizer's JSON)
+    and the chat template."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        from datasets.fingerprint import Hasher
+
+        return Hasher.hash(tokenizer)
+    return fingerprint(type(tokenizer).__name__, tokenizer.chat_template, tokenizer.all_special_ids,
+                       hashlib.sha256(backend.to_str().encode()).hexdigest())
+
+
+def _code_key() -> str:
+    return fingerprint({p.name: file_fingerprint(p) for p in CODE})
