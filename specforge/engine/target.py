@@ -19,6 +19,7 @@ from contextlib import contextmanager
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from specforge.engine.few_rows import few_rows_linear, few_rows_linears, plain_linears
 from specforge.targets.layers import check_aux_layer_ids
 from specforge.targets.loader import text_config, untied_last_hidden_state
 from specforge.targets.vl import capture_input_embeds, is_vl_config, mm_token_type_ids, rope_positions, vl_info
@@ -124,7 +125,7 @@ class Fp32Head(torch.nn.Module):
         self.bias = None if head.bias is None else head.bias.detach().float()
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(hidden.float(), self.weight, self.bias)
+        return few_rows_linear(hidden.float(), self.weight, self.bias)
 
 
 class TargetRunner:
@@ -141,6 +142,7 @@ class TargetRunner:
             model.set_attn_implementation("sdpa")
         if not isinstance(model.get_output_embeddings(), Fp32Head):
             model.set_output_embeddings(Fp32Head(model.get_output_embeddings()))
+        self.linears = plain_linears(model)  # run as FewRowsLinear: decode and verify multiply 1-N rows
         self.model = model
         self.num_layers = cfg.num_hidden_layers
         check_aux_layer_ids(aux_layer_ids, self.num_layers, what="aux_layer_ids", ascending=False)
@@ -170,7 +172,8 @@ class TargetRunner:
         return (pos + self.rope_delta)[None].expand(3, -1, -1)
 
     def _run(self, input_ids, position_ids, mask, logits_to_keep=0, need_aux=True, **inputs):
-        with _forward_settings(text_config(self.model.config), force_gqa=mask is not None):
+        with _forward_settings(text_config(self.model.config), force_gqa=mask is not None), \
+                few_rows_linears(self.linears):
             out = self.model(
                 input_ids=input_ids,
                 position_ids=position_ids,
