@@ -89,7 +89,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from specforge.engine.speculative import SpeculativeEngine
     from specforge.eval.planner import plan, summarize
-    from specforge.utils.io import write_json
+    from specforge.utils.io import read_json, write_json
 
     if not args.tiny and not args.ckpt:
         print("pass --ckpt DIR (a trained run) or --tiny", file=sys.stderr)
@@ -131,7 +131,8 @@ def main(argv=None) -> int:
               "engine_s": engine_s, "planner_s": planner_s,
               "planner_trees": len(trees), "ratio": planner_s / engine_s,
               "trees": rows}
-    write_json(args.out, report)
+    out = Path(args.out)  # merged: benchmarks/cost_model_bench.py writes its figures into the same file
+    write_json(out, {**(read_json(out) if out.exists() else {}), **report})
 
     print(f"{what}: {len(prompts)} prompts x {args.max_new_tokens} new tokens\n")
     print(f"{'tree':>8} {'accept_len':>10} {'accept_rate':>11} {'depth':>6} {'=engine':>7}  nodes per depth")

@@ -106,10 +106,10 @@ class DataConfig:
     # More than this share of a split's rows quarantined fails the stage (after writing the
     # quarantine file and the report): usually a wrong data.format, not bad data. 1.0: never fail.
     max_quarantined_share: float = 0.5
-    fix: FixConfig = field(default_factory=FixConfig)
     # Worker processes for the per-row work (parse, fix, chat template): 0 runs it in this
     # process; N >= 1 through datasets.map(num_proc=N), cached under cache_dir/datasets. Same result.
     num_proc: int = 0
+    fix: FixConfig = field(default_factory=FixConfig)
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
 
 
@@ -183,12 +183,26 @@ class EvalConfig:
     trees: List[str] = field(default_factory=lambda: ["5_1_6", "8_2_16"])
     epochs: Optional[List[int]] = None  # with a run directory: only these epoch_<k> (None: every one)
     allow_other_target: bool = False  # evaluate a draft recorded as trained for another target (warns)
-    num_prompts: int = 16
+    num_prompts: int = 16  # per suite
+    # Prompt suites of the embedded engine, each reported on its own (specforge/eval/prompts.py):
+    # heldout (the run's eval split), humaneval (164 code problems), or a file of conversations or
+    # {"prompt": ...} rows (.jsonl, .json, .parquet, .arrow). Empty: [heldout].
+    suites: List[str] = field(default_factory=list)
     max_new_tokens: int = 128
     temperature: float = 0.0
     exact_ancestor_attention: bool = False
     dtype: Optional[str] = None  # engine dtype of target and draft; None: target.dtype
     seed: int = 0  # sampling seed (temperature > 0)
+    # Tree planner (specforge/eval/planner_eval.py, temperature 0): every epoch x planner_trees from
+    # one greedy pass per prompt, speed-ups predicted by a cost model measured on this machine;
+    # planner_confirm > 0 measures that many best trees of the recommended epoch with the engine.
+    planner: bool = False
+    # The default grid is issue #13's; with topk 1 a tree is a chain of N = T + 1 nodes, as SGLang
+    # adjusts it: the issue's 8_1_8 and 16_1_16 are served as 8_1_9 and 16_1_17.
+    planner_trees: List[str] = field(default_factory=lambda: [
+        "8_1_9", "5_2_8", "8_2_16", "8_3_16", "5_4_16", "6_3_16", "10_2_16", "10_2_32", "10_3_32", "8_3_32",
+        "6_5_32", "6_10_32", "4_4_16", "4_2_14", "16_1_17", "12_2_16", "12_3_32", "12_2_32", "8_4_32", "9_4_32"])
+    planner_confirm: int = 0
     url: Optional[str] = None
     scenario: Optional[str] = None  # serving benchmark preset: code | chat | completion (None: num_prompts x max_new_tokens, one at a time)
     # Serving benchmark (engine=server | sglang), see specforge/eval/server_eval.py

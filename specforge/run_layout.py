@@ -121,6 +121,16 @@ class RunLayout:
         return self.eval_dir / "report.md"
 
     @property
+    def planner(self) -> Path:
+        """Every epoch x tree from the planner, the recommended one (eval.planner=true)."""
+        return self.eval_dir / "planner.json"
+
+    @property
+    def cost_model(self) -> Path:
+        """The round costs measured on this machine, per target x dtype x device x threads."""
+        return self.eval_dir / "cost_model.json"
+
+    @property
     def serving_dir(self) -> Path:
         """Results of the serving benchmark (eval.engine=server | sglang)."""
         return self.eval_dir / "serving"

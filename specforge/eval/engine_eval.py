@@ -22,7 +22,7 @@ import torch
 from specforge.checkpoint import load_draft
 from specforge.engine.speculative import PHASES, GenerationStats, SpeculativeEngine
 from specforge.engine.tree_spec import TreeSpec
-from specforge.eval.prompts import heldout_prompts
+from specforge.eval.prompts import load_suites
 from specforge.run_layout import RunLayout, epoch_of
 from specforge.targets.loader import load_target, load_tokenizer, resolve_target_path, torch_dtype
 from specforge.targets.vl import is_vl, load_image_processor, vl_info
@@ -150,10 +150,35 @@ def _run_pass(engine, prompts, eval_cfg, eos, speculative: bool, bar, task):
     return outputs, stats
 
 
+def _base_of(first: dict, second: dict) -> dict:
+    """The base model's figures: the mean of its pass before and after the speculative ones."""
+    base = {k: (first[k] + second[k]) / 2 if isinstance(first[k], float) else first[k] for k in first}
+    base["tok_s_first_pass"], base["tok_s_second_pass"] = first["tok_s"], second["tok_s"]
+    return base
+
+
+def _against(row: dict, base: dict) -> dict:
+    """`row` with its speed-ups over `base` and its round cost in base decode steps."""
+    row["speedup"] = row["tok_s"] / base["tok_s"]
+    row["decode_speedup"] = row["decode_tok_s"] / base["decode_tok_s"]
+    row.update(round_cost(row, base))
+    return row
+
+
+def _lossless(outputs, base_outputs, eval_cfg) -> float | None:
+    # Identical output is only expected at temperature 0 (greedy).
+    if eval_cfg.temperature > 0:
+        return None
+    return sum(o == b for o, b in zip(outputs, base_outputs)) / len(outputs)
+
+
 def eval_with_engine(run_cfg, ckpts: list[Path], eval_cfg, on_progress=None) -> dict:
-    """Run base + every checkpoint x tree; returns {"base": ..., "configs": [...], "meta": ...}.
-    `on_progress(results so far)` after the base pass and after each configuration: what a later
-    failure must not lose (speed-ups there are against the first base pass alone)."""
+    """Run base + every checkpoint x tree over the prompts of every suite (eval.suites); returns
+    {"base": ..., "configs": [...], "meta": ...} over all prompts (one suite: that suite's figures)
+    plus "suite_base" {suite: base} and "suite_configs" [a row per checkpoint x tree x suite, with
+    its speed-up over that suite's base]. `on_progress(results so far)` after the base pass and
+    after each configuration: what a later failure must not lose (speed-ups there are against the
+    first base pass alone)."""
     trees = [TreeSpec.parse(t) for t in eval_cfg.trees]  # refuse bad trees before loading anything
     if eval_cfg.engine != "embedded":
         raise ValueError(f"eval.engine={eval_cfg.engine!r}: this function runs the embedded engine")
@@ -163,27 +188,33 @@ def eval_with_engine(run_cfg, ckpts: list[Path], eval_cfg, on_progress=None) -> 
     target_cfg = run_cfg.target.copy() if hasattr(run_cfg.target, "copy") else run_cfg.target
     target_cfg.dtype = dtype_name
     tokenizer = load_tokenizer(run_cfg.target)
-    target = load_target(target_cfg, device)
-    eos = tokenizer.eos_token_id
-    run_dir = Path(run_cfg.output_dir) / run_cfg.run_name
     vl = None
     if is_vl(run_cfg.target.kind):  # prompts keep their images (expanded as the data stage did)
-        vl = (load_image_processor(resolve_target_path(run_cfg.target), run_cfg.data.image_min_pixels,
-                                   run_cfg.data.image_max_pixels), vl_info(target.config))
-    prompts = heldout_prompts(RunLayout(run_dir).conversations("eval"), tokenizer, eval_cfg.num_prompts, vl)
+        target_path = resolve_target_path(run_cfg.target)
+        vl = (load_image_processor(target_path, run_cfg.data.image_min_pixels, run_cfg.data.image_max_pixels),
+              vl_info(target_path))
+    suites = load_suites(run_cfg, eval_cfg, tokenizer, vl)  # a bad suite fails before the target loads
+    prompts = [p for suite in suites.values() for p in suite]
+    target = load_target(target_cfg, device)
+    eos = tokenizer.eos_token_id
+
+    def per_suite(items: list) -> dict[str, list]:
+        return {name: [x for x, p in zip(items, prompts) if p["suite"] == name] for name in suites}
 
     base_engine = SpeculativeEngine(target, None)
     warm = prompts[0]
     base_engine.generate_base(warm["input_ids"], 8, eos_token_id=eos, images=warm.get("images"))
     n_passes = 2 + len(ckpts) * len(trees)
-    results = {"configs": [], "meta": {
-        "prompts": len(prompts), "max_new_tokens": eval_cfg.max_new_tokens,
+    results = {"configs": [], "suite_configs": [], "meta": {
+        "prompts": len(prompts), "suites": {name: len(ps) for name, ps in suites.items()},
+        "max_new_tokens": eval_cfg.max_new_tokens,
         "temperature": eval_cfg.temperature, "dtype": dtype_name, "device": device,
         "threads": torch.get_num_threads(), "exact_ancestor_attention": eval_cfg.exact_ancestor_attention}}
     with progress_bar() as bar:
         task = bar.add_task("eval", total=n_passes * len(prompts), info="base")
         base_outputs, base_stats = _run_pass(base_engine, prompts, eval_cfg, eos, False, bar, task)
         results["base"] = aggregate(base_stats)
+        results["suite_base"] = {name: aggregate(s) for name, s in per_suite(base_stats).items()}
         if on_progress:
             on_progress(results)
         for ckpt in ckpts:
@@ -193,25 +224,30 @@ def eval_with_engine(run_cfg, ckpts: list[Path], eval_cfg, on_progress=None) -> 
                 engine = SpeculativeEngine(target, draft, tree, eval_cfg.exact_ancestor_attention)
                 engine.generate(warm["input_ids"], 8, eos_token_id=eos, images=warm.get("images"))
                 outputs, stats = _run_pass(engine, prompts, eval_cfg, eos, True, bar, task)
-                row = {"checkpoint": str(ckpt), "epoch": epoch_of(ckpt), "tree": str(tree),
-                       **aggregate(stats, tree.steps),
-                       # Identical output is only expected at temperature 0 (greedy).
-                       "lossless": (sum(o == b for o, b in zip(outputs, base_outputs)) / len(prompts)
-                                    if eval_cfg.temperature <= 0 else None),
-                       "requests_detail": [s.to_dict() | {"id": p["id"]} for s, p in zip(stats, prompts)]}
+                config = {"checkpoint": str(ckpt), "epoch": epoch_of(ckpt), "tree": str(tree)}
+                row = {**config, **aggregate(stats, tree.steps),
+                       "lossless": _lossless(outputs, base_outputs, eval_cfg),
+                       "requests_detail": [s.to_dict() | {"id": p["id"], "suite": p["suite"]}
+                                           for s, p in zip(stats, prompts)]}
                 results["configs"].append(row)
+                suite_outputs, suite_base_outputs = per_suite(outputs), per_suite(base_outputs)
+                for name, suite_stats in per_suite(stats).items():
+                    results["suite_configs"].append(
+                        {**config, "suite": name, **aggregate(suite_stats, tree.steps),
+                         "lossless": _lossless(suite_outputs[name], suite_base_outputs[name], eval_cfg)})
                 if on_progress:
                     row["speedup"] = row["tok_s"] / results["base"]["tok_s"]
+                    for r in results["suite_configs"][-len(suites):]:
+                        r["speedup"] = r["tok_s"] / results["suite_base"][r["suite"]]["tok_s"]
                     on_progress(results)
         bar.update(task, info="base (again)")
         _, base_again = _run_pass(base_engine, prompts, eval_cfg, eos, False, bar, task)
 
-    first, second = aggregate(base_stats), aggregate(base_again)
-    base = {k: (first[k] + second[k]) / 2 if isinstance(first[k], float) else first[k] for k in first}
-    base["tok_s_first_pass"], base["tok_s_second_pass"] = first["tok_s"], second["tok_s"]
-    results["base"] = base
+    results["base"] = _base_of(aggregate(base_stats), aggregate(base_again))
+    firsts, seconds = per_suite(base_stats), per_suite(base_again)
+    results["suite_base"] = {name: _base_of(aggregate(firsts[name]), aggregate(seconds[name])) for name in suites}
     for row in results["configs"]:
-        row["speedup"] = row["tok_s"] / base["tok_s"]
-        row["decode_speedup"] = row["decode_tok_s"] / base["decode_tok_s"]
-        row.update(round_cost(row, base))
+        _against(row, results["base"])
+    for row in results["suite_configs"]:
+        _against(row, results["suite_base"][row["suite"]])
     return results

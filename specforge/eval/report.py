@@ -91,10 +91,34 @@ def profile_lines(results: dict) -> list[str]:
     return lines
 
 
+def _prompts(meta: dict) -> str:
+    """"16 held-out prompts", or with other suites (eval.suites) their names and sizes."""
+    suites = meta.get("suites") or {"heldout": meta["prompts"]}
+    if list(suites) == ["heldout"]:
+        return f"{meta['prompts']} held-out prompts"
+    return f"{meta['prompts']} prompts (" + ", ".join(f"{name}: {n}" for name, n in suites.items()) + ")"
+
+
+def suite_lines(results: dict) -> list[str]:
+    """With several suites (eval.suites): every configuration on each suite, against the base model
+    on that suite's prompts; the table above pools them all."""
+    bases = results.get("suite_base") or {}
+    if len(bases) < 2:
+        return []
+    lines = ["", "### Per suite", "",
+             "Each suite against the base model on its own prompts (the table above pools every suite).", "",
+             "| suite | base tok/s | epoch | tree | accept length | tok/s | speed-up | lossless |", "|" + "---|" * 8]
+    for r in results.get("suite_configs", []):
+        cells = [r["suite"], bases[r["suite"]]["tok_s"], r.get("epoch"), r["tree"], r["accept_length"],
+                 r["tok_s"], r.get("speedup"), r["lossless"]]
+        lines.append("| " + " | ".join(_fmt(c) for c in cells) + " |")
+    return lines
+
+
 def markdown(results: dict) -> str:
     base, meta = results["base"], results["meta"]
     lines = ["## Evaluation: speculative decoding vs the base model", "",
-             f"{meta['prompts']} held-out prompts, max {meta['max_new_tokens']} new tokens, temperature "
+             f"{_prompts(meta)}, max {meta['max_new_tokens']} new tokens, temperature "
              f"{meta['temperature']}, batch 1, {meta['dtype']} on {meta['device']} ({meta['threads']} threads). "
              "Accept length = completion tokens / verify rounds (SGLang's definition); speed-up = tok/s over "
              "the base model's tok/s measured in the same run (mean of a pass before and after).", "",
@@ -115,6 +139,7 @@ def markdown(results: dict) -> str:
                       f"{_fmt(best['lossless'])} ({why}).", "",
                   "Accepted drafts per round (0, 1, ... T) for that configuration: "
                   f"{best['accept_histogram']}."]
+    lines += suite_lines(results)
     profile = profile_lines(results)
     if profile:
         lines += [""] + profile
@@ -180,4 +205,123 @@ def write_results(results: dict, out_dir: str | Path) -> Path:
     plots = plot(results, out_dir / "plots")
     md = markdown(results) + "\n" + "\n".join(f"![{Path(p).stem}]({p})" for p in plots) + "\n"
     write_text(out_dir / "report.md", md)
+    return out_dir / "report.md"
+
+
+# ---- eval.planner=true (specforge/eval/planner_eval.py) -------------------------------------------
+
+
+def _ckpt_name(row: dict) -> str:
+    return f"epoch_{row['epoch']}" if row.get("epoch") is not None else Path(row["checkpoint"]).name
+
+
+def planner_markdown(planner: dict, plots: list[str] = ()) -> str:
+    """The planner's section: every tree of the recommended epoch (marked), the best tree of every
+    epoch, the cost model's figures, the confirmation by the engine when it ran, and the wall time."""
+    meta, best, cost = planner["meta"], planner["recommended"], planner["cost_model"]
+    rows = [r for r in planner["rows"] if r["checkpoint"] == best["checkpoint"]]
+    confirmed = {r["tree"]: r for r in planner.get("confirmed", [])}
+    ms = lambda s: f"{1000 * s:.2f}"  # noqa: E731
+    lines = ["## Tree planner: every epoch x tree from one greedy pass", "",
+             f"{meta['prompts']} held-out prompts, max {meta['max_new_tokens']} new tokens, temperature 0, "
+             f"{meta['dtype']} on {meta['device']} ({meta['threads']} threads). Accept length and rate are the "
+             "engine's own figures, from its rounds replayed against the greedy tokens (specforge/eval/planner.py); "
+             "depth = mean deepest node of the built trees, width = (N-1) / depth; predicted speed-up = accept "
+             "length x base step / round cost (a decode speed-up: prefill left out), round costs measured on "
+             "this machine (specforge/eval/cost_model.py).", "",
+             f"**Ship `{_ckpt_name(best)}` with tree `{best['tree']}`**: predicted speed-up "
+             f"{best['predicted_speedup']:.2f}x, accept length {best['accept_length']:.2f}.", "",
+             f"Trees of `{_ckpt_name(best)}`:", "",
+             "| tree | accept length | accept rate | depth | width | ms/round | predicted speed-up |"
+             + (" measured speed-up |" if confirmed else ""),
+             "|" + "---|" * (7 + bool(confirmed))]
+    for r in sorted(rows, key=lambda r: -r["predicted_speedup"] if not _nan(r["predicted_speedup"]) else math.inf):
+        tree = f"**{r['tree']}** (recommended)" if r["tree"] == best["tree"] else r["tree"]
+        cells = [tree, *(_fmt(r.get(k)) for k in ("accept_length", "accept_rate", "tree_depth", "tree_width")),
+                 f"{r['t_round_ms']:.2f}", _fmt(r["predicted_speedup"])]
+        if confirmed:
+            cells.append(_fmt(confirmed[r["tree"]]["measured_speedup"]) if r["tree"] in confirmed else "")
+        lines.append("| " + " | ".join(cells) + " |")
+    epochs = list(dict.fromkeys(r["checkpoint"] for r in planner["rows"]))
+    if len(epochs) > 1:
+        lines += ["", "Best tree per checkpoint:", "", "| checkpoint | tree | accept length | predicted speed-up |",
+                  "|---|---|---|---|"]
+        for ckpt in epochs:
+            top = max((r for r in planner["rows"] if r["checkpoint"] == ckpt),
+                      key=lambda r: -math.inf if _nan(r["predicted_speedup"]) else r["predicted_speedup"])
+            lines.append(f"| {_ckpt_name(top)} | {top['tree']} | {_fmt(top['accept_length'])} | "
+                         f"{_fmt(top['predicted_speedup'])} |")
+    if confirmed:
+        lines += ["", "Confirmed by the engine (base model before and after, same prompts): error = predicted / "
+                      "measured decode speed-up - 1.", "",
+                  "| tree | accept length (planner) | accept length (engine) | predicted | measured decode | "
+                  "measured e2e | error | lossless |", "|" + "---|" * 8]
+        for c in planner["confirmed"]:
+            lines.append(f"| {c['tree']} | {_fmt(c['accept_length'])} | {_fmt(c['measured_accept_length'])} | "
+                         f"{_fmt(c['predicted_speedup'])} | {_fmt(c['measured_speedup'])} | "
+                         f"{_fmt(c['measured_e2e_speedup'])} | {100 * c['error']:+.1f}% | {_fmt(c['lossless'])} |")
+    verify = ", ".join(f"N={n}: {ms(t)}" for n, t in sorted(cost["t_verify"].items(), key=lambda x: int(x[0])))
+    step = ", ".join(f"K={k}: {ms(t)}" for k, t in sorted(cost["t_step"].items(), key=lambda x: int(x[0])))
+    seconds = planner["seconds"]
+    lines += ["", f"Cost model ({'measured now' if cost['measured_now'] else 'reused'}, `{cost['path']}`; "
+                  f"prefix of {cost['key']['prefix_len']} tokens), ms: base step {ms(cost['t_base'])}; verify "
+                  f"{verify}; draft step {step}; catch-up over 1..{len(cost['t_extend'])} tokens "
+                  f"{ms(min(cost['t_extend']))}-{ms(max(cost['t_extend']))}.", "",
+              f"Planner: {len(meta['trees'])} trees x {len(epochs)} checkpoint(s) in "
+              f"{seconds['planner']:.1f} s (cost model {seconds['cost_model']:.1f} s)"
+              + (f"; engine confirmation {seconds['confirm']:.1f} s." if "confirm" in seconds else ".")]
+    lines += [""] + [f"![{Path(p).stem}]({p})" for p in plots]
+    return "\n".join(lines) + "\n"
+
+
+def plot_planner(planner: dict, plots_dir: Path) -> list[str]:
+    """One heatmap per topk K for the recommended checkpoint: steps T x draft tokens N, coloured by
+    the predicted speed-up, each cell annotated with its accept length."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from specforge.engine.tree_spec import TreeSpec
+
+    plots_dir.mkdir(parents=True, exist_ok=True)
+    best = planner["recommended"]
+    rows = {TreeSpec.parse(r["tree"]): r for r in planner["rows"] if r["checkpoint"] == best["checkpoint"]}
+    made = []
+    for k in sorted({s.topk for s in rows}):
+        specs = [s for s in rows if s.topk == k]
+        ts, ns = sorted({s.steps for s in specs}), sorted({s.num_draft_tokens for s in specs})
+        grid = np.full((len(ts), len(ns)), np.nan)
+        for s in specs:
+            grid[ts.index(s.steps), ns.index(s.num_draft_tokens)] = rows[s]["predicted_speedup"]
+        fig, ax = plt.subplots(figsize=(max(4.5, 1.8 + 0.8 * len(ns)), max(3.2, 1.6 + 0.45 * len(ts))))
+        image = ax.imshow(np.ma.masked_invalid(grid), cmap="viridis", origin="lower", aspect="auto")
+        for s in specs:
+            i, j = ts.index(s.steps), ns.index(s.num_draft_tokens)
+            dark = image.norm(grid[i, j]) < 0.5 if not np.isnan(grid[i, j]) else False
+            ax.text(j, i, f"{rows[s]['accept_length']:.2f}" + ("*" if s.name == best["tree"] else ""),
+                    ha="center", va="center", fontsize=8, color="white" if dark else "black")
+        fig.colorbar(image, ax=ax, label="predicted speed-up")
+        ax.set_xticks(range(len(ns)), [str(n) for n in ns])
+        ax.set_yticks(range(len(ts)), [str(t) for t in ts])
+        ax.set_xlabel("draft tokens N")
+        ax.set_ylabel("steps T")
+        ax.set_title(f"topk {k}, {_ckpt_name(best)}\ncolour: predicted speed-up, text: accept length (* ship)",
+                     fontsize=9)
+        fig.tight_layout()
+        name = f"planner_topk{k}.png"
+        fig.savefig(plots_dir / name, dpi=100)
+        plt.close(fig)
+        made.append(f"plots/{name}")
+    return made
+
+
+def write_planner(planner: dict, out_dir: str | Path, results: dict | None = None) -> Path:
+    """planner.json, the heatmaps and report.md: the confirmation's engine report (results.json /
+    csv as any evaluation) when it ran, then the planner's section."""
+    out_dir = Path(out_dir)
+    write_json(out_dir / "planner.json", planner)
+    head = write_results(results, out_dir).read_text() + "\n" if results is not None else ""
+    write_text(out_dir / "report.md", head + planner_markdown(planner, plot_planner(planner, out_dir / "plots")))
     return out_dir / "report.md"

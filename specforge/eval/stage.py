@@ -12,10 +12,16 @@ def run_evaluation(run_cfg, ckpt: str | Path, eval_cfg, out_dir: str | Path | No
     from specforge.config import check_eval_trees
     from specforge.eval.report import best_config, write_results
     from specforge.eval.engine_eval import eval_with_engine, find_checkpoints
+    from specforge.eval.prompts import check_suites
     from specforge.run_layout import RunLayout
     from specforge.run_report import write_run_report
 
     check_eval_trees(eval_cfg)  # before anything loads
+    if getattr(eval_cfg, "planner", False):
+        from specforge.eval.planner_eval import check_planner
+
+        check_planner(eval_cfg)  # its grid, its engine, temperature 0
+    check_suites(eval_cfg)  # an unknown suite, a missing file, suites for a server engine
     run_dir, ckpts = find_checkpoints(ckpt, getattr(eval_cfg, "epochs", None))
     check_checkpoints(ckpts, run_cfg.target, bool(getattr(eval_cfg, "allow_other_target", False)))
     if eval_cfg.engine in ("server", "sglang"):  # a serving benchmark over HTTP (server_eval.py)
@@ -27,6 +33,8 @@ def run_evaluation(run_cfg, ckpt: str | Path, eval_cfg, out_dir: str | Path | No
         return {"report": summary["report"], "engine": eval_cfg.engine}
     eval_dir = RunLayout(run_dir).eval_dir
     out_dir = Path(out_dir) if out_dir else eval_dir
+    if getattr(eval_cfg, "planner", False):
+        return run_planner(run_cfg, run_dir, ckpts, eval_cfg, out_dir)
     partial = out_dir / PARTIAL_NAME
     try:
         results = eval_with_engine(run_cfg, ckpts, eval_cfg, on_progress=lambda r: write_json(partial, r))
@@ -43,6 +51,27 @@ def run_evaluation(run_cfg, ckpt: str | Path, eval_cfg, out_dir: str | Path | No
     return {"report": str(report), "configs": len(results["configs"]),
             **({"best_epoch": best["epoch"], "best_tree": best["tree"], "best_speedup": best["speedup"],
                 "best_accept_length": best["accept_length"]} if best else {})}
+
+
+def run_planner(run_cfg, run_dir: Path, ckpts: list[Path], eval_cfg, out_dir: Path) -> dict:
+    """eval.planner=true: planner.json, heatmaps and report.md in `out_dir`; the cost model is
+    kept with the run (reused while target, dtype, device and threads stay the same)."""
+    from specforge.eval.planner_eval import eval_with_planner
+    from specforge.eval.report import write_planner
+    from specforge.run_layout import RunLayout
+    from specforge.run_report import write_run_report
+
+    layout = RunLayout(run_dir)
+    cost_path = layout.cost_model if out_dir == layout.eval_dir else out_dir / layout.cost_model.name
+    planner, results = eval_with_planner(run_cfg, ckpts, eval_cfg, cost_path)
+    report = write_planner(planner, out_dir, results)
+    if out_dir == layout.eval_dir:
+        write_run_report(run_dir)
+    print(report.read_text(), flush=True)
+    best = planner["recommended"]
+    return {"report": str(report), "planner": str(out_dir / layout.planner.name), "best_epoch": best["epoch"],
+            "best_tree": best["tree"], "predicted_speedup": best["predicted_speedup"],
+            "best_accept_length": best["accept_length"]}
 
 
 def check_checkpoints(ckpts: list[Path], target_cfg, allow_other_target: bool) -> None:

@@ -1,0 +1,148 @@
+"""Validates the planner's predicted speed-ups (specforge/eval/cost_model.py) against the engine, and
+times the planner's grid against one tree's engine evaluation (issue #13: within +-10%; the grid in
+<= 2x one tree's evaluation).
+
+For one checkpoint, on the run's held-out prompts: the planner + a freshly measured cost model over
+the grid (`--grid`, default eval.planner_trees: timed), then the planner's prediction for each of
+`--trees` and their measurement by the engine's own evaluation (`eval_with_engine`: base model
+before and after, same prompts). The prediction is a decode speed-up (prefill left out), so the
+error is against the engine's `decode_speedup`; the e2e speed-up is recorded beside it.
+
+    .venv/bin/python benchmarks/cost_model_bench.py --ckpt /tmp/demo/outputs/smollm2_weather/epoch_10 \\
+        --dtype float32 --num-prompts 16 --max-new-tokens 128
+    .venv/bin/python benchmarks/cost_model_bench.py --tiny   # smoke run: tiny random target and draft
+
+Reads the run, writes nothing into it: the cost model goes to --work-dir (default: a temporary
+directory); results are merged into benchmarks/results/planner.json (--out), beside what
+benchmarks/planner_bench.py writes there. Timings mean something only on a quiet machine (the
+1-min load average is recorded).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def parse_args(argv=None):
+    from specforge.config import EvalConfig
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--ckpt", help="a checkpoint directory (epoch_<k>) or a run directory (its last epoch)")
+    p.add_argument("--tiny", action="store_true", help="a tiny random target and draft in a temporary run (smoke run)")
+    p.add_argument("--trees", nargs="+", default=["2_1_3", "3_1_4", "5_1_6", "4_2_8", "8_2_16"],
+                   help="trees predicted and measured with the engine")
+    p.add_argument("--grid", nargs="+", default=EvalConfig().planner_trees, help="the planner's grid (timed)")
+    p.add_argument("--engine-tree", default="5_1_6", help="of --trees: the one tree whose engine pass the grid is timed against")
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--dtype", default=None, help="engine dtype of target and draft (default: the run's)")
+    p.add_argument("--work-dir", default=None, help="where the cost model is stored (default: a temporary directory)")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "planner.json"))
+    return p.parse_args(argv)
+
+
+def tiny_run(root: Path) -> Path:
+    """A run directory as the pipeline leaves it: config.yaml, held-out conversations, one random draft."""
+    from omegaconf import OmegaConf
+    from transformers import AutoConfig
+
+    from specforge.checkpoint import save_checkpoint
+    from specforge.models.draft import Eagle3Config, Eagle3Draft
+    from specforge.targets.tiny import build_tiny_llama
+    from specforge.utils.io import write_jsonl
+
+    target = build_tiny_llama(root / "tiny_target")
+    run = root / "outputs" / "tiny"
+    run.mkdir(parents=True)
+    spec = {"name": "tiny", "path": str(target), "dtype": "float32", "aux_layer_ids": [0, 1, 2]}
+    OmegaConf.save(OmegaConf.create({"run_name": "tiny", "target": spec}), run / "config.yaml")
+    write_jsonl(run / "data" / "eval.conversations.jsonl", [
+        {"id": f"e{i}", "messages": [{"role": "user", "content": f"What is the weather in city {i}?"},
+                                     {"role": "assistant", "content": "sunny"}]} for i in range(16)])
+    torch.manual_seed(0)
+    draft = Eagle3Draft(Eagle3Config.from_target(AutoConfig.from_pretrained(target), [0, 1, 2]))
+    save_checkpoint(draft, run / "epoch_1", dtype=torch.float32)
+    return run
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from omegaconf import OmegaConf
+
+    from specforge.config import EvalConfig
+    from specforge.eval.engine_eval import find_checkpoints, load_run_config
+    from specforge.eval.planner_eval import compare, confirm, plan_epochs
+    from specforge.utils.io import read_json, write_json
+
+    if not args.tiny and not args.ckpt:
+        print("pass --ckpt DIR (a trained run or one of its epochs) or --tiny", file=sys.stderr)
+        return 2
+    if args.engine_tree not in args.trees:
+        print(f"--engine-tree {args.engine_tree} must be one of --trees", file=sys.stderr)
+        return 2
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="cost_model_bench_"))
+    work.mkdir(parents=True, exist_ok=True)
+    run_dir, ckpts = find_checkpoints(tiny_run(work / "tiny") if args.tiny else args.ckpt)
+    ckpt, run_cfg = ckpts[-1], load_run_config(run_dir)
+    eval_cfg = OmegaConf.structured(EvalConfig(num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
+                                               dtype=args.dtype, planner=True, planner_trees=list(args.grid)))
+    cost_path = work / "cost_model.json"
+    cost_path.unlink(missing_ok=True)  # the grid's time includes measuring its cost model
+    load_before = os.getloadavg()[0]
+
+    grid = plan_epochs(run_cfg, [ckpt], eval_cfg, cost_path)
+    predicted = plan_epochs(run_cfg, [ckpt], OmegaConf.merge(eval_cfg, {"planner_trees": list(args.trees)}), cost_path)
+    t0 = time.perf_counter()
+    results = confirm(run_cfg, ckpt, eval_cfg, args.trees)
+    engine_s = time.perf_counter() - t0
+    rows = compare(predicted["rows"], results)
+
+    one = next(c for c in results["configs"] if c["tree"] == args.engine_tree)
+    one_tree_s = one["e2e_s"] * one["requests"]  # its speculative pass, generate calls only
+    base_s = results["base"]["e2e_s"] * results["base"]["requests"]  # one base pass (mean of the two)
+    grid_s = grid["seconds"]["planner"]
+    out = Path(args.out)
+    report = read_json(out) if out.exists() else {}
+    report.update({
+        "rows": [{k: r[k] for k in ("tree", "accept_length", "measured_accept_length", "predicted_speedup",
+                                    "measured_speedup", "measured_e2e_speedup", "error", "error_e2e",
+                                    "t_round_ms", "measured_ms_per_round", "lossless")} for r in rows],
+        "grid_seconds": grid_s, "grid_cost_model_seconds": grid["seconds"]["cost_model"],
+        "grid_trees": list(args.grid), "one_tree": args.engine_tree, "one_tree_seconds": one_tree_s,
+        "one_tree_eval_seconds": one_tree_s + 2 * base_s, "grid_over_one_tree": grid_s / one_tree_s,
+        "command": shlex.join([".venv/bin/python", "benchmarks/cost_model_bench.py", *(argv or sys.argv[1:])]),
+        "cost_model_bench": {"checkpoint": str(ckpt), "prompts": grid["meta"]["prompts"],
+                             "max_new_tokens": args.max_new_tokens, "dtype": grid["meta"]["dtype"],
+                             "device": grid["cost_model"]["key"]["device"], "threads": grid["meta"]["threads"],
+                             "prefix_len": grid["meta"]["prefix_len"], "engine_seconds": engine_s,
+                             "load_avg_1m_before": round(load_before, 2),
+                             "load_avg_1m_after": round(os.getloadavg()[0], 2)}})
+    write_json(out, report)
+
+    print(f"{ckpt} ({grid['meta']['dtype']}, {grid['cost_model']['key']['device']}, {grid['meta']['threads']} threads): "
+          f"{grid['meta']['prompts']} prompts x {args.max_new_tokens} new tokens\n")
+    print(f"{'tree':>8} {'accept_len':>10} {'engine':>7} {'ms/round':>8} {'engine':>7} {'predicted':>9} "
+          f"{'measured':>8} {'error':>7} {'e2e':>6}")
+    for r in rows:
+        print(f"{r['tree']:>8} {r['accept_length']:>10.3f} {r['measured_accept_length']:>7.3f} {r['t_round_ms']:>8.2f} "
+              f"{r['measured_ms_per_round']:>7.2f} {r['predicted_speedup']:>9.3f} {r['measured_speedup']:>8.3f} "
+              f"{100 * r['error']:>+6.1f}% {r['measured_e2e_speedup']:>6.3f}")
+    print(f"\npredicted = accept length x base step / round cost; measured = the engine's decode speed-up "
+          f"(e2e: with prefill)\ngrid of {len(args.grid)} trees: {grid_s:.1f} s (cost model "
+          f"{grid['seconds']['cost_model']:.1f} s); engine, one tree ({args.engine_tree}): {one_tree_s:.1f} s "
+          f"-> {grid_s / one_tree_s:.2f}x\nwritten: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""`eval.planner=true` (issue #13): every epoch x tree of `eval.planner_trees` from one greedy pass
+per prompt (planner.py), priced by the round costs measured on this machine (cost_model.py), and
+the epoch x tree to ship: the highest predicted speed-up. `eval.planner_confirm=k` then measures
+the k best trees of that epoch with the engine's own evaluation (`eval_with_engine`: base model
+before and after, same prompts) and records how far the prediction was off.
+
+Greedy (temperature 0) only: the planner replays the engine's rounds against the greedy tokens.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from specforge.checkpoint import load_draft
+from specforge.engine.tree_spec import TreeSpec
+from specforge.eval.cost_model import cost_key, load_or_measure, prefix_length
+from specforge.eval.engine_eval import eval_with_engine
+from specforge.eval.planner import plan, summarize
+from specforge.eval.prompts import load_suites
+from specforge.run_layout import epoch_of
+from specforge.targets.loader import load_target, load_tokenizer, resolve_target_path, target_fingerprint, torch_dtype
+from specforge.targets.vl import is_vl
+
+
+def check_planner(eval_cfg) -> list[TreeSpec]:
+    """The grid, refused before anything loads when the planner cannot run it."""
+    if str(eval_cfg.engine) != "embedded":
+        raise ValueError(f"eval.planner=true runs the embedded engine's planner, not eval.engine={eval_cfg.engine}")
+    if eval_cfg.temperature > 0:
+        raise ValueError(f"eval.planner=true is greedy only (it replays rounds against the greedy tokens); "
+                         f"eval.temperature={eval_cfg.temperature}: set it to 0")
+    specs = [TreeSpec.parse(t) for t in eval_cfg.planner_trees]
+    if not specs:
+        raise ValueError("eval.planner_trees is empty: give the trees T_K_N to plan, e.g. [5_1_6,8_2_16]")
+    return specs
+
+
+def _nan_max(rows, key):
+    return max(rows, key=lambda r: -math.inf if math.isnan(r[key]) else r[key])
+
+
+def plan_epochs(run_cfg, ckpts: list[Path], eval_cfg, cost_path: Path) -> dict:
+    """The planner over every checkpoint x tree: rows with accept figures, the accepted shape
+    (tree_depth: mean deepest node of the built trees; tree_width = (N-1) / tree_depth), the
+    round's cost and the predicted speed-up; the cost model; wall times."""
+    specs = check_planner(eval_cfg)
+    if is_vl(run_cfg.target.kind):
+        raise ValueError("eval.planner=true: vision-language targets are not supported (text prompts only)")
+    # the target and prompts as eval_with_engine loads them (its dtype, every core, eval.suites)
+    torch.set_num_threads(os.cpu_count())
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype_name = eval_cfg.dtype or run_cfg.target.dtype
+    tokenizer = load_tokenizer(run_cfg.target)
+    prompts = [p for suite in load_suites(run_cfg, eval_cfg, tokenizer).values() for p in suite]
+    target_cfg = run_cfg.target.copy() if hasattr(run_cfg.target, "copy") else run_cfg.target
+    target_cfg.dtype = dtype_name
+    target = load_target(target_cfg, device)
+    eos, exact = tokenizer.eos_token_id, eval_cfg.exact_ancestor_attention
+    prefix = prefix_length(prompts, eval_cfg.max_new_tokens)
+    fingerprint = target_fingerprint(resolve_target_path(run_cfg.target))
+    rows, cost, measured, plan_s = [], None, False, {}
+    for ckpt in ckpts:
+        draft = load_draft(ckpt, device=device, dtype=torch_dtype(dtype_name))
+        if cost is None:  # every epoch of a run has the same geometry, so the same costs
+            key = cost_key(fingerprint, draft, prefix, exact)
+            cost, measured = load_or_measure(cost_path, key, target, draft, prompts[0], specs)
+        t0 = time.perf_counter()
+        # the greedy tokens come from the engine with the grid's first tree (fewer target forwards)
+        plans = plan(target, draft, prompts, specs, eval_cfg.max_new_tokens, eos, exact, trajectory_tree=specs[0])
+        plan_s[str(ckpt)] = time.perf_counter() - t0
+        for spec in specs:
+            row = {"epoch": epoch_of(ckpt), "checkpoint": str(ckpt), **summarize(spec.name, plans[spec.name])}
+            rounds = row["verify_rounds"]
+            t_round = cost.t_round(spec, row["accept_histogram"]) if rounds else math.nan
+            row.update(tree_width=(spec.num_draft_tokens - 1) / row["tree_depth"] if rounds else math.nan,
+                       t_round_ms=1000 * t_round,
+                       predicted_speedup=cost.speedup(spec, row["accept_length"], row["accept_histogram"])
+                       if rounds else math.nan)
+            rows.append(row)
+    return {"meta": {"prompts": len(prompts), "max_new_tokens": eval_cfg.max_new_tokens, "dtype": dtype_name,
+                     "device": device, "threads": torch.get_num_threads(), "trees": [s.name for s in specs],
+                     "prefix_len": prefix, "trajectory_tree": specs[0].name, "exact_ancestor_attention": exact},
+            "rows": rows, "recommended": _nan_max(rows, "predicted_speedup"),
+            "cost_model": {**cost.to_json(), "measured_now": measured, "path": str(cost_path)},
+            "seconds": {"cost_model": cost.measure_s if measured else 0.0, "plan": plan_s,
+                        "planner": sum(plan_s.values()) + (cost.measure_s if measured else 0.0)}}
+
+
+def confirm(run_cfg, ckpt: str | Path, eval_cfg, trees: list[str]) -> dict:
+    """The engine's evaluation of `trees` on one checkpoint (eval_with_engine, eval_cfg's prompts)."""
+    from omegaconf import OmegaConf
+
+    return eval_with_engine(run_cfg, [Path(ckpt)], OmegaConf.merge(eval_cfg, {"trees": list(trees)}))
+
+
+def compare(rows: list[dict], results: dict) -> list[dict]:
+    """Planner vs engine per confirmed configuration. The prediction is a decode speed-up, so
+    `error` is against the engine's decode_speedup (`error_e2e` against its e2e speed-up)."""
+    planned = {(r["checkpoint"], r["tree"]): r for r in rows}
+    out = []
+    for c in results["configs"]:
+        p = planned[(c["checkpoint"], c["tree"])]
+        out.append({"epoch": c["epoch"], "tree": c["tree"], "accept_length": p["accept_length"],
+                    "measured_accept_length": c["accept_length"], "predicted_speedup": p["predicted_speedup"],
+                    "measured_speedup": c["decode_speedup"], "measured_e2e_speedup": c["speedup"],
+                    "error": p["predicted_speedup"] / c["decode_speedup"] - 1,
+                    "error_e2e": p["predicted_speedup"] / c["speedup"] - 1,
+                    "t_round_ms": p["t_round_ms"], "measured_ms_per_round": c["ms_per_round"],
+                    "lossless": c["lossless"]})
+    return out
+
+
+def eval_with_planner(run_cfg, ckpts: list[Path], eval_cfg, cost_path: Path) -> tuple[dict, dict | None]:
+    """(planner results, the confirmation's engine results or None)."""
+    planner = plan_epochs(run_cfg, ckpts, eval_cfg, cost_path)
+    k = int(eval_cfg.planner_confirm)
+    if k <= 0:
+        return planner, None
+    best = planner["recommended"]
+    top = sorted((r for r in planner["rows"] if r["checkpoint"] == best["checkpoint"]),
+                 key=lambda r: -r["predicted_speedup"] if not math.isnan(r["predicted_speedup"]) else math.inf)[:k]
+    t0 = time.perf_counter()
+    results = confirm(run_cfg, best["checkpoint"], eval_cfg, [r["tree"] for r in top])
+    planner["seconds"]["confirm"] = time.perf_counter() - t0
+    planner["confirmed"] = compare(planner["rows"], results)
+    return planner, results

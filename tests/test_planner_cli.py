@@ -1,0 +1,206 @@
+"""`eval.planner=true` (specforge/eval/planner_eval.py) and its cost model (specforge/eval/cost_model.py):
+the stored cost model is reused under the same key and measured again under another, a round's cost
+composes as documented, and the eval stage writes planner.json, heatmaps and the report section,
+recommending the highest predicted speed-up; a confirmed tree's engine accept length is the
+planner's (fp32 greedy: exact). Correctness only, never timing."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from specforge.engine.tree_spec import TreeSpec
+from specforge.eval.cost_model import CostModel, cost_key, load_or_measure
+from specforge.eval.engine_eval import load_run_config
+from specforge.eval.stage import run_evaluation
+from specforge.utils.io import read_json
+
+GRID = ["1_1_2", "3_1_4", "2_2_3", "3_2_6", "4_3_8"]
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tiny_target_dir):
+    from tests.test_engine import random_draft
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(str(tiny_target_dir), dtype=torch.float32).eval()
+    return target, random_draft(target)
+
+
+def test_cost_model_is_stored_reused_and_measured_again_when_the_key_differs(tiny_models, tmp_path):
+    target, draft = tiny_models
+    path, prompt = tmp_path / "cost_model.json", list(range(3, 15))
+    key = cost_key("fp-a", draft, prefix_len=20)
+    first, measured = load_or_measure(path, key, target, draft, prompt, GRID, repeats=2)
+    assert measured and len(read_json(path)["models"]) == 1
+    specs = [TreeSpec.parse(t) for t in GRID]
+    assert set(first.t_verify) == set(first.t_accept) == set(first.t_keep) == {2, 3, 4, 6, 8}
+    assert set(first.t_step) == set(first.t_level1) == {1, 2, 3} and set(first.t_build) == set(GRID)
+    assert len(first.t_extend) == 5  # 4_3_8 emits up to T + 1 = 5 tokens a round
+    figures = [first.t_base, *first.t_verify.values(), *first.t_step.values(), *first.t_build.values(), *first.t_extend]
+    assert all(t > 0 for t in figures)
+
+    again, measured = load_or_measure(path, key, target, draft, prompt, GRID[:3], repeats=2)
+    assert not measured and again == first  # same key, a sub-grid: read back, not measured
+
+    for other in ({**key, "threads": key["threads"] + 1}, {**key, "target": "fp-b"}, {**key, "prefix_len": 30}):
+        _, measured = load_or_measure(path, other, target, draft, prompt, GRID[:2], repeats=2)
+        assert measured
+    stored = read_json(path)["models"]
+    assert len(stored) == 4 and [m["key"] for m in stored][0] == key
+
+    # same key, a grid with an N and a K it never measured: measured again, replacing its entry
+    wider, measured = load_or_measure(path, key, target, draft, prompt, ["2_4_9"], repeats=2)
+    assert measured and 9 in wider.t_verify and 4 in wider.t_step
+    assert len(read_json(path)["models"]) == 4
+
+
+def test_round_cost_composes_as_documented():
+    ms = 1e-3
+    cost = CostModel(key={}, t_base=30 * ms, t_verify={6: 50 * ms, 8: 60 * ms}, t_accept={6: 0.5 * ms, 8: 0.7 * ms},
+                     t_keep={6: 0.2 * ms, 8: 0.3 * ms}, t_level1={1: 0.1 * ms, 2: 0.15 * ms},
+                     t_step={1: 1.5 * ms, 2: 2 * ms}, t_build={"5_1_6": 0.4 * ms, "4_2_8": 0.6 * ms},
+                     t_extend=[1 * ms, 1.1 * ms, 1.2 * ms, 1.3 * ms, 1.4 * ms, 1.5 * ms])
+    tree = TreeSpec.parse("4_2_8")
+    hist = [2, 1, 0, 1, 0]  # rounds that accepted 0, 1, 2, 3, 4 drafts; catch-up over accepted + 1 tokens
+    extend = (2 * 1 + 1 * 1.1 + 1 * 1.3) / 4 * ms
+    overhead = (0.15 + 0.6 + 0.7 + 0.3 / 4) * ms  # 1 round in 4 accepts 2+ drafts: its path is copied
+    assert cost.t_overhead(tree, hist) == pytest.approx(overhead)
+    assert cost.t_round(tree, hist) == pytest.approx(extend + 3 * 2 * ms + 60 * ms + overhead)
+    assert cost.speedup(tree, 2.5, hist) == pytest.approx(2.5 * 30 * ms / cost.t_round(tree, hist))
+    chain = TreeSpec.parse("5_1_6")  # its path is always 0..a: compacted in place, no keep cost
+    assert cost.t_overhead(chain, [0, 0, 0, 0, 0, 3]) == pytest.approx((0.1 + 0.4 + 0.5) * ms)
+    assert cost.t_round(chain, [0, 0, 0, 0, 0, 3]) == pytest.approx(1.5 * ms + 4 * 1.5 * ms + 50 * ms + 1.0 * ms)
+    assert CostModel.from_json(json.loads(json.dumps(cost.to_json()))) == cost
+
+
+# ---- the eval stage ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def planner_run(tmp_path_factory, tiny_target_dir, tiny_models):
+    """A run as the pipeline leaves it: config.yaml, held-out conversations, epoch_1 = a draft
+    fitted (TTT) to the target's greedy continuations of those prompts, epoch_2 = a random draft."""
+    from omegaconf import OmegaConf
+    from transformers import AutoTokenizer
+
+    from specforge.checkpoint import save_checkpoint
+    from specforge.eval.prompts import heldout_prompts
+    from specforge.utils.io import write_jsonl
+    from tests.test_engine import greedy_reference
+    from tests.test_planner import trained_draft
+
+    target, random = tiny_models
+    run = tmp_path_factory.mktemp("planner") / "outputs" / "tiny"
+    run.mkdir(parents=True)
+    spec = {"name": "tiny", "path": str(tiny_target_dir), "dtype": "float32", "aux_layer_ids": [0, 1, 2]}
+    OmegaConf.save(OmegaConf.create({"run_name": "tiny", "target": spec}), run / "config.yaml")
+    write_jsonl(run / "data" / "eval.conversations.jsonl", [
+        {"id": f"e{i}", "messages": [{"role": "user", "content": f"What is the weather in city {i}?"},
+                                     {"role": "assistant", "content": "sunny"}]} for i in range(3)])
+    prompts = heldout_prompts(run / "data" / "eval.conversations.jsonl", AutoTokenizer.from_pretrained(str(tiny_target_dir)), 3)
+    seqs = [torch.tensor(p["input_ids"]) for p in prompts]
+    seqs = [torch.cat([s, greedy_reference(target, s, 40)]) for s in seqs]
+    width = min(s.shape[0] for s in seqs)
+    save_checkpoint(trained_draft(target, torch.stack([s[:width] for s in seqs])), run / "epoch_1", dtype=torch.float32)
+    save_checkpoint(random, run / "epoch_2", dtype=torch.float32)
+    return run
+
+
+def planner_cfg(run, *overrides):
+    from omegaconf import OmegaConf
+
+    cfg = load_run_config(run).eval
+    for item in ("planner=true", "num_prompts=3", "max_new_tokens=24", "dtype=float32", f"planner_trees={GRID}",
+                 *overrides):
+        key, value = item.split("=", 1)
+        OmegaConf.update(cfg, key, OmegaConf.create(f"v: {value}").v)
+    return cfg
+
+
+@pytest.fixture
+def threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)  # the evaluation uses every core
+
+
+def test_eval_stage_plans_every_epoch_and_tree_and_recommends_the_best(planner_run, threads, capsys):
+    summary = run_evaluation(load_run_config(planner_run), planner_run, planner_cfg(planner_run, "planner_confirm=1"))
+    eval_dir = planner_run / "eval"
+    planner = read_json(eval_dir / "planner.json")
+    rows = planner["rows"]
+    assert [(r["epoch"], r["tree"]) for r in rows] == [(e, t) for e in (1, 2) for t in GRID]
+    for r in rows:
+        assert {"accept_length", "accept_rate", "tree_depth", "tree_width", "t_round_ms", "predicted_speedup"} <= set(r)
+        assert r["predicted_speedup"] > 0
+    best = max(rows, key=lambda r: r["predicted_speedup"])
+    assert (planner["recommended"]["epoch"], planner["recommended"]["tree"]) == (best["epoch"], best["tree"])
+    assert (summary["best_epoch"], summary["best_tree"]) == (best["epoch"], best["tree"])
+    fitted = {r["tree"]: r["accept_length"] for r in rows if r["epoch"] == 1}
+    random = {r["tree"]: r["accept_length"] for r in rows if r["epoch"] == 2}
+    assert max(fitted.values()) > max(random.values()) + 0.5  # the planner tells a trained draft apart
+    assert best["epoch"] == 1
+
+    assert planner["cost_model"]["measured_now"] and planner["seconds"]["planner"] > 0
+    assert set(planner["cost_model"]["t_verify"]) == {"2", "3", "4", "6", "8"}
+    assert len(read_json(eval_dir / "cost_model.json")["models"]) == 1
+
+    (confirmed,) = planner["confirmed"]
+    assert confirmed["tree"] == best["tree"] and confirmed["epoch"] == 1
+    assert confirmed["measured_accept_length"] == confirmed["accept_length"]  # fp32 greedy: exact
+    assert confirmed["lossless"] == 1.0 and confirmed["measured_speedup"] > 0
+    engine = read_json(eval_dir / "results.json")
+    assert [(c["epoch"], c["tree"]) for c in engine["configs"]] == [(1, best["tree"])]
+
+    for k in (1, 2, 3):
+        assert (eval_dir / "plots" / f"planner_topk{k}.png").stat().st_size > 1000
+    report = (eval_dir / "report.md").read_text()
+    assert "## Evaluation: speculative decoding vs the base model" in report  # the confirmation's own section
+    assert "## Tree planner" in report and f"**{best['tree']}** (recommended)" in report
+    assert "Confirmed by the engine" in report and "![planner_topk2](plots/planner_topk2.png)" in report
+    assert "## Tree planner" in (planner_run / "report.md").read_text()  # the run's report includes it
+    assert f"**{best['tree']}** (recommended)" in capsys.readouterr().out
+
+    # the same key again (one epoch, no confirmation): the stored cost model is reused
+    run_evaluation(load_run_config(planner_run), planner_run, planner_cfg(planner_run, "epochs=[2]"))
+    planner = read_json(eval_dir / "planner.json")
+    assert not planner["cost_model"]["measured_now"] and planner["seconds"]["cost_model"] == 0
+    assert {r["epoch"] for r in planner["rows"]} == {2} and "confirmed" not in planner
+    assert "Confirmed by the engine" not in (eval_dir / "report.md").read_text()
+
+
+@pytest.mark.parametrize("override, message", [
+    ("temperature=0.7", "greedy only"), ("planner_trees=['3_1_5']", "chain"), ("planner_trees=[]", "empty"),
+    ("engine=server", "embedded")])
+def test_planner_refuses_what_it_cannot_run_before_loading(planner_run, tmp_path, override, message):
+    with pytest.raises(ValueError, match=message):
+        run_evaluation(load_run_config(planner_run), planner_run, planner_cfg(planner_run, override), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_cost_model_bench_on_a_tiny_run(tmp_path, threads, capsys):
+    """benchmarks/cost_model_bench.py end to end; what benchmarks/planner_bench.py wrote stays."""
+    import importlib.util
+
+    from specforge.utils.io import write_json
+
+    spec = importlib.util.spec_from_file_location("cost_model_bench", Path(__file__).parents[1] / "benchmarks" / "cost_model_bench.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "planner.json"
+    write_json(out, {"engine_s": 1.0, "trees": []})  # planner_bench's keys
+    argv = ["--tiny", "--grid", "1_1_2", "2_2_3", "--trees", "2_1_3", "5_1_6", "--num-prompts", "2",
+            "--max-new-tokens", "8", "--out", str(out), "--work-dir", str(tmp_path / "work")]
+    assert module.main(argv) == 0
+    report = read_json(out)
+    assert report["engine_s"] == 1.0 and report["trees"] == []
+    assert [r["tree"] for r in report["rows"]] == ["2_1_3", "5_1_6"]
+    for r in report["rows"]:
+        assert r["measured_accept_length"] == r["accept_length"] and r["lossless"] == 1.0
+        assert r["error"] == pytest.approx(r["predicted_speedup"] / r["measured_speedup"] - 1)
+    assert report["grid_over_one_tree"] == pytest.approx(report["grid_seconds"] / report["one_tree_seconds"])
+    assert report["command"].endswith("--work-dir " + str(tmp_path / "work"))
+    assert "written: " + str(out) in capsys.readouterr().out
