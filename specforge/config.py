@@ -140,7 +140,7 @@ class ExtractConfig:
     backend: ExtractBackend = ExtractBackend.embedded  # embedded | server | sglang (see ExtractBackend)
     batch_tokens: int = 4096  # token budget per target forward (per request to the servers)
     shard_samples: int = 256  # samples per shard file
-    dtype: str = "bfloat16"  # storage dtype of hidden states
+    dtype: str = "bfloat16"  # storage dtype of hidden states: bfloat16 | float16 | float32 | fp8 (aux e4m3 + bf16 scored `last` rows)
     # backend=server: two running servers of the target that speak SGLang's /generate
     aux_url: Optional[str] = None  # returns the aux layers' outputs (aux capture on)
     final_url: Optional[str] = None  # returns the final post-norm state (aux capture off)

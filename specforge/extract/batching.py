@@ -37,7 +37,8 @@ def total_tokens(samples: Iterable[dict]) -> int:
 
 class Extractor:
     """Runs rows through a backend in planned batches. `stats` counts real tokens, padded tokens
-    and forward seconds since construction."""
+    and forward seconds since construction. `storage_dtype` is the dtype rows are handed to the
+    store writer in (store.handoff_dtype: for fp8 stores the target's own, the writer quantises)."""
 
     def __init__(self, batch_tokens: int, storage_dtype: torch.dtype):
         self.batch_tokens = batch_tokens

@@ -31,7 +31,7 @@ from specforge import distributed as dist
 from specforge.extract.batching import Extractor, total_tokens
 from specforge.extract.embedded import EmbeddedExtractor
 from specforge.extract.store import (FORMAT, MANIFEST, STORAGE_DTYPES, VERSION, HiddenStateStore,
-                                     HiddenStateStoreWriter, remove_store)
+                                     HiddenStateStoreWriter, handoff_dtype, remove_store, store_layout)
 from specforge.run_layout import RunLayout
 from specforge.utils.io import file_fingerprint, read_json, read_jsonl, write_json
 
@@ -138,6 +138,7 @@ def extract_split(extractor: Extractor, rows: list[dict], out_dir: Path, meta: d
         "tokens_per_s": round(tokens / seconds, 1) if seconds else None,
         "padding_efficiency": round(tokens / padded, 4) if padded else None,
         "bytes_per_token": round(store.bytes_per_token, 1),
+        "hidden_bytes_per_token": round(store.hidden_bytes_per_token, 1),  # aux + last (+ fp8 scales)
         "shards": len(store.shards),
     }
 
@@ -183,6 +184,7 @@ def extract_split_sharded(extractor: Extractor, rows: list[dict], out_dir: Path,
             "tokens_per_s": round(tokens / seconds, 1) if seconds else None,  # all ranks together
             "padding_efficiency": round(tokens / padded, 4) if padded else None,
             "bytes_per_token": round(store.bytes_per_token, 1),
+        "hidden_bytes_per_token": round(store.hidden_bytes_per_token, 1),  # aux + last (+ fp8 scales)
             "shards": len(store.shards),
             "world_size": env.world_size,
         }
@@ -264,11 +266,12 @@ def open_backend(cfg, run_dir: Path, env):
     """(extractor, store meta) for `extract.backend`; servers a backend starts are stopped when
     the block ends. The meta names what produced the states: a store from another target,
     aux layers, dtype or backend is extracted again rather than resumed."""
-    from specforge.targets.loader import aux_layer_ids, load_target, resolve_target_path, target_fingerprint, text_config
+    from specforge.targets.loader import (aux_layer_ids, load_target, resolve_target_path, target_fingerprint,
+                                          text_config, torch_dtype)
     from specforge.targets.vl import is_vl
 
     backend = cfg.extract.backend
-    storage = STORAGE_DTYPES[cfg.extract.dtype]
+    storage = handoff_dtype(cfg.extract.dtype, torch_dtype(cfg.target.dtype))  # fp8: the writer quantises
     target_path = resolve_target_path(cfg.target)
     if backend == "embedded":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
@@ -293,7 +296,7 @@ def open_backend(cfg, run_dir: Path, env):
         "num_layers": tcfg.num_hidden_layers,
         "vocab_size": tcfg.vocab_size,
         "target_dtype": cfg.target.dtype,
-        "storage_dtype": cfg.extract.dtype,
+        **store_layout(cfg.extract.dtype),  # a dtype switch extracts again, never mixes dtypes in a store
     }
     if backend == "embedded":
         if is_vl(cfg.target.kind):
@@ -358,7 +361,8 @@ def run(cfg, run_dir, fingerprint: str | None = None) -> dict:
     for split, s in summaries.items() if env.is_main else ():
         print(
             f"[extract] {split}: {s['samples']} samples, {s['tokens']} tokens in {s['shards']} shards, "
-            f"{s['tokens_per_s']} tok/s, {s['bytes_per_token']} B/token",
+            f"{s['tokens_per_s']} tok/s, {s['bytes_per_token']} B/token "
+            f"({s['hidden_bytes_per_token']} of hidden states)",
             flush=True,
         )
     return summary

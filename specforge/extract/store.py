@@ -9,6 +9,12 @@ Layout of a store directory (docs/design.md, "Hidden-state store"):
   Vision-language stores (meta `vl: true`) also hold `position_ids` int32 [T, 3] (the target's
   M-RoPE positions, token-major) and `image_embeds` [I, H] (the target's merged input embeddings
   at image-token positions, in sequence order) with `image_offsets` int64 [n+1].
+  fp8 stores (meta `storage_dtype: fp8`, `last_rows: scored`): `aux` and `image_embeds` are
+  float8_e4m3fn with one float32 scale per row and stored state (`aux_scale` [T, 3],
+  `image_embeds_scale` [I, 1]); `last` stays bf16 (see EXACT_STATES) and keeps only the rows
+  training reads (`scored_rows`), R of them, with `last_offsets` int64 [n+1]. The reader dequantises
+  and scatters them back, so every store reads the same: bf16 `aux` [S, 3H] and `last` [S, H]
+  (zeros where nothing reads it).
 - `manifest.json`: `meta` (what produced the states), the finished shards and `complete`.
 
 Crash safety: a shard is written to a temp file and renamed, and only then listed in the manifest
@@ -22,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 from bisect import bisect_right
 from collections import OrderedDict
 from pathlib import Path
@@ -36,7 +43,15 @@ from specforge.utils.io import atomic_path, read_json, write_json
 FORMAT = "specforge-hidden-states"
 VERSION = 1
 MANIFEST = "manifest.json"
-STORAGE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+STORAGE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "fp8": FP8}
+LAST_ROWS = ("all", "scored")
+HIDDEN_TENSORS = ("aux", "aux_scale", "last")  # what `hidden_bytes_per_token` counts
+# States an fp8 store keeps in bf16: the teacher reads `last` through the target's head, whose argmax
+# e4m3 moved at 2.3% of the scored positions of the demo's store (benchmarks/store_bench.py); the
+# draft's inputs (aux, image embeddings) take fp8's error the way they take feature noise.
+EXACT_STATES = ("last",)
 
 
 class StoreMetaMismatch(ValueError):
@@ -45,6 +60,45 @@ class StoreMetaMismatch(ValueError):
 
 def shard_name(index: int) -> str:
     return f"shard_{index:05d}.safetensors"
+
+
+def store_layout(storage_dtype: str) -> dict:
+    """The meta keys that say how a store lays out its states: fp8 stores also keep `last` only
+    where training reads it (the other dtypes keep every row, as stores always did)."""
+    return {"storage_dtype": storage_dtype, **({"last_rows": "scored"} if storage_dtype == "fp8" else {})}
+
+
+def handoff_dtype(storage_dtype: str, compute_dtype: torch.dtype) -> torch.dtype:
+    """The dtype extractors hand the writer: the stored dtype itself, or for fp8 the target's own
+    compute dtype, since the writer alone quantises (with per-row scales it must see the values)."""
+    return compute_dtype if storage_dtype == "fp8" else STORAGE_DTYPES[storage_dtype]
+
+
+def scored_rows(loss_mask: torch.Tensor) -> torch.Tensor:
+    """Positions p of one sample whose final state training reads: the teacher at p is the target's
+    distribution over token p+1, scored only where loss_mask[p+1] == 1 (ttt_forward's `valid`)."""
+    return torch.nonzero(loss_mask[1:] != 0).reshape(-1)
+
+
+def quantize_fp8(x: torch.Tensor, groups: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [N, groups * W] -> (float8_e4m3fn [N, groups * W], float32 scales [N, groups]), scale =
+    amax / 448 per row and group: a BOS-sized outlier row (|x| ~ 1e4) or one loud aux layer keeps
+    its own range instead of flattening the others; all-zero groups get scale 1."""
+    n, width = x.shape[0], x.shape[1] // groups
+    g = x.detach().to("cpu", torch.float32).reshape(n, groups, width)
+    amax = g.abs().amax(-1) if width else g.new_zeros(n, groups)
+    if not torch.isfinite(amax).all():
+        raise ValueError("hidden states hold inf/nan: they cannot be stored as fp8 (check the target's dtype)")
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (g / scale[..., None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+    return q.reshape(x.shape), scale
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The inverse of quantize_fp8, in `dtype`."""
+    n, groups = scale.shape
+    x = q.to(torch.float32).reshape(n, groups, q.shape[1] // groups) * scale[..., None]
+    return x.reshape(q.shape).to(dtype)
 
 
 def _normalise(meta: dict) -> dict:
@@ -56,7 +110,8 @@ class HiddenStateStoreWriter:
     """Accumulates samples and writes a shard every `shard_samples` samples.
 
     `meta` must hold `hidden_size` (H), `aux_layer_ids` (3 ids) and `storage_dtype` (one of
-    STORAGE_DTYPES); anything else in it (target fingerprint, source data fingerprint, ...) only
+    STORAGE_DTYPES; `store_layout` gives these keys); `last_rows` ("all" or "scored": only the
+    `scored_rows` of `last`) defaults to "all"; anything else in it (target fingerprint, source data fingerprint, ...) only
     takes part in the resume check. `if_mismatch` says what to do when `out_dir` already holds a
     store with a different meta: "error" raises StoreMetaMismatch, "restart" deletes that store's
     files and starts empty.
@@ -89,11 +144,14 @@ class HiddenStateStoreWriter:
         self.hidden_size = int(meta["hidden_size"])
         self.aux_width = len(meta["aux_layer_ids"]) * self.hidden_size
         self.dtype = STORAGE_DTYPES[meta["storage_dtype"]]
+        if meta.get("last_rows", "all") not in LAST_ROWS:
+            raise ValueError(f"store meta: last_rows={meta['last_rows']!r} is not one of {list(LAST_ROWS)}")
+        self.scored_last = meta.get("last_rows") == "scored"
         self.vl = bool(meta.get("vl", False))
         self.shards: list[dict] = []
         self.done_ids: set[str] = set()
         self.resumed = False
-        self._buffer: list[tuple] = []  # (id, ids, mask, aux, last, position_ids, image_embeds)
+        self._buffer: list[tuple[str, dict]] = []  # (id, the sample's shard tensors)
         self._closed = False
         self.dir.mkdir(parents=True, exist_ok=True)
         self._open_existing(if_mismatch)
@@ -206,43 +264,41 @@ class HiddenStateStoreWriter:
             raise ValueError(f"sample {sample_id!r}: has no tokens")
         if ((mask != 0) & (mask != 1)).any():
             raise ValueError(f"sample {sample_id!r}: loss_mask must hold only 0 and 1")
-        self._buffer.append(
-            (
-                sample_id,
-                ids.to(torch.int32),
-                mask.to(torch.uint8),
-                aux.detach().to("cpu", self.dtype),
-                last.detach().to("cpu", self.dtype),
-                None if position_ids is None else position_ids.detach().to("cpu", torch.int32).T.contiguous(),
-                None if image_embeds is None else image_embeds.detach().to("cpu", self.dtype),
-            )
-        )
+        tensors = {"input_ids": ids.to(torch.int32), "loss_mask": mask.to(torch.uint8)}
+        tensors.update(self._states("aux", aux, groups=self.aux_width // self.hidden_size))
+        tensors.update(self._states("last", last[scored_rows(mask)] if self.scored_last else last))
+        if self.vl:
+            tensors["position_ids"] = position_ids.detach().to("cpu", torch.int32).T.contiguous()
+            tensors.update(self._states("image_embeds", image_embeds))
+        self._buffer.append((sample_id, tensors))
         self.done_ids.add(sample_id)
         if len(self._buffer) >= self.shard_samples:
             self.flush()
+
+    def _states(self, name: str, x: torch.Tensor, groups: int = 1) -> dict[str, torch.Tensor]:
+        """Hidden states as stored: cast to the storage dtype, or (fp8) quantised with their scales."""
+        if self.dtype != FP8 or name in EXACT_STATES:
+            return {name: x.detach().to("cpu", torch.bfloat16 if self.dtype == FP8 else self.dtype)}
+        q, scale = quantize_fp8(x, groups)
+        return {name: q, f"{name}_scale": scale}
 
     def flush(self) -> None:
         """Write the buffered samples as one shard (temp file + rename), then list it."""
         if not self._buffer:
             return
-        ids = [b[0] for b in self._buffer]
-        lengths = torch.tensor([b[1].numel() for b in self._buffer], dtype=torch.int64)
-        offsets = torch.zeros(len(ids) + 1, dtype=torch.int64)
-        offsets[1:] = torch.cumsum(lengths, 0)
-        tensors = {
-            "input_ids": torch.cat([b[1] for b in self._buffer]),
-            "loss_mask": torch.cat([b[2] for b in self._buffer]),
-            "aux": torch.cat([b[3] for b in self._buffer]),
-            "last": torch.cat([b[4] for b in self._buffer]),
-            "offsets": offsets,
-        }
+        ids = [sid for sid, _ in self._buffer]
+        samples = [t for _, t in self._buffer]
+        tensors = {key: torch.cat([t[key] for t in samples]) for key in samples[0]}
+
+        def offsets(key: str) -> torch.Tensor:  # where each sample's rows of `key` start, and the end
+            counts = torch.tensor([t[key].shape[0] for t in samples], dtype=torch.int64)
+            return torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])
+
+        tensors["offsets"] = offsets("input_ids")
+        if self.scored_last:
+            tensors["last_offsets"] = offsets("last")
         if self.vl:
-            counts = torch.tensor([b[6].shape[0] for b in self._buffer], dtype=torch.int64)
-            image_offsets = torch.zeros(len(ids) + 1, dtype=torch.int64)
-            image_offsets[1:] = torch.cumsum(counts, 0)
-            tensors["position_ids"] = torch.cat([b[5] for b in self._buffer])
-            tensors["image_embeds"] = torch.cat([b[6] for b in self._buffer])
-            tensors["image_offsets"] = image_offsets
+            tensors["image_offsets"] = offsets("image_embeds")
         name = shard_name(len(self.shards))
         path = self.dir / name
         with atomic_path(path) as tmp:
@@ -251,7 +307,7 @@ class HiddenStateStoreWriter:
             {
                 "name": name,
                 "samples": len(ids),
-                "tokens": int(offsets[-1]),
+                "tokens": int(tensors["offsets"][-1]),
                 "first_id": ids[0],
                 "last_id": ids[-1],
                 "bytes": path.stat().st_size,
@@ -306,6 +362,13 @@ def _shard_ids(path: Path) -> list[str]:
     return json.loads(meta["ids"])
 
 
+def _tensor_bytes(path: Path) -> dict[str, int]:
+    """Bytes of each tensor of a safetensors file, from its header (no tensor is read)."""
+    with open(path, "rb") as f:
+        header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+    return {k: v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}
+
+
 def remove_store(path: str | os.PathLike) -> None:
     """Delete a store directory (used when a split no longer has samples)."""
     path = Path(path)
@@ -318,7 +381,8 @@ class HiddenStateStore:
 
     Shards are memory-mapped through safetensors (`safe_open(...).get_slice(name)[a:b]`); open
     handles are cached (at most `max_open` at a time). Picklable for DataLoader workers: the
-    handles are reopened in each process.
+    handles are reopened in each process. A sample reads the same from every store: fp8 states
+    come back dequantised to bf16, and a `last_rows: scored` store's `last` dense, zeros elsewhere.
     """
 
     def __init__(self, path: str | os.PathLike, require_complete: bool = True, max_open: int = 64):
@@ -349,9 +413,10 @@ class HiddenStateStore:
             self._starts.append(self._starts[-1] + s["samples"])
         self.max_open = max_open
         self._handles: OrderedDict[int, Any] = OrderedDict()
-        self._offsets: dict[int, list[int]] = {}
-        self._image_offsets: dict[int, list[int]] = {}
+        self._offsets: dict[tuple[int, str], list[int]] = {}
         self.vl = bool(self.meta.get("vl", False))
+        self.quantised = self.meta.get("storage_dtype") == "fp8"
+        self.scored_last = self.meta.get("last_rows") == "scored"
         self._lengths: list[int] | None = None
         self._ids: list[str] | None = None
 
@@ -366,6 +431,14 @@ class HiddenStateStore:
     def bytes_per_token(self) -> float:
         """Bytes on disk per stored token, headers and offsets included."""
         return sum(s["bytes"] for s in self.shards) / max(self.num_tokens, 1)
+
+    @property
+    def hidden_bytes_per_token(self) -> float:
+        """Bytes of the hidden states alone (aux, last and their fp8 scales; not ids, masks, offsets,
+        headers or VL extras) per stored token: a bf16 store's 8H, the base of `ratio_vs_8h`."""
+        total = sum(n for s in self.shards for name, n in _tensor_bytes(self.dir / s["name"]).items()
+                    if name in HIDDEN_TENSORS)
+        return total / max(self.num_tokens, 1)
 
     @property
     def lengths(self) -> list[int]:
@@ -395,11 +468,11 @@ class HiddenStateStore:
             self._handles.move_to_end(k)
         return h
 
-    def _shard_offsets(self, k: int) -> list[int]:
-        off = self._offsets.get(k)
+    def _shard_offsets(self, k: int, name: str = "offsets") -> list[int]:
+        """Shard k's `offsets` (token rows per sample), or its `last_offsets` / `image_offsets`."""
+        off = self._offsets.get((k, name))
         if off is None:
-            off = self._handle(k).get_tensor("offsets").tolist()
-            self._offsets[k] = off
+            off = self._offsets[(k, name)] = self._handle(k).get_tensor(name).tolist()
         return off
 
     def locate(self, i: int) -> tuple[int, int, int]:
@@ -419,21 +492,35 @@ class HiddenStateStore:
         j = i - self._starts[k]
         return k, j, off[j], off[j + 1]
 
+    def _states(self, h, name: str, a: int, b: int) -> torch.Tensor:
+        """Rows a:b of the states `name`, dequantised (fp8 stores)."""
+        x = h.get_slice(name)[a:b]
+        if not self.quantised or name in EXACT_STATES:
+            return x
+        return dequantize_fp8(x, h.get_slice(f"{name}_scale")[a:b])
+
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         k, j, a, b = self._locate(i)
         h = self._handle(k)
         sample = {
             "input_ids": h.get_slice("input_ids")[a:b].long(),
             "loss_mask": h.get_slice("loss_mask")[a:b].long(),
-            "aux": h.get_slice("aux")[a:b],
-            "last": h.get_slice("last")[a:b],
+            "aux": self._states(h, "aux", a, b),
         }
+        if self.scored_last:  # the stored rows back in place; nothing reads the zeros
+            off = self._shard_offsets(k, "last_offsets")
+            rows, at = self._states(h, "last", off[j], off[j + 1]), scored_rows(sample["loss_mask"])
+            if rows.shape[0] != at.numel():
+                raise RuntimeError(f"{self.dir / self.shards[k]['name']}: sample {j} has {rows.shape[0]} stored "
+                                   f"`last` rows, its loss mask scores {at.numel()}; the store is damaged")
+            sample["last"] = rows.new_zeros(b - a, rows.shape[1])
+            sample["last"][at] = rows
+        else:
+            sample["last"] = self._states(h, "last", a, b)
         if self.vl:
-            off = self._image_offsets.get(k)
-            if off is None:
-                off = self._image_offsets[k] = h.get_tensor("image_offsets").tolist()
+            off = self._shard_offsets(k, "image_offsets")
             sample["position_ids"] = h.get_slice("position_ids")[a:b].long().T  # [3, S]
-            sample["image_embeds"] = h.get_slice("image_embeds")[off[j] : off[j + 1]]
+            sample["image_embeds"] = self._states(h, "image_embeds", off[j], off[j + 1])
         return sample
 
     def __getstate__(self) -> dict:
