@@ -290,8 +290,11 @@ def test_server_is_stopped_when_the_benchmark_raises(tmp_path):
 
 
 PARENT = textwrap.dedent("""
-    import sys, time
+    import signal, sys, time
     from specforge.launch.process import ServerProcess
+    # Ctrl-C as in a terminal, however pytest was started (a background job of a non-interactive
+    # shell inherits SIGINT ignored, and so would this parent)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     port, log, child = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     cmd = ["sh", "-c", f"sleep 300 & echo $! > {child}; exec {sys.executable} -m http.server --bind 127.0.0.1 {port}"]
     with ServerProcess(cmd, port, log, health_path="/", startup_timeout_s=30) as server:
