@@ -197,8 +197,8 @@ class EvalConfig:
     # one greedy pass per prompt, speed-ups predicted by a cost model measured on this machine;
     # planner_confirm > 0 measures that many best trees of the recommended epoch with the engine.
     planner: bool = False
-    # The default grid is issue #13's; with topk 1 a tree is a chain of N = T + 1 nodes, as SGLang
-    # adjusts it: the issue's 8_1_8 and 16_1_16 are served as 8_1_9 and 16_1_17.
+    # The default: the 20-tree grid users sweep by hand for SGLang; with topk 1 a tree is a chain of
+    # N = T + 1 nodes, as SGLang adjusts it (8_1_8 and 16_1_16 are served as 8_1_9 and 16_1_17).
     planner_trees: List[str] = field(default_factory=lambda: [
         "8_1_9", "5_2_8", "8_2_16", "8_3_16", "5_4_16", "6_3_16", "10_2_16", "10_2_32", "10_3_32", "8_3_32",
         "6_5_32", "6_10_32", "4_4_16", "4_2_14", "16_1_17", "12_2_16", "12_3_32", "12_2_32", "8_4_32", "9_4_32"])

@@ -1,4 +1,4 @@
-"""What a speculative round costs on this machine (issue #13): it turns the planner's accept lengths
+"""What a speculative round costs on this machine: it turns the planner's accept lengths
 (specforge/eval/planner.py) into predicted speed-ups.
 
 A round of `SpeculativeEngine.generate` (engine/speculative.py, PHASES) spends, in order:

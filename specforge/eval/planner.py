@@ -1,4 +1,4 @@
-"""The accept length of every tree T_K_N from one greedy pass per prompt (issue #13), temperature 0.
+"""The accept length of every tree T_K_N from one greedy pass per prompt, temperature 0.
 
 Why one pass suffices: at temperature 0 the engine's output is the target's greedy output, and the
 draft's state at the start of a round depends only on the committed prefix: its KV of positions

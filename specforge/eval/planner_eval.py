@@ -1,4 +1,4 @@
-"""`eval.planner=true` (issue #13): every epoch x tree of `eval.planner_trees` from one greedy pass
+"""`eval.planner=true`: every epoch x tree of `eval.planner_trees` from one greedy pass
 per prompt (planner.py), priced by the round costs measured on this machine (cost_model.py), and
 the epoch x tree to ship: the highest predicted speed-up. `eval.planner_confirm=k` then measures
 the k best trees of that epoch with the engine's own evaluation (`eval_with_engine`: base model

@@ -1,4 +1,4 @@
-"""Evaluation prompts, in suites reported one by one (`eval.suites`, issue #13):
+"""Evaluation prompts, in suites reported one by one (`eval.suites`):
 
 - `heldout`: the run's held-out conversations (`data/eval.conversations.jsonl`, written by the
   data stage); the only suite when `eval.suites` is empty;

@@ -1,7 +1,7 @@
 """What `specforge serve` accepts from a client: who may call it (an API key), how large and how
 slow a request may be, which image files it may name. The handler applies these rules before a
 request reaches the engine, so a hostile or broken client costs a bounded amount of memory and
-time and always gets an HTTP answer with a JSON error (issue #14).
+time and always gets an HTTP answer with a JSON error.
 """
 from __future__ import annotations
 
