@@ -8,7 +8,7 @@ the grid (`--grid`, default eval.planner_trees: timed), then the planner's predi
 before and after, same prompts). The prediction is a decode speed-up (prefill left out), so the
 error is against the engine's `decode_speedup`; the e2e speed-up is recorded beside it.
 
-    .venv/bin/python benchmarks/cost_model_bench.py --ckpt /tmp/demo/outputs/smollm2_weather/epoch_10 \\
+    .venv/bin/python benchmarks/cost_model_bench.py --ckpt outputs/smollm2_weather/epoch_10 \\
         --dtype float32 --num-prompts 16 --max-new-tokens 128
     .venv/bin/python benchmarks/cost_model_bench.py --tiny   # smoke run: tiny random target and draft
 
