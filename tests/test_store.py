@@ -130,13 +130,13 @@ CRASH_CHILD = """
 import os, signal, sys
 sys.path.insert(0, {tests!r})
 import specforge.extract.store as store
-from test_store import META, make_samples
+from {module} import {meta} as META, make_samples
 
 real_save = store.save_file
 calls = []
 def save_then_die(tensors, path, metadata=None):
     calls.append(path)
-    if len(calls) == 3:                      # shard 2: leave half a temp file, then die
+    if len(calls) == {die_at}:                # leave half a temp file of this shard, then die
         real_save(tensors, path, metadata=metadata)
         with open(path, "r+b") as f:
             f.truncate(os.path.getsize(path) // 2)
@@ -144,11 +144,18 @@ def save_then_die(tensors, path, metadata=None):
     real_save(tensors, path, metadata=metadata)
 store.save_file = save_then_die
 
-w = store.HiddenStateStoreWriter({out!r}, META, shard_samples=2)
+w = store.HiddenStateStoreWriter({out!r}, META, shard_samples={shard_samples})
 for s in make_samples(7):
     w.add(s["id"], s["input_ids"], s["loss_mask"], s["aux"], s["last"])
 w.close()
 """
+
+
+def crash_child(out, module: str = "test_store", meta: str = "META", die_at: int = 3, shard_samples: int = 2) -> str:
+    """A script writing make_samples(7) of `module` with `meta` that is SIGKILLed while it writes
+    its `die_at`-th file (shard die_at - 1), half of that shard's temp file on disk."""
+    return CRASH_CHILD.format(tests=str(Path(__file__).parent), out=str(out), module=module, meta=meta,
+                              die_at=die_at, shard_samples=shard_samples)
 
 
 def test_kill_mid_shard_then_resume_equals_uninterrupted(tmp_path):
@@ -156,8 +163,7 @@ def test_kill_mid_shard_then_resume_equals_uninterrupted(tmp_path):
     ref, out = tmp_path / "ref", tmp_path / "crashed"
     write_all(ref, samples, shard_samples=2)
 
-    code = CRASH_CHILD.format(tests=str(Path(__file__).parent), out=str(out))
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-c", crash_child(out)], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == -9, proc.stderr
     manifest = json.loads((out / MANIFEST).read_text())
     assert manifest["complete"] is False

@@ -19,7 +19,7 @@ from specforge.extract.store import (FP8, MANIFEST, HiddenStateStore, HiddenStat
 from specforge.train.batches import collate
 from specforge.train.ttt import Teacher, summarize, ttt_forward
 from tests.test_extract import AUX, assert_equal_stores, capture, run_setup, tiny_dir, tiny_model  # noqa: F401
-from tests.test_store import META, assert_same_store
+from tests.test_store import META, assert_same_store, crash_child
 from tests.test_ttt import tiny_draft
 
 H = 24  # tiny_draft's target_hidden_size, so stores of this file can be trained on
@@ -241,37 +241,13 @@ def test_dtype_switch_is_a_meta_mismatch(tmp_path):
         HiddenStateStoreWriter(tmp_path / "x", dict(FP8_META, last_rows="some"))
 
 
-# A child process killed (SIGKILL) while the second fp8 shard is half written.
-CRASH_CHILD = """
-import os, signal, sys
-sys.path.insert(0, {root!r})
-import specforge.extract.store as store
-from tests.test_store_fp8 import FP8_META, make_samples
-
-real_save = store.save_file
-calls = []
-def save_then_die(tensors, path, metadata=None):
-    calls.append(path)
-    if len(calls) == 2:
-        real_save(tensors, path, metadata=metadata)
-        with open(path, "r+b") as f:
-            f.truncate(os.path.getsize(path) // 2)
-        os.kill(os.getpid(), signal.SIGKILL)
-    real_save(tensors, path, metadata=metadata)
-store.save_file = save_then_die
-
-w = store.HiddenStateStoreWriter({out!r}, FP8_META, shard_samples=3)
-for s in make_samples(7):
-    w.add(s["id"], s["input_ids"], s["loss_mask"], s["aux"], s["last"])
-w.close()
-"""
-
-
+# A child process (test_store.crash_child) killed (SIGKILL) while the second fp8 shard is half written.
 def test_kill_mid_shard_then_resume_equals_uninterrupted(tmp_path):
     samples = make_samples(7)
     ref, out = tmp_path / "ref", tmp_path / "crashed"
     write_all(ref, samples, FP8_META)
-    proc = subprocess.run([sys.executable, "-c", CRASH_CHILD.format(root=str(ROOT), out=str(out))], cwd=ROOT,
+    code = crash_child(out, module="test_store_fp8", meta="FP8_META", die_at=2, shard_samples=3)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == -9, proc.stderr
     manifest = json.loads((out / MANIFEST).read_text())
