@@ -27,8 +27,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -53,26 +51,9 @@ def parse_args(argv=None):
 
 def tiny_run(root: Path) -> Path:
     """A run directory as the pipeline leaves it: config.yaml, held-out conversations, one random draft."""
-    from omegaconf import OmegaConf
-    from transformers import AutoConfig
+    from specforge.targets.tiny import build_tiny_llama, build_tiny_run
 
-    from specforge.checkpoint import save_checkpoint
-    from specforge.models.draft import Eagle3Config, Eagle3Draft
-    from specforge.targets.tiny import build_tiny_llama
-    from specforge.utils.io import write_jsonl
-
-    target = build_tiny_llama(root / "tiny_target")
-    run = root / "outputs" / "tiny"
-    run.mkdir(parents=True)
-    spec = {"name": "tiny", "path": str(target), "dtype": "float32", "aux_layer_ids": [0, 1, 2]}
-    OmegaConf.save(OmegaConf.create({"run_name": "tiny", "target": spec}), run / "config.yaml")
-    write_jsonl(run / "data" / "eval.conversations.jsonl", [
-        {"id": f"e{i}", "messages": [{"role": "user", "content": f"What is the weather in city {i}?"},
-                                     {"role": "assistant", "content": "sunny"}]} for i in range(16)])
-    torch.manual_seed(0)
-    draft = Eagle3Draft(Eagle3Config.from_target(AutoConfig.from_pretrained(target), [0, 1, 2]))
-    save_checkpoint(draft, run / "epoch_1", dtype=torch.float32)
-    return run
+    return build_tiny_run(root / "outputs" / "tiny", build_tiny_llama(root / "tiny_target"), num_prompts=16)
 
 
 def main(argv=None) -> int:

@@ -138,24 +138,9 @@ def test_results_csv_and_json_carry_the_phase_figures(tmp_path):
 def tiny_run(tmp_path, tiny_target_dir):
     """A run directory as the pipeline leaves it, without training: config.yaml, held-out
     conversations and one random draft checkpoint for the tiny target."""
-    from omegaconf import OmegaConf
-    from transformers import AutoConfig
+    from specforge.targets.tiny import build_tiny_run
 
-    from specforge.checkpoint import save_checkpoint
-    from specforge.models.draft import Eagle3Config, Eagle3Draft
-    from specforge.utils.io import write_jsonl
-
-    run = tmp_path / "outputs" / "tiny"
-    run.mkdir(parents=True)
-    target = {"name": "tiny", "path": str(tiny_target_dir), "dtype": "float32", "aux_layer_ids": [0, 1, 2]}
-    OmegaConf.save(OmegaConf.create({"run_name": "tiny", "target": target}), run / "config.yaml")
-    write_jsonl(run / "data" / "eval.conversations.jsonl", [
-        {"id": f"e{i}", "messages": [{"role": "user", "content": f"What is the weather in city {i}?"},
-                                     {"role": "assistant", "content": "sunny"}]} for i in range(3)])
-    torch.manual_seed(0)
-    draft = Eagle3Draft(Eagle3Config.from_target(AutoConfig.from_pretrained(tiny_target_dir), [0, 1, 2]))
-    save_checkpoint(draft, run / "epoch_1", dtype=torch.float32)
-    return run
+    return build_tiny_run(tmp_path / "outputs" / "tiny", tiny_target_dir)
 
 
 def test_engine_profile_script_end_to_end(tiny_run, tmp_path, capsys):

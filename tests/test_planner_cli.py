@@ -83,23 +83,16 @@ def test_round_cost_composes_as_documented():
 def planner_run(tmp_path_factory, tiny_target_dir, tiny_models):
     """A run as the pipeline leaves it: config.yaml, held-out conversations, epoch_1 = a draft
     fitted (TTT) to the target's greedy continuations of those prompts, epoch_2 = a random draft."""
-    from omegaconf import OmegaConf
     from transformers import AutoTokenizer
 
     from specforge.checkpoint import save_checkpoint
     from specforge.eval.prompts import heldout_prompts
-    from specforge.utils.io import write_jsonl
+    from specforge.targets.tiny import build_tiny_run
     from tests.test_engine import greedy_reference
     from tests.test_planner import trained_draft
 
     target, random = tiny_models
-    run = tmp_path_factory.mktemp("planner") / "outputs" / "tiny"
-    run.mkdir(parents=True)
-    spec = {"name": "tiny", "path": str(tiny_target_dir), "dtype": "float32", "aux_layer_ids": [0, 1, 2]}
-    OmegaConf.save(OmegaConf.create({"run_name": "tiny", "target": spec}), run / "config.yaml")
-    write_jsonl(run / "data" / "eval.conversations.jsonl", [
-        {"id": f"e{i}", "messages": [{"role": "user", "content": f"What is the weather in city {i}?"},
-                                     {"role": "assistant", "content": "sunny"}]} for i in range(3)])
+    run = build_tiny_run(tmp_path_factory.mktemp("planner") / "outputs" / "tiny", tiny_target_dir, random_draft=False)
     prompts = heldout_prompts(run / "data" / "eval.conversations.jsonl", AutoTokenizer.from_pretrained(str(tiny_target_dir)), 3)
     seqs = [torch.tensor(p["input_ids"]) for p in prompts]
     seqs = [torch.cat([s, greedy_reference(target, s, 40)]) for s in seqs]
