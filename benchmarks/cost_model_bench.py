@@ -51,7 +51,8 @@ def parse_args(argv=None):
 
 def tiny_run(root: Path) -> Path:
     """A run directory as the pipeline leaves it: config.yaml, held-out conversations, one random draft."""
-    from specforge.targets.tiny import build_tiny_llama, build_tiny_run
+    from specforge.eval.tiny_run import build_tiny_run
+    from specforge.targets.tiny import build_tiny_llama
 
     return build_tiny_run(root / "outputs" / "tiny", build_tiny_llama(root / "tiny_target"), num_prompts=16)
 

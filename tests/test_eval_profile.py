@@ -138,7 +138,7 @@ def test_results_csv_and_json_carry_the_phase_figures(tmp_path):
 def tiny_run(tmp_path, tiny_target_dir):
     """A run directory as the pipeline leaves it, without training: config.yaml, held-out
     conversations and one random draft checkpoint for the tiny target."""
-    from specforge.targets.tiny import build_tiny_run
+    from specforge.eval.tiny_run import build_tiny_run
 
     return build_tiny_run(tmp_path / "outputs" / "tiny", tiny_target_dir)
 

@@ -87,7 +87,7 @@ def planner_run(tmp_path_factory, tiny_target_dir, tiny_models):
 
     from specforge.checkpoint import save_checkpoint
     from specforge.eval.prompts import heldout_prompts
-    from specforge.targets.tiny import build_tiny_run
+    from specforge.eval.tiny_run import build_tiny_run
     from tests.test_engine import greedy_reference
     from tests.test_planner import trained_draft
 
