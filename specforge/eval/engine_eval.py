@@ -172,16 +172,10 @@ def _lossless(outputs, base_outputs, eval_cfg) -> float | None:
     return sum(o == b for o, b in zip(outputs, base_outputs)) / len(outputs)
 
 
-def eval_with_engine(run_cfg, ckpts: list[Path], eval_cfg, on_progress=None) -> dict:
-    """Run base + every checkpoint x tree over the prompts of every suite (eval.suites); returns
-    {"base": ..., "configs": [...], "meta": ...} over all prompts (one suite: that suite's figures)
-    plus "suite_base" {suite: base} and "suite_configs" [a row per checkpoint x tree x suite, with
-    its speed-up over that suite's base]. `on_progress(results so far)` after the base pass and
-    after each configuration: what a later failure must not lose (speed-ups there are against the
-    first base pass alone)."""
-    trees = [TreeSpec.parse(t) for t in eval_cfg.trees]  # refuse bad trees before loading anything
-    if eval_cfg.engine != "embedded":
-        raise ValueError(f"eval.engine={eval_cfg.engine!r}: this function runs the embedded engine")
+def load_engine_inputs(run_cfg, eval_cfg):
+    """(device, dtype name, tokenizer, {suite: prompts}, target) as every engine evaluation loads
+    them: every core, eval.dtype or the run's, the prompts of eval.suites read (and refused) before
+    the target loads."""
     torch.set_num_threads(os.cpu_count())
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype_name = eval_cfg.dtype or run_cfg.target.dtype
@@ -194,8 +188,21 @@ def eval_with_engine(run_cfg, ckpts: list[Path], eval_cfg, on_progress=None) -> 
         vl = (load_image_processor(target_path, run_cfg.data.image_min_pixels, run_cfg.data.image_max_pixels),
               vl_info(target_path))
     suites = load_suites(run_cfg, eval_cfg, tokenizer, vl)  # a bad suite fails before the target loads
+    return device, dtype_name, tokenizer, suites, load_target(target_cfg, device)
+
+
+def eval_with_engine(run_cfg, ckpts: list[Path], eval_cfg, on_progress=None) -> dict:
+    """Run base + every checkpoint x tree over the prompts of every suite (eval.suites); returns
+    {"base": ..., "configs": [...], "meta": ...} over all prompts (one suite: that suite's figures)
+    plus "suite_base" {suite: base} and "suite_configs" [a row per checkpoint x tree x suite, with
+    its speed-up over that suite's base]. `on_progress(results so far)` after the base pass and
+    after each configuration: what a later failure must not lose (speed-ups there are against the
+    first base pass alone)."""
+    trees = [TreeSpec.parse(t) for t in eval_cfg.trees]  # refuse bad trees before loading anything
+    if eval_cfg.engine != "embedded":
+        raise ValueError(f"eval.engine={eval_cfg.engine!r}: this function runs the embedded engine")
+    device, dtype_name, tokenizer, suites, target = load_engine_inputs(run_cfg, eval_cfg)
     prompts = [p for suite in suites.values() for p in suite]
-    target = load_target(target_cfg, device)
     eos = tokenizer.eos_token_id
 
     def per_suite(items: list) -> dict[str, list]:

@@ -9,7 +9,6 @@ Greedy (temperature 0) only: the planner replays the engine's rounds against the
 from __future__ import annotations
 
 import math
-import os
 import time
 from pathlib import Path
 
@@ -18,11 +17,10 @@ import torch
 from specforge.checkpoint import load_draft
 from specforge.engine.tree_spec import TreeSpec
 from specforge.eval.cost_model import cost_key, load_or_measure, prefix_length
-from specforge.eval.engine_eval import eval_with_engine
+from specforge.eval.engine_eval import eval_with_engine, load_engine_inputs
 from specforge.eval.planner import plan, summarize
-from specforge.eval.prompts import load_suites
 from specforge.run_layout import epoch_of
-from specforge.targets.loader import load_target, load_tokenizer, resolve_target_path, target_fingerprint, torch_dtype
+from specforge.targets.loader import resolve_target_path, target_fingerprint, torch_dtype
 from specforge.targets.vl import is_vl
 
 
@@ -50,15 +48,8 @@ def plan_epochs(run_cfg, ckpts: list[Path], eval_cfg, cost_path: Path) -> dict:
     specs = check_planner(eval_cfg)
     if is_vl(run_cfg.target.kind):
         raise ValueError("eval.planner=true: vision-language targets are not supported (text prompts only)")
-    # the target and prompts as eval_with_engine loads them (its dtype, every core, eval.suites)
-    torch.set_num_threads(os.cpu_count())
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype_name = eval_cfg.dtype or run_cfg.target.dtype
-    tokenizer = load_tokenizer(run_cfg.target)
-    prompts = [p for suite in load_suites(run_cfg, eval_cfg, tokenizer).values() for p in suite]
-    target_cfg = run_cfg.target.copy() if hasattr(run_cfg.target, "copy") else run_cfg.target
-    target_cfg.dtype = dtype_name
-    target = load_target(target_cfg, device)
+    device, dtype_name, tokenizer, suites, target = load_engine_inputs(run_cfg, eval_cfg)
+    prompts = [p for suite in suites.values() for p in suite]
     eos, exact = tokenizer.eos_token_id, eval_cfg.exact_ancestor_attention
     prefix = prefix_length(prompts, eval_cfg.max_new_tokens)
     fingerprint = target_fingerprint(resolve_target_path(run_cfg.target))
