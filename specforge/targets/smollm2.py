@@ -37,11 +37,22 @@ def check_sha256(path: str | Path, expected: str) -> None:
         )
 
 
+def missing_gguf_packages() -> list[str]:
+    """What transformers lacks to load a GGUF file (it imports them only inside from_pretrained)."""
+    from transformers.utils import is_accelerate_available, is_gguf_available
+
+    return [name for name, ok in (("accelerate", is_accelerate_available()), ("gguf", is_gguf_available())) if not ok]
+
+
 def ensure_smollm2(target_dir: str | Path) -> Path:
     """Return a directory holding SmolLM2-135M-Instruct in safetensors, building it if missing."""
     target_dir = Path(target_dir)
     if (target_dir / "config.json").exists() and (target_dir / "model.safetensors").exists():
         return target_dir
+    missing = missing_gguf_packages()
+    if missing:  # before the download: say what to install, not a traceback from transformers
+        raise RuntimeError(f"converting the SmolLM2 GGUF to {target_dir} needs {', '.join(missing)}: "
+                           f"pip install -e . (they are dependencies of this package)")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
