@@ -24,7 +24,8 @@ from specforge.engine.speculative import PHASES, GenerationStats, SpeculativeEng
 from specforge.engine.tree_spec import TreeSpec
 from specforge.eval.prompts import load_suites
 from specforge.run_layout import RunLayout, epoch_of
-from specforge.targets.loader import load_target, load_tokenizer, resolve_target_path, torch_dtype
+from specforge.targets.loader import (compute_dtype, dtype_name as dtype_name_of, load_target, load_tokenizer,
+                                      resolve_target_path, torch_dtype)
 from specforge.targets.vl import is_vl, load_image_processor, vl_info
 from specforge.utils.progress import progress_bar
 
@@ -178,7 +179,8 @@ def load_engine_inputs(run_cfg, eval_cfg):
     the target loads."""
     torch.set_num_threads(os.cpu_count())
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype_name = eval_cfg.dtype or run_cfg.target.dtype
+    # what target and draft compute in here: bf16 on a CPU without native bf16 runs in float32
+    dtype_name = dtype_name_of(compute_dtype(torch_dtype(eval_cfg.dtype or run_cfg.target.dtype), device))
     target_cfg = run_cfg.target.copy() if hasattr(run_cfg.target, "copy") else run_cfg.target
     target_cfg.dtype = dtype_name
     tokenizer = load_tokenizer(run_cfg.target)

@@ -39,13 +39,13 @@ def load_model(target_path, draft_path=None, tree: str | None = None, *, dtype: 
 
     from specforge.checkpoint import check_fits_target, load_draft, read_config
     from specforge.engine.tree import TreeSpec
-    from specforge.targets.loader import model_class, text_config, torch_dtype
+    from specforge.targets.loader import compute_dtype, model_class, text_config, torch_dtype
     from specforge.targets.vl import is_vl_config, load_image_processor, vl_info
 
     if draft_path is not None and tree is None:
         raise ValueError("serve: a draft needs a tree T_K_N (e.g. --tree 8_2_16)")
     spec = TreeSpec.parse(tree) if draft_path is not None else None
-    torch_type = torch_dtype(dtype)
+    torch_type = compute_dtype(torch_dtype(dtype), device)  # float32 for bf16 on a CPU without it
     config_file = Path(target_path) / "config.json"
     config = json.loads(config_file.read_text()) if config_file.is_file() else {}
     kind = config["model_type"] if is_vl_config(config) else "causal_lm"

@@ -1,6 +1,7 @@
 """Resolve and load the target model, its tokenizer, and the hidden layers the draft reads."""
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -64,6 +65,40 @@ def torch_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    return next(name for name, d in DTYPES.items() if d == dtype)
+
+
+@functools.cache
+def cpu_has_fast(dtype: torch.dtype) -> bool:
+    """Whether this CPU multiplies `dtype` matrices natively. Without it (e.g. AVX2 only: no
+    AVX512 / AMX) torch's CPU matmul takes a reference GEMM: bf16 at 0.3-2 GFLOP/s against 70-130
+    for float32 on an AVX2 EPYC (benchmarks/cpu_dtype_bench.py), so a bf16 run there takes hours.
+    The check is the one torch itself routes half-precision matmuls to oneDNN by."""
+    checks = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}
+    if dtype not in checks:
+        return True
+    try:
+        return bool(getattr(torch.ops.mkldnn, checks[dtype])())
+    except (AttributeError, RuntimeError):  # a torch without the check: keep the configured dtype
+        return True
+
+
+def compute_dtype(dtype: torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:
+    """The dtype to run a model in: `dtype`, or float32 for half precision on a CPU without native
+    support for it (cpu_has_fast; said once). Stored hidden states keep `extract.dtype` either way."""
+    if torch.device(device).type != "cpu" or cpu_has_fast(dtype):
+        return dtype
+    _warn_once(dtype)
+    return torch.float32
+
+
+@functools.cache
+def _warn_once(dtype: torch.dtype) -> None:
+    print(f"[cpu] this CPU has no native {dtype_name(dtype)} matmul (torch would take its reference "
+          f"GEMM, 50x or more slower than float32): computing in float32", flush=True)
+
+
 TARGET_KINDS = ("causal_lm", "qwen3_vl", "qwen2_5_vl")
 
 
@@ -94,7 +129,8 @@ def model_class(kind: str):
 
 def load_target(target_cfg, device: str | torch.device = "cpu"):
     """The target as a transformers model in eval mode, without gradients (`target.kind` picks
-    the class: causal_lm, qwen3_vl or qwen2_5_vl)."""
+    the class: causal_lm, qwen3_vl or qwen2_5_vl), in `target.dtype` where `device` computes in it
+    (compute_dtype)."""
     kind = target_kind(target_cfg)
     path = resolve_target_path(target_cfg)
     if kind != "causal_lm":
@@ -108,7 +144,7 @@ def load_target(target_cfg, device: str | torch.device = "cpu"):
             )
     model = model_class(kind).from_pretrained(
         path,
-        dtype=torch_dtype(target_cfg.dtype),
+        dtype=compute_dtype(torch_dtype(target_cfg.dtype), device),
         trust_remote_code=target_cfg.trust_remote_code,
     )
     model.to(device).eval().requires_grad_(False)

@@ -22,7 +22,7 @@ from specforge.distributed.preemption import StopRequests, TrainingInterrupted
 from specforge.distributed.strategy import make_strategy
 from specforge.extract.store import HiddenStateStore
 from specforge.models.draft import EAGLE31_OPTIONS, Eagle3Config, Eagle3Draft
-from specforge.targets.loader import load_target
+from specforge.targets.loader import compute_dtype, load_target, torch_dtype
 from specforge.train.batches import collate, epoch_batches, eval_batches, global_batches, steps_per_epoch
 from specforge.run_layout import RunLayout
 from specforge.train.state import StateManager, TrainState
@@ -50,6 +50,8 @@ def autocast_for(precision: str, device: torch.device):
     if precision != "bf16":
         raise ValueError(f"train.precision: {precision!r} is not one of bf16, fp32")
     if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        return contextlib.nullcontext()
+    if compute_dtype(torch.bfloat16, device) != torch.bfloat16:  # a CPU without native bf16 matmul
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=torch.bfloat16)
 
@@ -257,7 +259,8 @@ def train(cfg, run_dir: Path, fingerprint: str) -> dict:
 
     image_token_id = override_token(cfg, train_store)
     embed, teacher_weight, target_config = target_head(cfg)
-    teacher_weight = teacher_weight.to(device)
+    # the target's dtype, or float32 on a CPU without native bf16 (loading on the CPU may have widened it)
+    teacher_weight = teacher_weight.to(device, compute_dtype(torch_dtype(cfg.target.dtype), device))
 
     # -- the draft, spread over the processes by the strategy ---------------------------------------
     draft = build_draft(cfg, target_config, train_store.meta["aux_layer_ids"], vocab, embed).to(device)
