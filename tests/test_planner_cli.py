@@ -11,9 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from specforge.engine.speculative import GenerationStats
 from specforge.engine.tree_spec import TreeSpec
-from specforge.eval.cost_model import CostModel, cost_key, load_or_measure
+from specforge.eval.cost_model import CostModel, cost_key, decode_tokens_per_round, load_or_measure
 from specforge.eval.engine_eval import load_run_config
+from specforge.eval.planner import RequestPlan
+from specforge.eval.planner_eval import fastest_tree
 from specforge.eval.stage import run_evaluation
 from specforge.utils.io import read_json
 
@@ -70,6 +73,8 @@ def test_round_cost_composes_as_documented():
     assert cost.t_overhead(tree, hist) == pytest.approx(overhead)
     assert cost.t_round(tree, hist) == pytest.approx(extend + 3 * 2 * ms + 60 * ms + overhead)
     assert cost.speedup(tree, 2.5, hist) == pytest.approx(2.5 * 30 * ms / cost.t_round(tree, hist))
+    # a decode speed-up: 2 requests of 65 tokens in 50 rounds emit 128 tokens by rounds, not 130
+    assert decode_tokens_per_round({"completion_tokens": 130, "requests": 2, "verify_rounds": 50}) == 2.56
     chain = TreeSpec.parse("5_1_6")  # its path is always 0..a: compacted in place, no keep cost
     assert cost.t_overhead(chain, [0, 0, 0, 0, 0, 3]) == pytest.approx((0.1 + 0.4 + 0.5) * ms)
     assert cost.t_round(chain, [0, 0, 0, 0, 0, 3]) == pytest.approx(1.5 * ms + 4 * 1.5 * ms + 50 * ms + 1.0 * ms)
@@ -111,6 +116,28 @@ def planner_cfg(run, *overrides):
         key, value = item.split("=", 1)
         OmegaConf.update(cfg, key, OmegaConf.create(f"v: {value}").v)
     return cfg
+
+
+def test_trajectories_come_from_the_tree_predicted_fastest_so_far():
+    ms = 1e-3
+    cost = CostModel(key={}, t_base=30 * ms, t_verify={3: 31 * ms, 6: 60 * ms}, t_accept={3: 0.0, 6: 0.0},
+                     t_keep={3: 0.0, 6: 0.0}, t_level1={1: 0.0}, t_step={1: 1 * ms},
+                     t_build={"2_1_3": 0.0, "5_1_6": 0.0}, t_extend=[1 * ms] * 6)
+    chain, long_chain = TreeSpec.parse("2_1_3"), TreeSpec.parse("5_1_6")
+    pick = fastest_tree(cost, [chain, long_chain])
+
+    def request(spec, accepted):  # one prompt's plan: its first token, then a round per entry
+        stats = GenerationStats(prompt_tokens=10, num_draft_tokens=spec.num_draft_tokens,
+                                completion_tokens=1 + sum(a + 1 for a in accepted),
+                                spec_verify_ct=len(accepted), accepted_drafts=list(accepted), e2e_s=1.0)
+        return RequestPlan([], stats, [[1] * (spec.steps + 1)] * len(accepted))  # chains: a node per depth
+
+    assert pick({"2_1_3": [], "5_1_6": []}) is None  # nothing planned yet: the first prompt decodes
+    # 2_1_3 accepts 2 per round: 3 tokens in 33 ms (2.7x); 5_1_6 accepts 4: 5 tokens in 65 ms (2.3x)
+    plans = {"2_1_3": [request(chain, [2, 2])], "5_1_6": [request(long_chain, [4, 4])]}
+    assert pick(plans) == chain
+    plans = {"2_1_3": [request(chain, [0, 0])], "5_1_6": [request(long_chain, [0, 0])]}
+    assert pick(plans) is None  # no tree beats decoding (1 token per 33 ms or 65 ms): decode
 
 
 @pytest.fixture

@@ -13,10 +13,10 @@ emitted tokens. So
 averaged over the tree's rounds by its accepted-drafts histogram: t_extend over a = accepted + 1
 tokens, and `copied` = the share of rounds whose path is not 0..a (such a path compacts in place
 at no cost): those of a K > 1 tree that accept 2+ drafts (node 2 is then another level-1
-candidate). The base model's step t_base is one decode forward + argmax. The predicted speed-up =
-accept length * t_base / t_round leaves prefill out: it is a decode speed-up (engine_eval's
-`decode_speedup`, which it exceeds by ~1/completion tokens: the accept length counts the prefill's
-first token). The loop's own Python (`other`, ~0.05% of a round) is left out.
+candidate). The base model's step t_base is one decode forward + argmax. The predicted speed-up
+is a decode speed-up (prefill left out), as engine_eval's `decode_speedup` measures it: tokens
+emitted by rounds (the completion less the prefill's first token of each request) per round x
+t_base / t_round. The loop's own Python (`other`, ~0.05% of a round) is left out.
 
 Each figure is the median of `repeats` timings of the engine's own functions after a prefix of
 realistic length (mean prompt + max_new_tokens / 2), all items interleaved in every repeat so that
@@ -86,8 +86,9 @@ class CostModel:
         return (extend + (spec.steps - 1) * self.t_step[spec.topk] + self.t_verify[spec.num_draft_tokens]
                 + self.t_overhead(spec, accept_histogram))
 
-    def speedup(self, spec: TreeSpec, accept_length: float, accept_histogram: list[int]) -> float:
-        return accept_length * self.t_base / self.t_round(spec, accept_histogram)
+    def speedup(self, spec: TreeSpec, tokens_per_round: float, accept_histogram: list[int]) -> float:
+        """`tokens_per_round`: decode tokens (not the prefill's first) per round, see `decode_tokens_per_round`."""
+        return tokens_per_round * self.t_base / self.t_round(spec, accept_histogram)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -97,6 +98,12 @@ class CostModel:
         ints = {name: {int(k): v for k, v in d[name].items()}
                 for name in ("t_verify", "t_accept", "t_keep", "t_level1", "t_step")}
         return cls(**{**d, **ints})
+
+
+def decode_tokens_per_round(row: dict) -> float:
+    """What a round emits after the prefill's first token, over a planned tree's requests (the
+    accept length counts that first token: with 64-token completions it is ~1.6% larger)."""
+    return (row["completion_tokens"] - row["requests"]) / row["verify_rounds"]
 
 
 def describe_device(device) -> str:

@@ -233,14 +233,15 @@ def _prompt_ids(prompt, device) -> torch.Tensor:
 @torch.inference_mode()
 def plan(target, draft, prompts, trees, max_new_tokens: int, eos_token_id=None,
          exact_ancestor_attention: bool = False, batch: int = 256,
-         trajectory_tree: str | None = None) -> dict[str, list[RequestPlan]]:
+         trajectory_tree=None) -> dict[str, list[RequestPlan]]:
     """{tree name: [RequestPlan per prompt]} for every tree of `trees` (T_K_N strings or TreeSpecs),
     as `SpeculativeEngine(target, draft, tree).generate(prompt, max_new_tokens, eos_token_id=...)`
     would run them at temperature 0. `prompts`: token id sequences or heldout_prompts rows.
     `batch`: draft lanes per forward when expanding all round starts at once; 0 runs the engine's
     own `draft_levels` at each round start that some tree reaches (the reference, slower).
     `trajectory_tree`: the greedy tokens come from the engine with this tree (cheaper than the
-    target's decoding that runs without it)."""
+    target's decoding that runs without it), or a function of the plans so far that names the
+    tree for the next prompt (None: decoding), e.g. the one predicted fastest (planner_eval)."""
     specs = [TreeSpec.parse(t) if isinstance(t, str) else t for t in trees]
     steps = {}  # per topk, the largest T of the grid
     for s in specs:
@@ -250,12 +251,14 @@ def plan(target, draft, prompts, trees, max_new_tokens: int, eos_token_id=None,
     runner = next(iter(engines.values())).runner
     if runner.vl is not None:
         raise ValueError("plan: vision-language targets are not supported (text prompts only)")
-    source = (SpeculativeEngine(target, draft, trajectory_tree, exact_ancestor_attention)
-              if trajectory_tree else None)
+    sources = {}  # the trajectories' engines, by tree
     out = {s.name: [] for s in specs}
     for prompt in prompts:
+        tree = trajectory_tree(out) if callable(trajectory_tree) else trajectory_tree
+        if tree and str(tree) not in sources:
+            sources[str(tree)] = SpeculativeEngine(target, draft, tree, exact_ancestor_attention)
         traj = greedy_trajectory(runner, _prompt_ids(prompt, runner.device), max_new_tokens, eos_token_id,
-                                 max(steps.values()), source)
+                                 max(steps.values()), sources[str(tree)] if tree else None)
         for k, engine in engines.items():
             levels = DraftLevels(engine, traj, batch)
             for s in specs:

@@ -16,7 +16,7 @@ import torch
 
 from specforge.checkpoint import load_draft
 from specforge.engine.tree_spec import TreeSpec
-from specforge.eval.cost_model import cost_key, load_or_measure, prefix_length
+from specforge.eval.cost_model import cost_key, decode_tokens_per_round, load_or_measure, prefix_length
 from specforge.eval.engine_eval import eval_with_engine, load_engine_inputs
 from specforge.eval.planner import plan, summarize
 from specforge.run_layout import epoch_of
@@ -41,6 +41,26 @@ def _nan_max(rows, key):
     return max(rows, key=lambda r: -math.inf if math.isnan(r[key]) else r[key])
 
 
+def fastest_tree(cost, specs: list[TreeSpec]):
+    """Where the planner's next greedy trajectory comes from: the tree predicted fastest on the
+    prompts planned so far (the same tokens at temperature 0, in the fewest target forwards), or
+    plain decoding (None) for the first prompt and while no tree is predicted to beat it."""
+
+    def pick(plans: dict) -> TreeSpec | None:
+        best, best_speedup = None, 1.0
+        for spec in specs:
+            if not plans[spec.name]:
+                return None
+            row = summarize(spec.name, plans[spec.name])
+            if row["verify_rounds"]:
+                predicted = cost.speedup(spec, decode_tokens_per_round(row), row["accept_histogram"])
+                if predicted > best_speedup:
+                    best, best_speedup = spec, predicted
+        return best
+
+    return pick
+
+
 def plan_epochs(run_cfg, ckpts: list[Path], eval_cfg, cost_path: Path) -> dict:
     """The planner over every checkpoint x tree: rows with accept figures, the accepted shape
     (tree_depth: mean deepest node of the built trees; tree_width = (N-1) / tree_depth), the
@@ -60,8 +80,8 @@ def plan_epochs(run_cfg, ckpts: list[Path], eval_cfg, cost_path: Path) -> dict:
             key = cost_key(fingerprint, draft, prefix, exact)
             cost, measured = load_or_measure(cost_path, key, target, draft, prompts[0], specs)
         t0 = time.perf_counter()
-        # the greedy tokens come from the engine with the grid's first tree (fewer target forwards)
-        plans = plan(target, draft, prompts, specs, eval_cfg.max_new_tokens, eos, exact, trajectory_tree=specs[0])
+        plans = plan(target, draft, prompts, specs, eval_cfg.max_new_tokens, eos, exact,
+                     trajectory_tree=fastest_tree(cost, specs))
         plan_s[str(ckpt)] = time.perf_counter() - t0
         for spec in specs:
             row = {"epoch": epoch_of(ckpt), "checkpoint": str(ckpt), **summarize(spec.name, plans[spec.name])}
@@ -69,12 +89,13 @@ def plan_epochs(run_cfg, ckpts: list[Path], eval_cfg, cost_path: Path) -> dict:
             t_round = cost.t_round(spec, row["accept_histogram"]) if rounds else math.nan
             row.update(tree_width=(spec.num_draft_tokens - 1) / row["tree_depth"] if rounds else math.nan,
                        t_round_ms=1000 * t_round,
-                       predicted_speedup=cost.speedup(spec, row["accept_length"], row["accept_histogram"])
+                       predicted_speedup=cost.speedup(spec, decode_tokens_per_round(row), row["accept_histogram"])
                        if rounds else math.nan)
             rows.append(row)
     return {"meta": {"prompts": len(prompts), "max_new_tokens": eval_cfg.max_new_tokens, "dtype": dtype_name,
                      "device": device, "threads": torch.get_num_threads(), "trees": [s.name for s in specs],
-                     "prefix_len": prefix, "trajectory_tree": specs[0].name, "exact_ancestor_attention": exact},
+                     "prefix_len": prefix, "trajectory": "decoding, then the tree predicted fastest so far",
+                     "exact_ancestor_attention": exact},
             "rows": rows, "recommended": _nan_max(rows, "predicted_speedup"),
             "cost_model": {**cost.to_json(), "measured_now": measured, "path": str(cost_path)},
             "seconds": {"cost_model": cost.measure_s if measured else 0.0, "plan": plan_s,
