@@ -7,6 +7,7 @@ import torch
 
 from specforge.config import TargetConfig
 from specforge.engine.speculative import SpeculativeEngine
+from specforge.engine.tree import build_tree as planner_build
 from specforge.models.draft import Eagle3Config, Eagle3Draft
 from specforge.targets.loader import load_target, load_tokenizer
 from specforge.data.vl_render import prompt_with_images
@@ -86,3 +87,38 @@ def test_draft_prefill_sees_target_positions_and_configured_image_embeddings(set
     # after the prompt, every draft position is text index + delta in all three components
     later = seen[1][1]
     assert later.dim() == 2 and int(later.min()) >= len(ids) + int(delta) - 1
+
+
+
+def test_planner_replays_the_engine_on_image_prompts(setup, monkeypatch):
+    """The planner on a vision-language target: per tree, the engine's output, accepted drafts and
+    drafted tree tokens in every round (the random draft accepts little, so the trees themselves
+    show that the draft saw the prompt's M-RoPE positions and image embeddings), with the
+    trajectory decoded or from the engine (specforge/eval/planner.py)."""
+    from specforge.eval import planner
+
+    model, draft, ids, images, _ = setup
+    trees = ["3_1_4", "3_2_6", "4_3_8"]
+    prompts = [{"input_ids": ids.tolist(), "images": images}]
+    built = []
+    monkeypatch.setattr(planner, "build_tree", lambda *a: built.append(planner_build(*a)) or built[-1])
+    for source in (None, "3_2_6"):
+        for tree in trees:
+            built.clear()
+            got = planner.plan(model, draft, prompts, [tree], 20, trajectory_tree=source)[tree][0]
+            engine = SpeculativeEngine(model, draft, tree)
+            drafted = []
+            draft_tree = engine.draft_tree
+            engine.draft_tree = lambda root, state: drafted.append(draft_tree(root, state)) or drafted[-1]
+            out, stats = engine.generate(ids, 20, images=images)
+            assert got.tokens == out.tolist(), (tree, source)
+            assert got.stats.accepted_drafts == stats.accepted_drafts, (tree, source)
+            assert [t.tokens.tolist() for t in built] == [t.tokens.tolist() for t in drafted], (tree, source)
+
+
+def test_cost_model_measures_on_a_vision_language_target(setup):
+    from specforge.eval.cost_model import cost_key, measure
+
+    model, draft, ids, _, _ = setup
+    cost = measure(model, draft, {"input_ids": ids.tolist()}, cost_key("tiny-vl", draft, 40), ["3_1_4", "3_2_6"], repeats=1)
+    assert cost.t_base > 0 and set(cost.t_verify) == {4, 6} and set(cost.t_step) == {1, 2}

@@ -351,9 +351,16 @@ class SpeculativeEngine:
         (token p+1, feature p). Returns the first token [1] and the draft state of round 1."""
         logits, aux = self.runner.prefill(prompt, images=images)
         token = sample_token(logits, temperature, generator).reshape(1)
+        return token, self.draft_prefill(prompt, token, aux)
+
+    @torch.inference_mode()
+    def draft_prefill(self, prompt: torch.Tensor, token: torch.Tensor, aux: torch.Tensor) -> DraftState:
+        """The draft over the prompt, pairing (token p+1, feature p), `token` the first sampled one,
+        after the runner's prefill of `prompt` (whose M-RoPE positions and merged image embeddings
+        a vision-language prompt's draft reads)."""
         tokens = torch.cat([prompt[1:], token])
         if self.runner.vl is None:
-            return token, self.draft_extend(tokens, aux)
+            return self.draft_extend(tokens, aux)
         embeds = None
         at = tokens == self.runner.vl.image_token_id
         at[-1] = False  # the sampled token is text
@@ -361,7 +368,7 @@ class SpeculativeEngine:
             # slot p reads token p+1: the merged embedding of p+1 (the sampled token: its own)
             embeds = self.draft.embed_tokens(tokens).to(self.runner.prompt_embeds.dtype)
             embeds[at] = self.runner.prompt_embeds[1:][at[:-1]]
-        return token, self.draft_extend(tokens, aux, self.runner.prompt_positions, embeds)
+        return self.draft_extend(tokens, aux, self.runner.prompt_positions, embeds)
 
     @torch.inference_mode()
     def generate(self, input_ids, max_new_tokens: int, temperature: float = 0.0,

@@ -217,6 +217,14 @@ class TargetRunner:
         return logits[-1], aux
 
     @torch.inference_mode()
+    def extend(self, input_ids: torch.Tensor, need_aux: bool = True):
+        """Causal forward over text tokens [n] after the cache (a prompt's continuation, at the text
+        positions of a vision-language target too); returns (logits [n, V], aux [n, 3H])."""
+        ids = input_ids.reshape(1, -1).to(self.device)
+        pos = self.positions(torch.arange(self.length, self.length + ids.shape[1], device=self.device)[None])
+        return self._run(ids, pos, None, need_aux=need_aux)
+
+    @torch.inference_mode()
     def decode(self, token: torch.Tensor, need_aux: bool = False):
         """One token after the cache; returns (logits [V], aux [1, 3H] or None)."""
         ids = token.reshape(1, 1).to(self.device)

@@ -166,6 +166,8 @@ def measure(target, draft, prompt, key: dict, trees, repeats: int = REPEATS) -> 
     engine = SpeculativeEngine(target, draft, TreeSpec(1, kmax, 2), key.get("exact_ancestor_attention", False))
     runner, kv = engine.runner, engine.draft_kv
     ids = torch.as_tensor(prompt["input_ids"] if isinstance(prompt, dict) else prompt, dtype=torch.long)
+    if runner.vl is not None:  # a text prefix: image placeholders need their images (the cost is per token)
+        ids = ids[ids != runner.vl.image_token_id]
     length = key["prefix_len"]
     prefix = ids.repeat(math.ceil(length / ids.numel()))[:length].to(engine.device)
     widest = max(s.steps * s.topk for s in specs)

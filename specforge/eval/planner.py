@@ -67,16 +67,17 @@ class _Enough(Exception):
 
 @torch.inference_mode()
 def greedy_trajectory(runner: TargetRunner, prompt: torch.Tensor, max_new_tokens: int, eos_token_id,
-                      extra: int, engine: SpeculativeEngine | None = None) -> Trajectory:
+                      extra: int, engine: SpeculativeEngine | None = None, images=None) -> Trajectory:
     """Greedy tokens until the engine would stop (its `_Request` decides), then `extra` more,
     ignoring EOS. Without `engine`: decoding on the runner, aux read at each step. With `engine`
     (speculative, same target): its output, the same tokens at temperature 0 in fewer target
-    forwards, then the completion's aux in one forward after the prompt's prefill."""
+    forwards, then the completion's aux in one forward after the prompt's prefill. `images`: a
+    vision-language prompt's; the runner keeps the prompt's positions for the draft after."""
     p = prompt.shape[0]
     runner.reset(p + max_new_tokens + extra + 1)
     req = _Request(p, max_new_tokens, eos_token_id, 0, runner.device)
     if engine is None:
-        logits, aux = runner.prefill(prompt)
+        logits, aux = runner.prefill(prompt, images=images)
         tokens, feats = [sample_token(logits, 0.0, None).reshape(1)], [aux]
         req.emit(tokens[0].tolist())
         while not req.done or len(tokens) < len(req.tokens) + extra:
@@ -98,13 +99,13 @@ def greedy_trajectory(runner: TargetRunner, prompt: torch.Tensor, max_new_tokens
                 raise _Enough
 
         try:
-            engine.generate(prompt, max_new_tokens + extra, on_tokens=collect)
+            engine.generate(prompt, max_new_tokens + extra, on_tokens=collect, images=images)
         except _Enough:
             pass
         tokens = torch.tensor(out, dtype=torch.long, device=runner.device)
-        feats = [runner.prefill(prompt)[1]]
+        feats = [runner.prefill(prompt, images=images)[1]]
         if len(req.tokens) > 1:
-            feats.append(runner.prefill(tokens[: len(req.tokens) - 1])[1])
+            feats.append(runner.extend(tokens[: len(req.tokens) - 1])[1])
     stop = len(req.tokens)
     return Trajectory(prompt, tokens, torch.cat(feats)[: p + stop - 1], stop)
 
@@ -123,7 +124,7 @@ class DraftLevels:
         self.engine, self.memo = engine, {}
         p, g = traj.prompt.shape[0], traj.tokens
         engine.reset(p + traj.stop)
-        first = engine.draft_extend(torch.cat([traj.prompt[1:], g[:1]]), traj.aux[:p])  # = prefill
+        first = engine.draft_prefill(traj.prompt, g[:1], traj.aux[:p])  # after the trajectory's prefill
         states = [DraftState(*(x[None] for x in first))]
         if traj.stop > 1:  # round c (c >= 2 committed tokens) starts from row c-2 of this call
             states.append(engine.draft_extend(g[1:traj.stop], traj.aux[p:], every_row=True))
@@ -249,8 +250,8 @@ def plan(target, draft, prompts, trees, max_new_tokens: int, eos_token_id=None,
     engines = {k: SpeculativeEngine(target, draft, TreeSpec(t, k, t + 1), exact_ancestor_attention)
                for k, t in steps.items()}
     runner = next(iter(engines.values())).runner
-    if runner.vl is not None:
-        raise ValueError("plan: vision-language targets are not supported (text prompts only)")
+    for engine in engines.values():  # one runner: a vision-language prompt's positions, read by every K
+        engine.runner = runner
     sources = {}  # the trajectories' engines, by tree
     out = {s.name: [] for s in specs}
     for prompt in prompts:
@@ -258,7 +259,8 @@ def plan(target, draft, prompts, trees, max_new_tokens: int, eos_token_id=None,
         if tree and str(tree) not in sources:
             sources[str(tree)] = SpeculativeEngine(target, draft, tree, exact_ancestor_attention)
         traj = greedy_trajectory(runner, _prompt_ids(prompt, runner.device), max_new_tokens, eos_token_id,
-                                 max(steps.values()), sources[str(tree)] if tree else None)
+                                 max(steps.values()), sources[str(tree)] if tree else None,
+                                 prompt.get("images") if isinstance(prompt, dict) else None)
         for k, engine in engines.items():
             levels = DraftLevels(engine, traj, batch)
             for s in specs:

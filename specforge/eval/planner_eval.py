@@ -21,7 +21,6 @@ from specforge.eval.engine_eval import eval_with_engine, load_engine_inputs
 from specforge.eval.planner import plan, summarize
 from specforge.run_layout import epoch_of
 from specforge.targets.loader import resolve_target_path, target_fingerprint, torch_dtype
-from specforge.targets.vl import is_vl
 
 
 def check_planner(eval_cfg) -> list[TreeSpec]:
@@ -66,8 +65,6 @@ def plan_epochs(run_cfg, ckpts: list[Path], eval_cfg, cost_path: Path) -> dict:
     (tree_depth: mean deepest node of the built trees; tree_width = (N-1) / tree_depth), the
     round's cost and the predicted speed-up; the cost model; wall times."""
     specs = check_planner(eval_cfg)
-    if is_vl(run_cfg.target.kind):
-        raise ValueError("eval.planner=true: vision-language targets are not supported (text prompts only)")
     device, dtype_name, tokenizer, suites, target = load_engine_inputs(run_cfg, eval_cfg)
     prompts = [p for suite in suites.values() for p in suite]
     eos, exact = tokenizer.eos_token_id, eval_cfg.exact_ancestor_attention
