@@ -7,9 +7,11 @@ the grid (`--grid`, default eval.planner_trees: timed), then the planner's predi
 `--trees` and their measurement by the engine's own evaluation (`eval_with_engine`: base model
 before and after, same prompts). The prediction is a decode speed-up (prefill left out), so the
 error is against the engine's `decode_speedup`; the e2e speed-up is recorded beside it.
+--exact-share then runs the engine on every tree of the grid (untimed) and records `exact_share`:
+the share of (tree, request) pairs the planner replays exactly.
 
     .venv/bin/python benchmarks/cost_model_bench.py --ckpt outputs/smollm2_weather/epoch_10 \\
-        --dtype float32 --num-prompts 16 --max-new-tokens 128
+        --dtype float32 --num-prompts 16 --max-new-tokens 128 [--exact-share]
     .venv/bin/python benchmarks/cost_model_bench.py --tiny   # smoke run: tiny random target and draft
 
 Reads the run, writes nothing into it: the cost model goes to --work-dir (default: a temporary
@@ -45,6 +47,9 @@ def parse_args(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--dtype", default=None, help="engine dtype of target and draft (default: the run's)")
     p.add_argument("--work-dir", default=None, help="where the cost model is stored (default: a temporary directory)")
+    p.add_argument("--exact-share", action="store_true",
+                   help="also run the engine (untimed) on every tree of --grid: the share of requests the planner "
+                        "replays exactly (same output, same accepted drafts in every round)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "planner.json"))
     return p.parse_args(argv)
 
@@ -57,12 +62,42 @@ def tiny_run(root: Path) -> Path:
     return build_tiny_run(root / "outputs" / "tiny", build_tiny_llama(root / "tiny_target"), num_prompts=16)
 
 
+def exact_share(run_cfg, ckpt, eval_cfg, trees: list[str], cost) -> dict[str, float]:
+    """Per tree of the grid, the share of requests where the planner (as plan_epochs runs it) and
+    the engine give the same output and accept the same drafts in every round."""
+    from specforge.checkpoint import load_draft
+    from specforge.engine.speculative import SpeculativeEngine
+    from specforge.engine.tree_spec import TreeSpec
+    from specforge.eval.engine_eval import load_engine_inputs
+    from specforge.eval.planner import plan
+    from specforge.eval.planner_eval import fastest_tree
+    from specforge.targets.loader import torch_dtype
+
+    device, dtype_name, tokenizer, suites, target = load_engine_inputs(run_cfg, eval_cfg)
+    prompts = [p for suite in suites.values() for p in suite]
+    draft = load_draft(ckpt, device=device, dtype=torch_dtype(dtype_name))
+    specs, eos, exact = [TreeSpec.parse(t) for t in trees], tokenizer.eos_token_id, eval_cfg.exact_ancestor_attention
+    plans = plan(target, draft, prompts, specs, eval_cfg.max_new_tokens, eos, exact,
+                 trajectory_tree=fastest_tree(cost, specs))
+    shares = {}
+    for spec in specs:
+        engine = SpeculativeEngine(target, draft, spec, exact)
+        same = []
+        for prompt, planned in zip(prompts, plans[spec.name]):
+            out, stats = engine.generate(prompt["input_ids"], eval_cfg.max_new_tokens, eos_token_id=eos)
+            same.append(planned.tokens == out.tolist() and planned.stats.accepted_drafts == stats.accepted_drafts)
+        shares[spec.name] = sum(same) / len(same)
+        print(f"exact share {spec.name}: {shares[spec.name]:.3f}", flush=True)
+    return shares
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     from omegaconf import OmegaConf
 
     from specforge.config import EvalConfig
     from specforge.eval.engine_eval import find_checkpoints, load_run_config
+    from specforge.eval.cost_model import CostModel
     from specforge.eval.planner_eval import compare, confirm, plan_epochs
     from specforge.utils.io import read_json, write_json
 
@@ -88,6 +123,10 @@ def main(argv=None) -> int:
     results = confirm(run_cfg, ckpt, eval_cfg, args.trees)
     engine_s = time.perf_counter() - t0
     rows = compare(predicted["rows"], results)
+    shares = None
+    if args.exact_share:
+        stored = {k: v for k, v in grid["cost_model"].items() if k not in ("measured_now", "path")}
+        shares = exact_share(run_cfg, ckpt, eval_cfg, list(args.grid), CostModel.from_json(stored))
 
     one = next(c for c in results["configs"] if c["tree"] == args.engine_tree)
     one_tree_s = one["e2e_s"] * one["requests"]  # its speculative pass, generate calls only
@@ -99,6 +138,7 @@ def main(argv=None) -> int:
         "rows": [{k: r[k] for k in ("tree", "accept_length", "measured_accept_length", "predicted_speedup",
                                     "measured_speedup", "measured_e2e_speedup", "error", "error_e2e",
                                     "t_round_ms", "measured_ms_per_round", "lossless")} for r in rows],
+        **({"exact_share": sum(shares.values()) / len(shares), "exact_share_per_tree": shares} if shares else {}),
         "grid_seconds": grid_s, "grid_cost_model_seconds": grid["seconds"]["cost_model"],
         "grid_trees": list(args.grid), "one_tree": args.engine_tree, "one_tree_seconds": one_tree_s,
         "one_tree_eval_seconds": one_tree_s + 2 * base_s, "grid_over_one_tree": grid_s / one_tree_s,
@@ -119,7 +159,9 @@ def main(argv=None) -> int:
         print(f"{r['tree']:>8} {r['accept_length']:>10.3f} {r['measured_accept_length']:>7.3f} {r['t_round_ms']:>8.2f} "
               f"{r['measured_ms_per_round']:>7.2f} {r['predicted_speedup']:>9.3f} {r['measured_speedup']:>8.3f} "
               f"{100 * r['error']:>+6.1f}% {r['measured_e2e_speedup']:>6.3f}")
-    print(f"\npredicted = accept length x base step / round cost; measured = the engine's decode speed-up "
+    if shares:
+        print(f"\nexact share over the grid (planner == engine per request): {report['exact_share']:.3f}")
+    print(f"\npredicted = decode tokens per round x base step / round cost; measured = the engine's decode speed-up "
           f"(e2e: with prefill)\ngrid of {len(args.grid)} trees: {grid_s:.1f} s (cost model "
           f"{grid['seconds']['cost_model']:.1f} s); engine, one tree ({args.engine_tree}): {one_tree_s:.1f} s "
           f"-> {grid_s / one_tree_s:.2f}x\nwritten: {out}")
