@@ -266,6 +266,23 @@ def test_stage_end_to_end(run_setup, tiny_model):
     assert isinstance(stage_fingerprint(cfg, STAGES["extract"], run_dir), str)
 
 
+def crash_extraction(monkeypatch, cfg, run_dir, at_forward: int = 6):
+    """Run the extract stage until its `at_forward`-th target forward raises, as a crash would (the
+    default: mid train shard 1, batches holding 1-2 samples and shards 4)."""
+    real, calls = EmbeddedExtractor.forward, []
+
+    def crash(self, seqs):
+        calls.append(len(seqs))
+        if len(calls) == at_forward:
+            raise KeyboardInterrupt("simulated crash")
+        return real(self, seqs)
+
+    monkeypatch.setattr(EmbeddedExtractor, "forward", crash)
+    with pytest.raises(KeyboardInterrupt):
+        stage.run(cfg, run_dir)
+    monkeypatch.setattr(EmbeddedExtractor, "forward", real)
+
+
 def test_stage_crash_resume_equals_uninterrupted(run_setup, tmp_path, monkeypatch):
     cfg, run_dir, rows = run_setup
     ref_dir = tmp_path / "ref"
@@ -273,19 +290,7 @@ def test_stage_crash_resume_equals_uninterrupted(run_setup, tmp_path, monkeypatc
         write_jsonl(ref_dir / "data" / f"{split}.jsonl", rows[split])
     stage.run(cfg, ref_dir)
 
-    real = EmbeddedExtractor.forward
-    calls = []
-
-    def crash_on_sixth(self, seqs):
-        calls.append(len(seqs))
-        if len(calls) == 6:  # mid train shard 1 (batches hold 1-2 samples, shards 4)
-            raise KeyboardInterrupt("simulated crash")
-        return real(self, seqs)
-
-    monkeypatch.setattr(EmbeddedExtractor, "forward", crash_on_sixth)
-    with pytest.raises(KeyboardInterrupt):
-        stage.run(cfg, run_dir)
-    monkeypatch.setattr(EmbeddedExtractor, "forward", real)
+    crash_extraction(monkeypatch, cfg, run_dir)
     manifest = json.loads((run_dir / "extract" / "train" / MANIFEST).read_text())
     assert not manifest["complete"] and 1 <= len(manifest["shards"]) < 3
 

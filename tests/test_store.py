@@ -42,11 +42,26 @@ def make_samples(n: int = 7, seed: int = 0) -> list[dict]:
 
 
 def write_all(out_dir: Path, samples: list[dict], shard_samples: int = 2, meta: dict = META) -> dict:
+    """Every sample the store does not hold yet (a resumed store: the rest), then close."""
     with HiddenStateStoreWriter(out_dir, meta, shard_samples=shard_samples) as w:
-        for s in samples:
-            if s["id"] not in w.done_ids:
-                w.add(s["id"], s["input_ids"], s["loss_mask"], s["aux"], s["last"])
+        add_missing(w, samples)
     return w.close()
+
+
+def add_missing(w: HiddenStateStoreWriter, samples: list[dict]) -> None:
+    for s in samples:
+        if s["id"] not in w.done_ids:
+            w.add(s["id"], s["input_ids"], s["loss_mask"], s["aux"], s["last"],
+                  s.get("position_ids"), s.get("image_embeds"))
+
+
+def resume_and_finish(out: Path, meta: dict, samples: list[dict], shard_samples: int, done: list[dict]) -> None:
+    """Reopen a crashed store: it resumes holding exactly `done`, no temp file left; add the rest."""
+    w = HiddenStateStoreWriter(out, meta, shard_samples=shard_samples)
+    assert w.resumed and w.done_ids == {s["id"] for s in done}
+    assert not any(p.name.endswith(".tmp") for p in out.iterdir())
+    add_missing(w, samples)
+    w.close()
 
 
 def assert_same_store(a: Path, b: Path) -> None:
@@ -175,13 +190,7 @@ def test_kill_mid_shard_then_resume_equals_uninterrupted(tmp_path):
     partial = HiddenStateStore(out, require_complete=False)
     assert len(partial) == 4 and torch.equal(partial[3]["aux"], samples[3]["aux"])
 
-    w = HiddenStateStoreWriter(out, META, shard_samples=2)
-    assert w.resumed and w.done_ids == {s["id"] for s in samples[:4]}
-    assert not any(p.name.endswith(".tmp") for p in out.iterdir())  # stray temp removed
-    for s in samples:
-        if s["id"] not in w.done_ids:
-            w.add(s["id"], s["input_ids"], s["loss_mask"], s["aux"], s["last"])
-    w.close()
+    resume_and_finish(out, META, samples, shard_samples=2, done=samples[:4])  # stray temp removed
     assert_same_store(ref, out)
 
 

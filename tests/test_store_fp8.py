@@ -18,8 +18,10 @@ from specforge.extract.store import (FP8, MANIFEST, HiddenStateStore, HiddenStat
                                      dequantize_fp8, quantize_fp8, scored_rows, store_layout)
 from specforge.train.batches import collate
 from specforge.train.ttt import Teacher, summarize, ttt_forward
-from tests.test_extract import AUX, assert_equal_stores, capture, run_setup, tiny_dir, tiny_model  # noqa: F401
-from tests.test_store import META, assert_same_store, crash_child
+from tests.test_extract import (AUX, assert_equal_stores, capture, crash_extraction, run_setup, tiny_dir,  # noqa: F401
+                                tiny_model)
+from tests import test_store
+from tests.test_store import META, assert_same_store, crash_child, resume_and_finish
 from tests.test_ttt import tiny_draft
 
 H = 24  # tiny_draft's target_hidden_size, so stores of this file can be trained on
@@ -63,12 +65,7 @@ def make_samples(n: int = 7, seed: int = 0) -> list[dict]:
 
 
 def write_all(out_dir: Path, samples: list[dict], meta: dict, shard_samples: int = 3) -> dict:
-    with HiddenStateStoreWriter(out_dir, meta, shard_samples=shard_samples) as w:
-        for s in samples:
-            if s["id"] not in w.done_ids:
-                w.add(s["id"], s["input_ids"], s["loss_mask"], s["aux"], s["last"],
-                      s.get("position_ids"), s.get("image_embeds"))
-    return w.close()
+    return test_store.write_all(out_dir, samples, shard_samples, meta)
 
 
 def shard_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -254,13 +251,7 @@ def test_kill_mid_shard_then_resume_equals_uninterrupted(tmp_path):
     assert manifest["complete"] is False and [s["name"] for s in manifest["shards"]] == ["shard_00000.safetensors"]
     partial = HiddenStateStore(out, require_complete=False)
     assert len(partial) == 3 and torch.equal(partial[2]["last"], HiddenStateStore(ref)[2]["last"])
-    w = HiddenStateStoreWriter(out, FP8_META, shard_samples=3)
-    assert w.resumed and w.done_ids == {s["id"] for s in samples[:3]}
-    assert not any(p.name.endswith(".tmp") for p in out.iterdir())  # the half shard is gone
-    for s in samples:
-        if s["id"] not in w.done_ids:
-            w.add(s["id"], s["input_ids"], s["loss_mask"], s["aux"], s["last"])
-    w.close()
+    resume_and_finish(out, FP8_META, samples, shard_samples=3, done=samples[:3])  # the half shard is gone
     assert_same_store(ref, out)
 
 
@@ -306,18 +297,7 @@ def test_stage_switch_to_fp8_extracts_again_then_resumes(run_setup, tmp_path, mo
         (ref_dir / "data" / f"{split}.jsonl").write_bytes((run_dir / "data" / f"{split}.jsonl").read_bytes())
     stage.run(cfg, ref_dir)  # an uninterrupted fp8 extraction
 
-    real, calls = EmbeddedExtractor.forward, []
-
-    def crash_on_sixth(self, seqs):
-        calls.append(len(seqs))
-        if len(calls) == 6:  # mid train shard 1
-            raise KeyboardInterrupt("simulated crash")
-        return real(self, seqs)
-
-    monkeypatch.setattr(EmbeddedExtractor, "forward", crash_on_sixth)
-    with pytest.raises(KeyboardInterrupt):
-        stage.run(cfg, run_dir)
-    monkeypatch.setattr(EmbeddedExtractor, "forward", real)
+    crash_extraction(monkeypatch, cfg, run_dir)
     manifest = json.loads((run_dir / "extract" / "train" / MANIFEST).read_text())
     assert manifest["meta"]["storage_dtype"] == "fp8" and not manifest["complete"]
     assert 1 <= len(manifest["shards"]) < 3  # the bf16 shards were dropped, not appended to
