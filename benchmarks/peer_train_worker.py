@@ -3,23 +3,16 @@
 Why: the side-by-side training benchmark compares our EAGLE-3 trainer with vLLM's
 `speculators` on the same geometry (SmolLM2-135M target), packed batch, TTT length and
 draft vocabulary. This script times the peer through its own API, built and fed the way
-its own trainer does it, so that the comparison is not against a re-implementation:
+its own trainer does it (benchmarks/peer_common.py), so that the comparison is not against a
+re-implementation:
 
-- config: `speculators.train.config.TrainConfig` with its defaults (1 llama layer,
-  norm_before_fc, norm_output, kl_div loss, Muon+AdamW, linear schedule), overridden only
-  by this script's flags;
-- model: `speculators.train.cli.build_draft_model` -> `Eagle3DraftModel.from_training_args`
-  (embeddings / lm_head / final norm loaded from the target dir, lm_head pruned to the
-  draft vocabulary through t2d/d2t from `build_vocab_mappings_from_distribution`);
+- config, model, optimizers and the step: see benchmarks/peer_common.py (its TrainConfig
+  defaults overridden only by this script's flags; the body of its `Trainer.train_epoch`).
+  Master weights stay fp32 (its trainer never casts the model); `--dtype bf16` means bf16
+  hidden states + CPU autocast, `--dtype fp32` means fp32 hidden states and no autocast;
 - batch: documents of `--seq-len + 1` raw tokens through its `CollateFn` with its eagle3
   `shift_batch`, i.e. one packed row of exactly `--docs x --seq-len` tokens with per-
-  document `document_ids` and position ids, as its dataloader produces;
-- step: the body of `Trainer.train_epoch`: forward under `torch.autocast(dtype=
-  hidden_states_dtype)` (TTT unroll + loss inside the model's forward), zero_grad,
-  backward, clip_grad_norm_(1.0), every optimizer from `build_optimizers`, every
-  scheduler. Master weights stay fp32 (its trainer never casts the model); `--dtype bf16`
-  means bf16 hidden states + CPU autocast, `--dtype fp32` means fp32 hidden states and no
-  autocast (its trainer's autocast with float32 is a disabled no-op).
+  document `document_ids` and position ids, as its dataloader produces.
 
 Deviations forced by CPU (the first two are options its trainer documents):
 - attention: its default `simple_flex_attention` cannot train on CPU (torch 2.13 raises
@@ -96,21 +89,10 @@ def main(argv=None) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-
-    from speculators.models.eagle3.core import Eagle3DraftModel
-    from speculators.models.eagle3.data import shift_batch
-    from speculators.train.cli import build_draft_model, set_seed
-    from speculators.train.config import TrainConfig
-    from speculators.train.data import CollateFn
-    from speculators.train.optimizers import build_optimizers
-    from speculators.train.recovery import RECOVERY_METADATA_KEY
-    from speculators.train.trainer import TrainerConfig, _resolve_scheduler_steps
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from peer_common import build_peer, collate_documents
     from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
-    from transformers import (
-        AutoConfig,
-        get_cosine_schedule_with_warmup,
-        get_linear_schedule_with_warmup,
-    )
+    from transformers import AutoConfig
 
     hs_dtype_name = {"bf16": "bfloat16", "fp32": "float32"}[args.dtype]
     total_seq_len = args.docs * args.seq_len
@@ -126,14 +108,9 @@ def main(argv=None) -> None:
         "draft_attn_impl": args.attn_impl,
         "loss_implementation": args.loss_impl,
         "seed": args.seed,
-        "max_steps": n_steps,
     }
     if args.optimizer is not None:
         flat["optimizer"] = args.optimizer
-    cfg = TrainConfig.from_flat(flat)
-    targs = argparse.Namespace(**cfg.flatten())  # as speculators.train.cli.main does
-    set_seed(targs.seed)
-    hs_dtype = getattr(torch, targs.hidden_states_dtype)
 
     tcfg = AutoConfig.from_pretrained(args.target)
     tcfg = getattr(tcfg, "text_config", tcfg)
@@ -159,44 +136,9 @@ def main(argv=None) -> None:
     d2t, t2d = build_vocab_mappings_from_distribution(token_freq, args.draft_vocab, vocab)
 
     t0 = time.perf_counter()
-    model = build_draft_model(targs, Eagle3DraftModel, t2d, d2t, d2t.shape[0])
-    model.train()
-    train_kwargs, _ = Eagle3DraftModel.get_trainer_kwargs(**vars(targs))
-    trainer_config = TrainerConfig(
-        num_epochs=targs.epochs,
-        save_path=targs.save_path,
-        lr=targs.lr,
-        train_call_kwargs=train_kwargs,
-        optimizer=targs.optimizer,
-        weight_decay=targs.weight_decay,
-        muon_lr=targs.muon_lr,
-        muon_momentum=targs.muon_momentum,
-        muon_weight_decay=targs.muon_weight_decay,
-        muon_ns_steps=targs.muon_ns_steps,
-        muon_adjust_lr_fn=targs.muon_adjust_lr_fn,
-        scheduler_type=targs.scheduler_type,
-        scheduler_warmup_steps=targs.scheduler_warmup_steps,
-        scheduler_warmup_ratio=targs.scheduler_warmup_ratio,
-        scheduler_total_steps=targs.scheduler_total_steps,
-        scheduler_num_cosine_cycles=targs.scheduler_num_cosine_cycles,
-        hidden_states_dtype=hs_dtype,
-        max_steps=targs.max_steps,
-    )
-    optimizers = build_optimizers(model, trainer_config)  # Trainer.setup_optimizer
-    schedulers = []
-    if trainer_config.scheduler_type != "none":
-        warm, total = _resolve_scheduler_steps(trainer_config, n_steps)
-        for opt in optimizers:
-            if trainer_config.scheduler_type == "linear":
-                schedulers.append(get_linear_schedule_with_warmup(opt, warm, total))
-            else:
-                schedulers.append(get_cosine_schedule_with_warmup(
-                    opt, warm, total, num_cycles=trainer_config.scheduler_num_cosine_cycles))
-
-    collate = CollateFn(max_len=total_seq_len, hidden_size=hidden, num_target_layers=3,
-                        dtype=hs_dtype, preprocess=shift_batch)
-    batch = collate(samples)
-    batch.pop(RECOVERY_METADATA_KEY, None)  # BatchRecoveryCoordinator.consume
+    peer = build_peer(flat, t2d, d2t, n_steps)
+    model, targs = peer.model, peer.args
+    batch = collate_documents(samples, hidden, peer.hs_dtype)
     n_tokens = int((batch["document_ids"] != -1).sum())
     if n_tokens != total_seq_len:
         raise SystemExit(f"packed row holds {n_tokens} tokens, expected {total_seq_len}")
@@ -205,26 +147,13 @@ def main(argv=None) -> None:
     lengths = batch["document_ids"].flatten().bincount().tolist()
     print(f"[peer] built in {time.perf_counter() - t0:.1f}s: {n_params / 1e6:.1f}M trainable, "
           f"layers={model.config.transformer_layer_config.num_hidden_layers} "
-          f"attn={model._attn_impl} optimizers={[type(o).__name__ for o in optimizers]} "
+          f"attn={model._attn_impl} optimizers={[type(o).__name__ for o in peer.optimizers]} "
           f"loss={targs.loss_fn}/{targs.loss_implementation} "
           f"lengths={lengths} threads={torch.get_num_threads()}",
           file=sys.stderr)
 
-    autocast = hs_dtype != torch.float32  # CPU autocast with float32 is a disabled no-op
-
     def step():
-        # Trainer.train_epoch's loop body.
-        with torch.autocast("cpu", dtype=hs_dtype, enabled=autocast):
-            draft_tokens, loss, metrics = model(**batch, **train_kwargs)
-        for opt in optimizers:
-            opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        for opt in optimizers:
-            opt.step()
-        for sched in schedulers:
-            sched.step()
-        return draft_tokens, loss, metrics
+        return peer.step(batch)
 
     times = []
     for i in range(n_steps):

@@ -1,0 +1,276 @@
+"""Draft quality side by side: our trainer and vLLM's `speculators` on the same store and budget.
+
+One extracted store (a run's `extract/`, the demo's by default) feeds both trainers:
+1. ours: the run's own train config (`specforge.train.loop.train`), `--epochs` epochs, float32,
+   into `<work>/ours/` (its `data/` and `extract/` link to the run's);
+2. the peer: benchmarks/peer_quality_worker.py in `.venv-peer` (`make peer-venv`), fed the same
+   samples in the same order, one optimizer step per micro-batch of ours (its packed row of the
+   same documents), our learning rate at every step, our TTT length, draft vocab (d2t/t2d), seed
+   and EAGLE 3.1 options (the worker's docstring lists what stays its own);
+3. the peer's weights are renamed into our layout (specforge/speculators_format.py; checked here:
+   the round trip is bit-identical and the converted draft's step-0 logits equal the peer's own
+   on a training sample) and saved as a checkpoint like ours (bf16 weights);
+4. both checkpoints run in our embedded engine on the run's held-out prompts, T=0, float32, one
+   shared base pass before and after (specforge.eval.engine_eval), for every --trees.
+
+Prints a table and writes benchmarks/results/peer_quality.json: {"rows": [{"tree", "ours",
+"peer", ...}], "steps", "command", ...}.
+
+--ablate NAME --set KEY=VALUE ...: one row of the recipe's ablation table. Our draft is trained with
+the overrides (same samples, order and steps; the peer is not retrained: its plan is the run's)
+and only its accept length is measured, by the same engine on the same prompts and trees; at T=0 in
+float32 it is deterministic, so it compares with the peer's in peer_quality.json. The row is added
+to benchmarks/results/recipe_ablation.json ({"rows": [{"name", "set", "accept_length": {tree: ...},
+"vs_peer": {tree: ...}}]}).
+
+    make peer-venv
+    .venv/bin/python benchmarks/peer_quality.py --run outputs/smollm2_weather --epochs 3
+    .venv/bin/python benchmarks/peer_quality.py --ablate step_weight_1 --set train.step_weight=1.0 \
+        --work outputs/ablation/step_weight_1 --fresh
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from specforge.checkpoint import read_checkpoint, save_checkpoint  # noqa: E402
+from specforge.eval.engine_eval import eval_with_engine, load_run_config  # noqa: E402
+from specforge.extract.store import HiddenStateStore  # noqa: E402
+from specforge.models.draft import Eagle3Draft  # noqa: E402
+from specforge.run_layout import RunLayout  # noqa: E402
+from specforge.speculators_format import from_speculators, options_of, to_speculators  # noqa: E402
+from specforge.targets.loader import resolve_target_path  # noqa: E402
+from specforge.train.batches import global_batches, steps_per_epoch  # noqa: E402
+from specforge.train.loop import cosine_with_warmup  # noqa: E402
+from specforge.utils.io import write_json  # noqa: E402
+
+PEER_PYTHON = ".venv-peer/bin/python"
+PEER_WORKER = "benchmarks/peer_quality_worker.py"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--run", default="outputs/smollm2_weather", help="run directory with extract/ and data/")
+    p.add_argument("--epochs", type=int, default=3, help="training budget of both, in epochs of the run's batches")
+    p.add_argument("--work", default="outputs/peer_quality",
+                   help="where both drafts are trained; what is there already is reused (--fresh wipes it)")
+    p.add_argument("--fresh", action="store_true", help="wipe --work first")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="overrides of OUR run config only (an ablation, e.g. train.step_weight=1.0); the "
+                        "peer keeps the run's plan: train it once and point --peer-work at it")
+    p.add_argument("--peer-work", default=None, help="where the peer is trained (default: --work)")
+    p.add_argument("--ablate", metavar="NAME", help="train ours with --set and add a row to --ablation-out")
+    p.add_argument("--ablation-out", default=str(ROOT / "benchmarks" / "results" / "recipe_ablation.json"))
+    p.add_argument("--trees", nargs="+", default=["2_1_3", "5_1_6", "4_2_8"])
+    p.add_argument("--num-prompts", type=int, default=40, help="held-out prompts (all of them if fewer)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--peer-python", default=PEER_PYTHON)
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "peer_quality.json"))
+    return p.parse_args(argv)
+
+
+def training_plan(run_cfg, store: HiddenStateStore, epochs: int) -> dict:
+    """Our trainer's micro-batches (sample indices) and learning rate at every optimizer step."""
+    tc = run_cfg.train
+    if tc.grad_accum != 1 or tc.pack_tokens:
+        raise SystemExit("train.grad_accum must be 1 and train.pack_tokens 0: one micro-batch per peer step")
+    per_epoch = steps_per_epoch(len(global_batches(store.lengths, tc.batch_size, run_cfg.seed, 1)), 1, 1)
+    steps = [batch for epoch in range(1, epochs + 1)
+             for batch in global_batches(store.lengths, tc.batch_size, run_cfg.seed, epoch)[:per_epoch]]
+    factor = cosine_with_warmup(len(steps), tc.warmup_ratio, tc.min_lr_ratio)
+    return {"steps": steps, "lr": [tc.lr * factor(s) for s in range(len(steps))],
+            "ttt_length": tc.ttt_length, "seed": run_cfg.seed}
+
+
+def export(store: HiddenStateStore, vocab: dict, plan: dict, out: Path) -> None:
+    """What the peer reads: every sample once (as stored) and the plan."""
+    tensors = {"d2t": vocab["d2t"], "t2d": vocab["t2d"]}
+    for i in sorted({i for step in plan["steps"] for i in step}):
+        sample = store[i]
+        for key in ("input_ids", "loss_mask", "aux", "last"):
+            tensors[f"{i}.{key}"] = sample[key].contiguous()
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, out / "samples.safetensors")
+    write_json(out / "plan.json", plan)
+
+
+def train_ours(run_cfg, run_dir: Path, work: Path, epochs: int, overrides: list[str]) -> Path:
+    from omegaconf import OmegaConf
+
+    from specforge import distributed as dist
+    from specforge.train.loop import train
+
+    ours = work / "ours"  # a rerun after a crash resumes from its training state
+    ours.mkdir(parents=True, exist_ok=True)
+    for name in ("data", "extract"):  # read-only inputs, shared with the run
+        if not (ours / name).exists():
+            (ours / name).symlink_to((run_dir / name).resolve())
+    cfg = OmegaConf.merge(run_cfg, {"output_dir": str(work), "run_name": "ours",
+                                    "train": {"epochs": epochs, "precision": "fp32"},
+                                    "logging": {"wandb": False}}, OmegaConf.from_dotlist(overrides))
+    dist.init_distributed()
+    train(cfg, ours, fingerprint="peer_quality")
+    return RunLayout(ours).checkpoint(epochs)
+
+
+def convert_peer(peer_dir: Path, ours_ckpt: Path, store: HiddenStateStore, out: Path) -> dict:
+    """The peer's weights as a checkpoint of ours; returns the checks (round trip, logits)."""
+    state = load_file(peer_dir / "weights.safetensors")
+    config = json.loads((peer_dir / "config.json").read_text())
+    tensors = from_speculators(state)
+    back = to_speculators(tensors)
+    round_trip = back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
+    if not round_trip:
+        raise SystemExit("conversion: ours -> speculators does not give its state back bit for bit")
+    cfg, _ = read_checkpoint(ours_ckpt, weights=False)  # same target, geometry, vocab size, aux layers
+    if options_of(config) != cfg.eagle31_options:
+        raise SystemExit(f"peer options {options_of(config)} differ from ours {cfg.eagle31_options}")
+    draft = Eagle3Draft(cfg)
+    draft.load_state_dict(tensors, strict=True)
+    draft.eval()
+
+    check = load_file(peer_dir / "check.safetensors")
+    sample = store[int(check["sample"])]
+    n = sample["input_ids"].shape[0]
+    with torch.no_grad():  # the peer's alignment: token t+1 with the feature of t, positions from 1
+        _, logits, _ = draft.step(sample["input_ids"][1:][None], draft.project(sample["aux"][:-1].float()[None]),
+                                  torch.arange(1, n)[None])
+    diff = (logits[0] - check["logits"]).abs().max().item()
+    scale = check["logits"].abs().max().item()
+    if diff > 1e-3 * max(scale, 1.0):
+        raise SystemExit(f"conversion: step-0 logits differ from the peer's by {diff:.3g} (scale {scale:.3g})")
+    save_checkpoint(draft, out)
+    return {"round_trip_bit_identical": round_trip, "logits_max_abs_diff": diff, "logits_scale": scale,
+            "tensors": len(tensors)}
+
+
+def accept_lengths(run_cfg, ckpt: Path, eval_cfg) -> dict[str, float]:
+    """Accept length per tree of one checkpoint: the engine over the prompts, speculative only."""
+    from specforge.checkpoint import load_draft
+    from specforge.engine.speculative import SpeculativeEngine
+    from specforge.engine.tree_spec import TreeSpec
+    from specforge.eval.engine_eval import aggregate, load_engine_inputs
+
+    device, dtype_name, tokenizer, suites, target = load_engine_inputs(run_cfg, eval_cfg)
+    draft = load_draft(ckpt, device=device, dtype=getattr(torch, dtype_name))
+    prompts = [p for suite in suites.values() for p in suite]
+    out = {}
+    for tree in eval_cfg.trees:
+        spec = TreeSpec.parse(tree)
+        engine = SpeculativeEngine(target, draft, spec)
+        stats = [engine.generate(p["input_ids"], eval_cfg.max_new_tokens, eos_token_id=tokenizer.eos_token_id)[1]
+                 for p in prompts]
+        out[tree] = round(aggregate(stats, spec.steps)["accept_length"], 4)
+        print(f"[ablation] {ckpt} {tree}: accept length {out[tree]}", flush=True)
+    return out
+
+
+def ablate(args, run_cfg, run_dir: Path, work: Path, eval_cfg) -> int:
+    baseline = json.loads(Path(args.out).read_text())
+    if baseline["epochs"] != args.epochs or baseline["prompts"] > args.num_prompts:
+        raise SystemExit(f"{args.out}: measured at {baseline['epochs']} epochs on {baseline['prompts']} prompts; "
+                         "an ablation row must use the same budget and prompts")
+    peer = {row["tree"]: row["peer"] for row in baseline["rows"]}
+    if args.fresh:
+        shutil.rmtree(work, ignore_errors=True)
+    ckpt = RunLayout(work / "ours").checkpoint(args.epochs)
+    if not ckpt.exists():
+        train_ours(run_cfg, run_dir, work, args.epochs, args.set)
+    mine = accept_lengths(run_cfg, ckpt, eval_cfg)
+    row = {"name": args.ablate, "set": args.set, "accept_length": mine,
+           "vs_peer": {tree: round(mine[tree] / peer[tree], 4) for tree in mine if tree in peer}}
+    out = Path(args.ablation_out)
+    table = json.loads(out.read_text()) if out.exists() else {"rows": []}
+    table["rows"] = [r for r in table["rows"] if r["name"] != args.ablate] + [row]
+    table.update({"epochs": args.epochs, "steps": baseline["steps"], "prompts": baseline["prompts"],
+                  "peer": peer, "command": "python benchmarks/peer_quality.py --ablate NAME --set ... (see rows)"})
+    write_json(out, table)
+    print(f"[ablation] {row}")
+    return 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    run_dir, work = Path(args.run), Path(args.work)
+    if not Path(args.peer_python).exists():
+        sys.exit(f"{args.peer_python} not found: run `make peer-venv` first (speculators in its own virtualenv)")
+    run_cfg = load_run_config(run_dir)
+    from omegaconf import OmegaConf
+
+    eval_cfg = OmegaConf.merge(run_cfg.eval, {"engine": "embedded", "trees": args.trees, "suites": [],
+                                              "num_prompts": args.num_prompts, "planner": False,
+                                              "max_new_tokens": args.max_new_tokens, "dtype": "float32",
+                                              "temperature": 0.0})
+    if args.ablate:
+        return ablate(args, run_cfg, run_dir, work, eval_cfg)
+    layout = RunLayout(run_dir)
+    store = HiddenStateStore(layout.store("train"))
+    plan = training_plan(run_cfg, store, args.epochs)
+    plan["options"] = {key: bool(run_cfg.draft[key]) for key in ("norm_before_fc", "fc_norm", "norm_output")}
+    ours_ckpt = RunLayout(work / "ours").checkpoint(args.epochs)
+    peer_work = Path(args.peer_work or work)
+    peer_ckpt = peer_work / "peer" / f"epoch_{args.epochs}"
+    raw = peer_work / "peer" / "raw"
+    if args.fresh:
+        shutil.rmtree(work, ignore_errors=True)
+        if peer_work != work:
+            shutil.rmtree(peer_work / "peer", ignore_errors=True)
+    seconds = {}  # training time of each, where trained in this invocation
+    if not ours_ckpt.exists():
+        t0 = time.perf_counter()
+        train_ours(run_cfg, run_dir, work, args.epochs, args.set)
+        seconds["ours"] = round(time.perf_counter() - t0, 1)
+    if not (raw / "check.safetensors").exists():
+        export(store, load_file(layout.vocab), plan, peer_work / "export")
+        t0 = time.perf_counter()
+        subprocess.run([args.peer_python, PEER_WORKER, "--export", str(peer_work / "export"), "--out", str(raw),
+                        "--target", str(resolve_target_path(run_cfg.target))], check=True)
+        seconds["peer"] = round(time.perf_counter() - t0, 1)
+    conversion = convert_peer(raw, ours_ckpt, store, peer_ckpt)
+    conversion["train_seconds"] = seconds
+    print(f"[peer_quality] conversion: {conversion}", flush=True)
+
+    results = eval_with_engine(run_cfg, [ours_ckpt, peer_ckpt], eval_cfg)
+    by = {(Path(r["checkpoint"]).parent.name, r["tree"]): r for r in results["configs"]}
+    rows = []
+    print("| tree | accept length ours | peer | ours / peer | speed-up ours | peer | lossless ours / peer |\n"
+          "|---|---|---|---|---|---|---|")
+    for tree in args.trees:
+        mine, theirs = by[("ours", tree)], by[("peer", tree)]
+        row = {"tree": tree, "ours": round(mine["accept_length"], 4), "peer": round(theirs["accept_length"], 4),
+               "ratio": round(mine["accept_length"] / theirs["accept_length"], 4),
+               "speedup_ours": round(mine["speedup"], 4), "speedup_peer": round(theirs["speedup"], 4),
+               "lossless_ours": mine["lossless"], "lossless_peer": theirs["lossless"]}
+        rows.append(row)
+        print(f"| {tree} | {row['ours']:.3f} | {row['peer']:.3f} | {row['ratio']:.3f} | {row['speedup_ours']:.2f}x | "
+              f"{row['speedup_peer']:.2f}x | {row['lossless_ours']:.2f} / {row['lossless_peer']:.2f} |", flush=True)
+    result = {
+        "rows": rows, "steps": len(plan["steps"]), "epochs": args.epochs, "ours_overrides": args.set,
+        "samples": len(store), "tokens": store.num_tokens, "prompts": results["meta"]["prompts"],
+        "max_new_tokens": args.max_new_tokens, "dtype": results["meta"]["dtype"],
+        "threads": results["meta"]["threads"], "conversion": conversion,
+        "peer": "speculators 0.9.0 (benchmarks/peer_quality_worker.py: its model, kl_div loss, AdamW; sdpa, "
+                "eager loss on CPU)",
+        "command": "python " + shlex.join(["benchmarks/peer_quality.py", *(argv if argv is not None else sys.argv[1:])]),
+    }
+    write_json(Path(args.out), result)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
