@@ -31,6 +31,11 @@ class ExtractBackend(_Choice):
     sglang = "sglang"  # two SGLang servers launched on this process's GPU
 
 
+class HeadInit(_Choice):
+    random = "random"  # nn.Linear's initialisation
+    target = "target"  # the target's own lm_head rows of the draft vocab (as speculators starts; still trained)
+
+
 class EvalEngine(_Choice):
     embedded = "embedded"  # the embedded speculative engine (specforge/engine)
     server = "server"  # serving benchmark of running servers (eval.url, eval.baseline_url)
@@ -125,6 +130,7 @@ class DraftConfig:
     head_dim: Optional[int] = None
     max_position_embeddings: Optional[int] = None
     init_from: Optional[str] = None  # fine-tune an existing draft checkpoint (keeps its vocab map)
+    lm_head_init: HeadInit = HeadInit.random  # a fresh draft's lm_head: random | target (its rows of the draft vocab)
     # Vision-language targets: the draft's token embedding at image positions. "merged": the
     # target's merged input embeddings (vision features there), as SGLang feeds them (docs/contract.md §2);
     # "token": the draft's own embedding of the image placeholder token.
@@ -166,6 +172,8 @@ class TrainConfig:
     grad_clip: float = 0.5
     ttt_length: int = 7
     step_weight: float = 0.8  # loss weight of TTT step k is step_weight**k
+    hard_label_weight: float = 0.0  # loss target: (1 - w) x the target's distribution + w x one-hot of its argmax
+    feature_noise: float = 0.0  # uniform noise on the target states, this x their RMS per token (training only)
     attention: str = "sdpa"  # sdpa | eager | flex
     pack_tokens: int = 0  # >0: documents packed into rows of at most this many tokens, batch_size rows per micro-step
     precision: str = "bf16"  # bf16 (fp32 master weights) | fp32

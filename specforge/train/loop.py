@@ -56,8 +56,10 @@ def autocast_for(precision: str, device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16)
 
 
-def build_draft(cfg, target_config, aux_layer_ids, vocab: dict, embed: torch.Tensor) -> Eagle3Draft:
-    """A fresh draft (or `draft.init_from`, keeping ITS vocab map) with the target's embedding."""
+def build_draft(cfg, target_config, aux_layer_ids, vocab: dict, embed: torch.Tensor,
+                head: torch.Tensor | None = None) -> Eagle3Draft:
+    """A fresh draft (or `draft.init_from`, keeping ITS vocab map) with the target's embedding;
+    `head`: the target's lm_head, for draft.lm_head_init=target."""
     if cfg.draft.init_from:
         ckpt_cfg, tensors = read_checkpoint(cfg.draft.init_from)
         if ckpt_cfg.aux_layer_ids != list(aux_layer_ids):
@@ -79,9 +81,23 @@ def build_draft(cfg, target_config, aux_layer_ids, vocab: dict, embed: torch.Ten
                                              draft_vocab_size=len(vocab["d2t"]))
         draft = Eagle3Draft(draft_cfg, attention=cfg.train.attention)
         draft.set_vocab_mapping(vocab["d2t"], vocab["t2d"])
+        if str(cfg.draft.lm_head_init) == "target":
+            init_head_from_target(draft, head)
     draft.embed_tokens.weight.data.copy_(embed)
     draft.embed_tokens.requires_grad_(False)
     return draft
+
+
+def init_head_from_target(draft: Eagle3Draft, head: torch.Tensor | None) -> None:
+    """The draft's lm_head starts as the target's rows of the draft vocab (sorted target ids, the
+    order of the draft ids): at step 0 the draft already scores tokens as the target would from
+    a target-like state."""
+    width = draft.lm_head.weight.shape[1]
+    if head is None or head.shape[1] != width:
+        raise ValueError(f"draft.lm_head_init=target: the target's lm_head is {None if head is None else tuple(head.shape)}, "
+                         f"the draft's hidden size is {width}; it needs draft.hidden_size equal to the target's")
+    with torch.no_grad():
+        draft.lm_head.weight.copy_(head[draft.t2d.to(head.device)].float())
 
 
 def target_head(cfg) -> tuple[torch.Tensor, torch.Tensor, object]:
@@ -104,16 +120,29 @@ def target_head(cfg) -> tuple[torch.Tensor, torch.Tensor, object]:
     return embed, head, shapes[3]
 
 
+def noisy_features(aux: torch.Tensor, scale: float) -> torch.Tensor:
+    """The target's states with uniform noise of `scale` x each state's RMS per token (EAGLE's
+    feature noise, relative because residual streams differ in size by layer and token): the draft
+    learns from states a little off the ones it saw, as its own later steps are."""
+    noisy = [x + scale * x.float().pow(2).mean(-1, keepdim=True).sqrt().to(x.dtype) * (2 * torch.rand_like(x) - 1)
+             for x in aux.chunk(3, dim=-1)]
+    return torch.cat(noisy, dim=-1)
+
+
 class TTTModule(torch.nn.Module):
     """What a strategy wraps: forward(batch) is the TTT unroll of the draft -> (loss, stats)."""
 
-    def __init__(self, draft: Eagle3Draft, teacher: Teacher, ttt_length: int, step_weight: float):
+    def __init__(self, draft: Eagle3Draft, teacher: Teacher, ttt_length: int, step_weight: float,
+                 feature_noise: float = 0.0):
         super().__init__()
         self.draft = draft
         self.teacher = teacher  # frozen target head: not a parameter, not in any state dict
         self.ttt_length, self.step_weight = ttt_length, step_weight
+        self.feature_noise = feature_noise
 
     def forward(self, batch: dict):
+        if self.training and self.feature_noise:
+            batch = {**batch, "aux": noisy_features(batch["aux"], self.feature_noise)}
         return ttt_forward(self.draft, batch, self.teacher, self.ttt_length, self.step_weight)
 
     def shard_units(self) -> list[torch.nn.Module]:
@@ -263,14 +292,15 @@ def train(cfg, run_dir: Path, fingerprint: str) -> dict:
     teacher_weight = teacher_weight.to(device, compute_dtype(torch_dtype(cfg.target.dtype), device))
 
     # -- the draft, spread over the processes by the strategy ---------------------------------------
-    draft = build_draft(cfg, target_config, train_store.meta["aux_layer_ids"], vocab, embed).to(device)
+    draft = build_draft(cfg, target_config, train_store.meta["aux_layer_ids"], vocab, embed, teacher_weight).to(device)
     if train_store.vl:  # the engine feeds image positions the way the draft was trained (docs/design.md)
         draft.config.extra["image_embeddings"] = cfg.draft.image_embeddings
     meta = train_store.meta  # which target: evaluation and serving refuse a draft of another one
     draft.config.extra[TARGET_KEY] = {"fingerprint": meta["target_fingerprint"], "name": Path(str(cfg.target.path)).name,
                                       "num_hidden_layers": meta["num_layers"]}
     draft_config = draft.config
-    module = TTTModule(draft, Teacher(teacher_weight, draft.t2d), tc.ttt_length, tc.step_weight)
+    module = TTTModule(draft, Teacher(teacher_weight, draft.t2d, hard_weight=tc.hard_label_weight),
+                       tc.ttt_length, tc.step_weight, tc.feature_noise)
     strategy = make_strategy(module, tc, env, device)
     del draft, module
 

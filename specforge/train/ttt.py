@@ -21,11 +21,15 @@ from specforge.models.head_loss import TeacherRows
 class Teacher:
     """The target's own head over its final post-norm states, restricted to the draft vocab."""
 
-    def __init__(self, lm_head_weight: torch.Tensor, t2d: torch.Tensor, chunk: int = 2048):
+    def __init__(self, lm_head_weight: torch.Tensor, t2d: torch.Tensor, chunk: int = 2048,
+                 hard_weight: float = 0.0):
         self.weight = lm_head_weight  # [V, H_target], frozen
         self.draft_ids = torch.nonzero(t2d, as_tuple=False).squeeze(-1)  # sorted target ids
         self.t2d = t2d
         self.chunk = chunk
+        if not 0.0 <= hard_weight <= 1.0:
+            raise ValueError(f"train.hard_label_weight: {hard_weight} is not in [0, 1]")
+        self.hard_weight = hard_weight  # the loss target: (1 - w) * distribution + w * one-hot of its argmax
 
     @torch.no_grad()
     def __call__(self, last: torch.Tensor):
@@ -36,7 +40,12 @@ class Teacher:
         for i in range(0, flat.shape[0], self.chunk):  # bounded memory: V can be 150K wide
             logits = flat[i : i + self.chunk] @ self.weight.T
             argmax.append(logits.argmax(-1))
-            probs.append(logits[:, self.draft_ids].float().softmax(-1))
+            p = logits[:, self.draft_ids].float().softmax(-1)
+            if self.hard_weight:  # greedy verification accepts the argmax alone: weigh it up
+                top = p.argmax(-1, keepdim=True)
+                p = (1 - self.hard_weight) * p
+                p.scatter_add_(-1, top, torch.full_like(top, self.hard_weight, dtype=p.dtype))
+            probs.append(p)
         shape = last.shape[:-1]
         argmax = torch.cat(argmax).view(shape)
         return torch.cat(probs).view(*shape, -1), argmax, self.t2d[argmax]
