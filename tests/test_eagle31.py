@@ -254,15 +254,15 @@ def test_draft_group_eagle31_reaches_the_draft():
     # the demo's measured default (docs/benchmarks.md): EAGLE 3.1
     assert {key: compose_cfg().draft[key] for key in EAGLE31_OPTIONS} == all_options(OPTIONS["eagle31"])
     embed = torch.randn(50, 24)
-    draft = build_draft(cfg, tiny_target_config(), [0, 1, 2], tiny_vocab(), embed)
+    draft = build_draft(cfg, tiny_target_config(), [0, 1, 2], tiny_vocab(), embed, embed)
     assert draft.config.eagle31_options == all_options(OPTIONS["eagle31"])
     assert draft.config.rms_norm_eps == draft.fc_norm[0].eps
     assert len(draft.fc_norm) == 3 and draft.input_norm is None
-    plain = build_draft(compose_cfg("draft=eagle3"), tiny_target_config(), [0, 1, 2], tiny_vocab(), embed)
+    plain = build_draft(compose_cfg("draft=eagle3"), tiny_target_config(), [0, 1, 2], tiny_vocab(), embed, embed)
     assert plain.config.eagle31_options == EAGLE3 and plain.fc_norm is None
     with pytest.raises(ValueError, match="fc_norm and norm_before_fc are mutually exclusive"):
         build_draft(compose_cfg("draft=eagle31", "draft.norm_before_fc=true"), tiny_target_config(),
-                    [0, 1, 2], tiny_vocab(), embed)
+                    [0, 1, 2], tiny_vocab(), embed, embed)
 
 
 def test_conflicting_options_fail_before_any_stage_runs(tmp_path):
@@ -277,13 +277,13 @@ def test_conflicting_options_fail_before_any_stage_runs(tmp_path):
 def test_init_from_needs_the_same_options(tmp_path):
     embed = torch.randn(50, 24)
     ckpt = save_checkpoint(build_draft(compose_cfg("draft=eagle31"), tiny_target_config(), [0, 1, 2],
-                                       tiny_vocab(), embed), tmp_path / "epoch_1")
+                                       tiny_vocab(), embed, embed), tmp_path / "epoch_1")
     same = compose_cfg("draft=eagle31", f"draft.init_from={ckpt}")
-    assert build_draft(same, tiny_target_config(), [0, 1, 2], tiny_vocab(), embed).config.fc_norm
+    assert build_draft(same, tiny_target_config(), [0, 1, 2], tiny_vocab(), embed, embed).config.fc_norm
     other = compose_cfg("draft=eagle3", f"draft.init_from={ckpt}")
     with pytest.raises(ValueError, match=r"draft.init_from: .* has the EAGLE 3.1 options .*"
                                          r"set draft.fc_norm=true draft.norm_output=true"):
-        build_draft(other, tiny_target_config(), [0, 1, 2], tiny_vocab(), embed)
+        build_draft(other, tiny_target_config(), [0, 1, 2], tiny_vocab(), embed, embed)
 
 
 # ---- the engine -------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ default and, when on, does exactly what its config line says."""
 import pytest
 import torch
 
+from specforge.config import DraftConfig
 from specforge.train.loop import TTTModule, build_draft, noisy_features
 from specforge.train.ttt import Teacher
 from tests.test_eagle31 import compose_cfg, tiny_target_config, tiny_vocab
@@ -19,8 +20,9 @@ def test_lm_head_starts_as_the_targets_rows_of_the_draft_vocab():
     # draft id i is target id i + d2t[i]: the row it starts from is that token's row of the target's head
     ids = torch.arange(20) + vocab["d2t"]
     assert torch.equal(draft.lm_head.weight, head[ids])
-    fresh = build_draft(compose_cfg(), tiny_target_config(), [0, 1, 2], vocab, embed, head)
-    assert not torch.equal(fresh.lm_head.weight, head[vocab["t2d"]])  # default: random
+    fresh = build_draft(compose_cfg("draft.lm_head_init=random"), tiny_target_config(), [0, 1, 2], vocab, embed, head)
+    assert not torch.equal(fresh.lm_head.weight, head[vocab["t2d"]])
+    assert DraftConfig().lm_head_init == "random"  # the default; the demo's exp chooses target
     with pytest.raises(ValueError, match="draft.lm_head_init=target: the target's lm_head is \\(50, 16\\)"):
         build_draft(compose_cfg("draft.lm_head_init=target"), tiny_target_config(), [0, 1, 2], vocab, embed,
                     torch.randn(50, 16))
