@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import shutil
 import subprocess
@@ -48,6 +47,7 @@ sys.path.insert(0, str(ROOT))
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from specforge.checkpoint import read_checkpoint, save_checkpoint  # noqa: E402
+from specforge.config import EAGLE31_OPTIONS  # noqa: E402
 from specforge.eval.engine_eval import eval_with_engine, load_run_config  # noqa: E402
 from specforge.extract.store import HiddenStateStore  # noqa: E402
 from specforge.models.draft import Eagle3Draft  # noqa: E402
@@ -84,7 +84,8 @@ def parse_args(argv=None):
 
 
 def training_plan(run_cfg, store: HiddenStateStore, epochs: int) -> dict:
-    """Our trainer's micro-batches (sample indices) and learning rate at every optimizer step."""
+    """Our trainer's micro-batches (sample indices), learning rate at every optimizer step, TTT
+    length, seed and EAGLE 3.1 options: everything the peer is given from our side."""
     tc = run_cfg.train
     if tc.grad_accum != 1 or tc.pack_tokens:
         raise SystemExit("train.grad_accum must be 1 and train.pack_tokens 0: one micro-batch per peer step")
@@ -93,7 +94,8 @@ def training_plan(run_cfg, store: HiddenStateStore, epochs: int) -> dict:
              for batch in global_batches(store.lengths, tc.batch_size, run_cfg.seed, epoch)[:per_epoch]]
     factor = cosine_with_warmup(len(steps), tc.warmup_ratio, tc.min_lr_ratio)
     return {"steps": steps, "lr": [tc.lr * factor(s) for s in range(len(steps))],
-            "ttt_length": tc.ttt_length, "seed": run_cfg.seed}
+            "ttt_length": tc.ttt_length, "seed": run_cfg.seed,
+            "options": {key: bool(run_cfg.draft[key]) for key in EAGLE31_OPTIONS}}
 
 
 def export(store: HiddenStateStore, vocab: dict, plan: dict, out: Path) -> None:
@@ -220,7 +222,6 @@ def main(argv=None) -> int:
     layout = RunLayout(run_dir)
     store = HiddenStateStore(layout.store("train"))
     plan = training_plan(run_cfg, store, args.epochs)
-    plan["options"] = {key: bool(run_cfg.draft[key]) for key in ("norm_before_fc", "fc_norm", "norm_output")}
     ours_ckpt = RunLayout(work / "ours").checkpoint(args.epochs)
     peer_work = Path(args.peer_work or work)
     peer_ckpt = peer_work / "peer" / f"epoch_{args.epochs}"

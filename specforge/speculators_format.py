@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import torch
 
+from specforge.config import EAGLE31_OPTIONS
+
 LAYER_PREFIX = ("layers.0.", "midlayer.")
 TRAINING_ONLY = ("verifier_norm.weight", "verifier_lm_head.weight")
-EAGLE31_KEYS = ("norm_before_fc", "fc_norm", "norm_output")
 
 
 def from_speculators(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -51,4 +52,4 @@ def options_of(config: dict) -> dict[str, bool]:
         raise ValueError("norm_before_residual: true (speculators' default) takes the layer's residual "
                          "after hidden_norm; SGLang's llama_eagle3 takes it before, so such a draft does "
                          "not convert exactly: train it with --no-norm-before-residual")
-    return {key: bool(config.get(key) or False) for key in EAGLE31_KEYS}
+    return {key: bool(config.get(key) or False) for key in EAGLE31_OPTIONS}
