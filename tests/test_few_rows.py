@@ -7,7 +7,7 @@ import torch
 from specforge.engine.few_rows import COLUMN_ROWS, FewRowsLinear, few_rows_linear, few_rows_linears, plain_linears
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9])
 @pytest.mark.parametrize("bias", [False, True])
 def test_few_rows_linear_is_torch_linear(rows, bias):
     g = torch.Generator().manual_seed(rows)
@@ -46,3 +46,20 @@ def test_linears_are_switched_inside_the_block_only(tiny_model):
     with pytest.raises(RuntimeError), few_rows_linears(linears):
         raise RuntimeError("a failing forward")
     assert all(type(m) is torch.nn.Linear for m in linears)
+
+
+def test_a_subclass_gets_its_own_class_back():
+    """The draft's lm_head (DraftHead, called with teacher rows in training) runs the few-row path
+    in the engine and is a DraftHead again after it."""
+    from specforge.models.head_loss import DraftHead
+
+    head, plain = DraftHead(16, 32, bias=False), torch.nn.Linear(16, 8)
+    model = torch.nn.Sequential(head, torch.nn.Linear(32, 16), plain)
+    assert plain_linears(model) == [model[1], plain]
+    linears = plain_linears(model, subclasses=True)
+    assert linears[0] is head and len(linears) == 3
+    x = torch.randn(3, 16)
+    with few_rows_linears(linears):
+        assert type(head) is FewRowsLinear
+        torch.testing.assert_close(head(x), x @ head.weight.T, rtol=1e-5, atol=1e-5)
+    assert type(head) is DraftHead and type(plain) is torch.nn.Linear

@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import torch
 
+from specforge.engine.few_rows import few_rows_linears, plain_linears
 from specforge.engine.target import TargetRunner
 from specforge.engine.tree import Tree, build_tree, first_level, lane_attention_mask, next_level
 from specforge.engine.tree_spec import TreeSpec
@@ -245,6 +246,7 @@ class SpeculativeEngine:
                 )
             param = next(draft.parameters())
             self.draft_dtype = param.dtype
+            self.draft_linears = plain_linears(draft, subclasses=True)  # few_rows_linears in its forwards
             cfg = draft.config
             self.draft_kv = DraftKV(cfg.num_key_value_heads, cfg.head_dim, param.dtype, param.device)
             if self.runner.vl is not None and not draft.uses_mrope:
@@ -275,14 +277,15 @@ class SpeculativeEngine:
         `input_embeds` [n, H]; later tokens sit at their index + the target's rope delta.
         """
         start, n = self.draft_kv.length, tokens.shape[0]
-        feat = self.draft.project(aux.to(self.draft_dtype))[None]
         if position_ids is None:
             pos = torch.arange(start, start + n, device=tokens.device)[None] + self.runner.rope_delta
         else:
             pos = position_ids[None]
-        out, logits, (k, v) = self.draft.step(
-            tokens[None], feat, pos, self.draft_kv.past(),
-            input_embeds=None if input_embeds is None else input_embeds[None].to(self.draft_dtype))
+        with few_rows_linears(self.draft_linears):
+            feat = self.draft.project(aux.to(self.draft_dtype))[None]
+            out, logits, (k, v) = self.draft.step(
+                tokens[None], feat, pos, self.draft_kv.past(),
+                input_embeds=None if input_embeds is None else input_embeds[None].to(self.draft_dtype))
         self.draft_kv.write(start, k, v)
         self.draft_kv.length = start + n
         rows = slice(None) if every_row else -1
@@ -315,9 +318,9 @@ class SpeculativeEngine:
             written = (i - 1) * k
             mask = torch.cat([prefix, lane_mask.to(device), self_mask], dim=1)[None]
             pos = torch.full((1, k), length + i - 1 + self.runner.rope_delta, device=device)
-            out, logits, (kk, vv) = self.draft.step(
-                lane_tok[None], lane_feat[None], pos, self.draft_kv.past(written), mask
-            )
+            with few_rows_linears(self.draft_linears):
+                out, logits, (kk, vv) = self.draft.step(
+                    lane_tok[None], lane_feat[None], pos, self.draft_kv.past(written), mask)
             probs, child = self._draft_topk(logits[0])
             flat, flat_tok, scores, sel, parents = next_level(scores, probs, child, i)
             score_list.append(flat)
