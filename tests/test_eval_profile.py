@@ -174,6 +174,35 @@ def test_engine_profile_script_end_to_end(tiny_run, tmp_path, capsys):
     assert len(table(printed, "| epoch | tree | ms/round |")) == 2
 
 
+def test_demo_speedup_script_records_the_best_lossless_tree(tiny_run, tmp_path, capsys):
+    """benchmarks/demo_speedup.py: the issue's keys, the fastest tree among the lossless ones, and
+    each tree's bound accept length x t_base / t_round from the same run's timings."""
+    spec = importlib.util.spec_from_file_location("demo_speedup", ROOT / "benchmarks" / "demo_speedup.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "demo_speedup.json"
+    threads = torch.get_num_threads()
+    try:
+        rc = module.main(["--ckpt", str(tiny_run), "--trees", "2_1_3", "3_2_6", "--num-prompts", "2",
+                          "--max-new-tokens", "12", "--out", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+    assert rc == 0
+    record = json.loads(out.read_text())
+    assert {"tree", "speedup", "accept_length", "lossless_share", "dtype", "command"} <= set(record)
+    assert record["dtype"] == "float32" and record["lossless_share"] == 1.0
+    assert record["command"].startswith("python benchmarks/demo_speedup.py --ckpt ")
+    rows = {r["tree"]: r for r in record["rows"]}
+    assert set(rows) == {"2_1_3", "3_2_6"}
+    assert record["speedup"] == max(r["speedup"] for r in rows.values())
+    top = rows[record["tree"]]
+    assert record["accept_length"] == top["accept_length"] and record["bound"] == top["bound"]
+    for r in rows.values():
+        assert r["bound"] == pytest.approx(r["accept_length"] / r["round_cost_steps"])  # round cost in base steps
+        assert r["of_bound"] == pytest.approx(r["speedup"] / r["bound"])
+    assert f"| {record['tree']}" in capsys.readouterr().out.replace("**", "")
+
+
 def test_verify_consistency_script_on_a_tiny_run(tiny_run, tmp_path, capsys):
     """fp32: chunked verify and one-token decode agree to float rounding (no argmax flip); the
     comparison really covers every greedy position of every prompt."""
