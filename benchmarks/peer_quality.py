@@ -21,7 +21,7 @@ the overrides (same samples, order and steps; the peer is not retrained: its pla
 and only its accept length is measured, by the same engine on the same prompts and trees; at T=0 in
 float32 it is deterministic, so it compares with the peer's in peer_quality.json. The row is added
 to benchmarks/results/recipe_ablation.json ({"rows": [{"name", "set", "accept_length": {tree: ...},
-"vs_peer": {tree: ...}}]}).
+"vs_peer": {tree: ...}}], "peer", "samples", ...}; --ablation-out for another store's table).
 
     make peer-venv
     .venv/bin/python benchmarks/peer_quality.py --run outputs/smollm2_weather --epochs 3
@@ -187,6 +187,11 @@ def ablate(args, run_cfg, run_dir: Path, work: Path, eval_cfg) -> int:
         raise SystemExit(f"{args.out}: measured at {baseline['epochs']} epochs on {baseline['prompts']} prompts; "
                          "an ablation row must use the same budget and prompts")
     peer = {row["tree"]: row["peer"] for row in baseline["rows"]}
+    out = Path(args.ablation_out)
+    table = json.loads(out.read_text()) if out.exists() else {"rows": []}
+    if table.get("peer", peer) != peer:  # another store or prompts: its rows do not compare
+        raise SystemExit(f"{out}: rows measured against another peer run than {args.out}'s; "
+                         "pass --ablation-out for this one's table")
     if args.fresh:
         shutil.rmtree(work, ignore_errors=True)
     ckpt = RunLayout(work / "ours").checkpoint(args.epochs)
@@ -195,11 +200,9 @@ def ablate(args, run_cfg, run_dir: Path, work: Path, eval_cfg) -> int:
     mine = accept_lengths(run_cfg, ckpt, eval_cfg)
     row = {"name": args.ablate, "set": args.set, "accept_length": mine,
            "vs_peer": {tree: round(mine[tree] / peer[tree], 4) for tree in mine if tree in peer}}
-    out = Path(args.ablation_out)
-    table = json.loads(out.read_text()) if out.exists() else {"rows": []}
     table["rows"] = [r for r in table["rows"] if r["name"] != args.ablate] + [row]
     table.update({"epochs": args.epochs, "steps": baseline["steps"], "prompts": baseline["prompts"],
-                  "peer": peer, "command": "python benchmarks/peer_quality.py --ablate NAME --set ... (see rows)"})
+                  "samples": baseline["samples"], "peer": peer, "command": "python benchmarks/peer_quality.py --ablate NAME --set ... (see rows)"})
     write_json(out, table)
     print(f"[ablation] {row}")
     return 0
