@@ -131,7 +131,15 @@ def test_results_csv_and_json_carry_the_phase_figures(tmp_path):
     assert "Where the time goes" in (tmp_path / "report.md").read_text()
 
 
-# ---- benchmarks/engine_profile.py on a tiny run ---------------------------------------------------
+# ---- benchmarks/ scripts on a tiny run ------------------------------------------------------------
+
+
+def benchmark(name: str):
+    """benchmarks/<name>.py as a module (benchmarks/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture
@@ -144,9 +152,7 @@ def tiny_run(tmp_path, tiny_target_dir):
 
 
 def test_engine_profile_script_end_to_end(tiny_run, tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("engine_profile", ROOT / "benchmarks" / "engine_profile.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = benchmark("engine_profile")
     out = tmp_path / "profile.json"
     threads = torch.get_num_threads()
     try:
@@ -177,9 +183,7 @@ def test_engine_profile_script_end_to_end(tiny_run, tmp_path, capsys):
 def test_demo_speedup_script_records_the_best_lossless_tree(tiny_run, tmp_path, capsys):
     """benchmarks/demo_speedup.py: the issue's keys, the fastest tree among the lossless ones, and
     each tree's bound accept length x t_base / t_round from the same run's timings."""
-    spec = importlib.util.spec_from_file_location("demo_speedup", ROOT / "benchmarks" / "demo_speedup.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = benchmark("demo_speedup")
     out = tmp_path / "demo_speedup.json"
     threads = torch.get_num_threads()
     try:
@@ -206,9 +210,7 @@ def test_demo_speedup_script_records_the_best_lossless_tree(tiny_run, tmp_path, 
 def test_verify_consistency_script_on_a_tiny_run(tiny_run, tmp_path, capsys):
     """fp32: chunked verify and one-token decode agree to float rounding (no argmax flip); the
     comparison really covers every greedy position of every prompt."""
-    spec = importlib.util.spec_from_file_location("verify_consistency", ROOT / "benchmarks" / "verify_consistency.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = benchmark("verify_consistency")
     out = tmp_path / "consistency.json"
     assert module.main(["--run", str(tiny_run), "--dtypes", "float32", "--prompts", "2", "--tokens", "9",
                         "--chunk", "4", "--threads", str(torch.get_num_threads()), "--out", str(out)]) == 0
