@@ -72,6 +72,9 @@ def parse_args(argv=None):
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                    help="overrides of OUR run config only (an ablation, e.g. train.step_weight=1.0); the "
                         "peer keeps the run's plan: train it once and point --peer-work at it")
+    p.add_argument("--seed", type=int, default=None,
+                   help="the seed of BOTH trainers (sample order and initialisation; default: the run's), "
+                        "for the spread over seeds; --out another file per seed")
     p.add_argument("--peer-work", default=None, help="where the peer is trained (default: --work)")
     p.add_argument("--ablate", metavar="NAME", help="train ours with --set and add a row to --ablation-out")
     p.add_argument("--ablation-out", default=str(ROOT / "benchmarks" / "results" / "recipe_ablation.json"))
@@ -186,6 +189,9 @@ def ablate(args, run_cfg, run_dir: Path, work: Path, eval_cfg) -> int:
     if baseline["epochs"] != args.epochs or baseline["prompts"] > args.num_prompts:
         raise SystemExit(f"{args.out}: measured at {baseline['epochs']} epochs on {baseline['prompts']} prompts; "
                          "an ablation row must use the same budget and prompts")
+    if baseline.get("seed", 0) != run_cfg.seed:
+        raise SystemExit(f"{args.out}: the peer was trained with seed {baseline.get('seed', 0)}, ours would be "
+                         f"{run_cfg.seed}: pass that run's --seed, or its --out")
     peer = {row["tree"]: row["peer"] for row in baseline["rows"]}
     out = Path(args.ablation_out)
     table = json.loads(out.read_text()) if out.exists() else {"rows": []}
@@ -215,6 +221,11 @@ def main(argv=None) -> int:
         sys.exit(f"{args.peer_python} not found: run `make peer-venv` first (speculators in its own virtualenv)")
     run_cfg = load_run_config(run_dir)
     from omegaconf import OmegaConf
+
+    if any(kv.split("=", 1)[0].lstrip("+") == "seed" for kv in args.set):
+        sys.exit("--set seed=...: would change our sample order but not the peer's; use --seed (both)")
+    if args.seed is not None:
+        run_cfg = OmegaConf.merge(run_cfg, {"seed": args.seed})
 
     eval_cfg = OmegaConf.merge(run_cfg.eval, {"engine": "embedded", "trees": args.trees, "suites": [],
                                               "num_prompts": args.num_prompts, "planner": False,
@@ -263,7 +274,8 @@ def main(argv=None) -> int:
         print(f"| {tree} | {row['ours']:.3f} | {row['peer']:.3f} | {row['ratio']:.3f} | {row['speedup_ours']:.2f}x | "
               f"{row['speedup_peer']:.2f}x | {row['lossless_ours']:.2f} / {row['lossless_peer']:.2f} |", flush=True)
     result = {
-        "rows": rows, "steps": len(plan["steps"]), "epochs": args.epochs, "ours_overrides": args.set,
+        "rows": rows, "steps": len(plan["steps"]), "epochs": args.epochs, "seed": run_cfg.seed,
+        "ours_overrides": args.set,
         "samples": len(store), "tokens": store.num_tokens, "prompts": results["meta"]["prompts"],
         "max_new_tokens": args.max_new_tokens, "dtype": results["meta"]["dtype"],
         "threads": results["meta"]["threads"], "conversion": conversion,
