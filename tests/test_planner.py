@@ -7,7 +7,7 @@ import torch
 from specforge.engine.speculative import SpeculativeEngine
 from specforge.engine.tree_spec import TreeSpec
 from specforge.eval.engine_eval import aggregate
-from specforge.eval.planner import DraftLevels, greedy_trajectory, plan, summarize
+from specforge.eval.planner import DraftLevels, batched_trajectories, greedy_trajectory, plan, summarize
 from specforge.models.draft import Eagle3Config, Eagle3Draft
 from specforge.train.ttt import Teacher, ttt_forward
 from tests.test_engine import AUX, greedy_reference, load_target, make_prompt
@@ -58,16 +58,20 @@ def engine_runs(model, draft, prompts, trees, max_new, eos, exact=False):
 _ENGINE_RUNS = {}
 
 
-@pytest.mark.parametrize("batch, source", [(0, None), (7, None), (256, None), (256, "3_2_6")],
-                         ids=["per-round", "batched-7", "batched-256", "speculative-trajectory"])
+@pytest.mark.parametrize("batch, source, rows", [(0, None, 1), (7, None, 1), (256, None, 1), (256, "3_2_6", 1),
+                                                 (256, None, 4)],
+                         ids=["per-round", "batched-7", "batched-256", "speculative-trajectory",
+                              "batched-trajectories"])
 @pytest.mark.parametrize("max_new, use_eos", [(MAX_NEW, False), (17, True)])
-def test_every_round_of_every_tree_matches_the_engine(setup, max_new, use_eos, batch, source):
+def test_every_round_of_every_tree_matches_the_engine(setup, max_new, use_eos, batch, source, rows):
     """batch=0: the engine's draft_levels at each round start; 7: chunks of a few round starts
     (K does not divide 7); 256: all of a request's round starts in one forward per level;
-    source: the greedy tokens from the engine with that tree rather than from decoding."""
+    source: the greedy tokens from the engine with that tree rather than from decoding one prompt
+    at a time; rows=4: from decoding 4 prompts at once (6 prompts: a chunk of 4, one of 2)."""
     model, draft, prompts, refs, eos = setup
     eos = eos if use_eos else None
-    plans = plan(model, draft, prompts, TREES, max_new, eos_token_id=eos, batch=batch, trajectory_tree=source)
+    plans = plan(model, draft, prompts, TREES, max_new, eos_token_id=eos, batch=batch, trajectory_tree=source,
+                 trajectory_batch=rows)
     key = (max_new, eos)
     if key not in _ENGINE_RUNS:
         _ENGINE_RUNS[key] = engine_runs(model, draft, prompts, TREES, max_new, eos)
@@ -92,6 +96,23 @@ def test_every_round_of_every_tree_matches_the_engine(setup, max_new, use_eos, b
     if use_eos:
         ref = refs[0].tolist()
         assert plans["1_1_2"][0].tokens == ref[: ref.index(eos) + 1]
+
+
+def test_batched_trajectories_equal_one_prompt_at_a_time(setup):
+    """Prompts of different lengths (left padding of 0-6 tokens), one stopped early by EOS: the
+    same tokens, stop and features as decoding each prompt alone."""
+    model, draft, *_ = setup
+    prompts = [make_prompt(model.config.vocab_size, n=n, seed=10 + n) for n in (7, 13, 10)]
+    engine = SpeculativeEngine(model, draft, "3_1_4")
+    alone = [greedy_trajectory(engine.runner, p, 20, None, extra=4) for p in prompts]
+    eos = int(alone[1].tokens[5])  # prompt 1 stops at its 6th token (and any other that emits it)
+    alone = [greedy_trajectory(engine.runner, p, 20, eos, extra=4) for p in prompts]
+    together = batched_trajectories(engine.runner, prompts, 20, eos, extra=4)
+    assert alone[1].stop <= 6 and len({t.stop for t in alone}) > 1
+    for a, b in zip(alone, together):
+        assert b.stop == a.stop and torch.equal(b.tokens, a.tokens)
+        assert b.aux.shape == a.aux.shape and torch.allclose(b.aux, a.aux, atol=1e-4, rtol=1e-4)
+        assert torch.isfinite(b.aux).all()
 
 
 def test_exact_ancestor_attention(setup):

@@ -172,6 +172,12 @@ class TargetRunner:
         return (pos + self.rope_delta)[None].expand(3, -1, -1)
 
     def _run(self, input_ids, position_ids, mask, logits_to_keep=0, need_aux=True, **inputs):
+        logits, aux = self.rows(input_ids, position_ids, mask, logits_to_keep, need_aux, **inputs)
+        return logits[0], None if aux is None else aux[0]
+
+    def rows(self, input_ids, position_ids, mask, logits_to_keep=0, need_aux=True, **inputs):
+        """One forward of [B, n] tokens over the cache: (logits [B, n', V], aux [B, n, 3H] or None).
+        B > 1 only for the planner's batched greedy decoding (text targets, a 4D `mask`)."""
         with _forward_settings(text_config(self.model.config), force_gqa=mask is not None), \
                 few_rows_linears(self.linears):
             out = self.model(
@@ -186,8 +192,8 @@ class TargetRunner:
             )
         aux = None
         if need_aux:
-            aux = torch.cat([out.hidden_states[i][0] for i in self.aux_index], dim=-1)
-        return out.logits[0], aux
+            aux = torch.cat([out.hidden_states[i] for i in self.aux_index], dim=-1)
+        return out.logits, aux
 
     @torch.inference_mode()
     def prefill(self, input_ids: torch.Tensor, need_aux: bool = True, images: dict | None = None):

@@ -21,6 +21,7 @@ from specforge.eval.engine_eval import eval_with_engine, load_engine_inputs
 from specforge.eval.planner import plan, summarize
 from specforge.run_layout import epoch_of
 from specforge.targets.loader import resolve_target_path, target_fingerprint, torch_dtype
+from specforge.targets.vl import is_vl_config
 
 
 def check_planner(eval_cfg) -> list[TreeSpec]:
@@ -41,7 +42,8 @@ def _nan_max(rows, key):
 
 
 def fastest_tree(cost, specs: list[TreeSpec]):
-    """Where the planner's next greedy trajectory comes from: the tree predicted fastest on the
+    """Where the planner's next greedy trajectory comes from (one prompt at a time: vision-language
+    targets; text prompts are decoded in batches): the tree predicted fastest on the
     prompts planned so far (the same tokens at temperature 0, in the fewest target forwards), or
     plain decoding (None) for the first prompt and while no tree is predicted to beat it."""
 
@@ -91,7 +93,9 @@ def plan_epochs(run_cfg, ckpts: list[Path], eval_cfg, cost_path: Path) -> dict:
             rows.append(row)
     return {"meta": {"prompts": len(prompts), "max_new_tokens": eval_cfg.max_new_tokens, "dtype": dtype_name,
                      "device": device, "threads": torch.get_num_threads(), "trees": [s.name for s in specs],
-                     "prefix_len": prefix, "trajectory": "decoding, then the tree predicted fastest so far",
+                     "prefix_len": prefix,
+                     "trajectory": "decoding, then the tree predicted fastest so far" if is_vl_config(target.config)
+                     else "batched decoding (8 prompts at a time)",
                      "exact_ancestor_attention": exact},
             "rows": rows, "recommended": _nan_max(rows, "predicted_speedup"),
             "cost_model": {**cost.to_json(), "measured_now": measured, "path": str(cost_path)},
