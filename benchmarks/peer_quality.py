@@ -23,6 +23,9 @@ float32 it is deterministic, so it compares with the peer's in peer_quality.json
 to benchmarks/results/recipe_ablation.json ({"rows": [{"name", "set", "accept_length": {tree: ...},
 "vs_peer": {tree: ...}}], "peer", "samples", ...}; --ablation-out for another store's table).
 
+--seed N trains both with seed N (another --out per seed); --spread FILE ... then tabulates ours / peer
+per tree and seed with the mean over seeds (benchmarks/results/peer_quality_seeds.json).
+
     make peer-venv
     .venv/bin/python benchmarks/peer_quality.py --run outputs/smollm2_weather --epochs 3
     .venv/bin/python benchmarks/peer_quality.py --ablate step_weight_1 --set train.step_weight=1.0 \
@@ -75,6 +78,10 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=None,
                    help="the seed of BOTH trainers (sample order and initialisation; default: the run's), "
                         "for the spread over seeds; --out another file per seed")
+    p.add_argument("--spread", nargs="+", metavar="JSON",
+                   help="no training: the spread over seeds of runs of this benchmark (their --out files, "
+                        "same store and budget, one seed each) -> --spread-out")
+    p.add_argument("--spread-out", default=str(ROOT / "benchmarks" / "results" / "peer_quality_seeds.json"))
     p.add_argument("--peer-work", default=None, help="where the peer is trained (default: --work)")
     p.add_argument("--ablate", metavar="NAME", help="train ours with --set and add a row to --ablation-out")
     p.add_argument("--ablation-out", default=str(ROOT / "benchmarks" / "results" / "recipe_ablation.json"))
@@ -214,8 +221,50 @@ def ablate(args, run_cfg, run_dir: Path, work: Path, eval_cfg) -> int:
     return 0
 
 
+SAME_BUDGET = ("samples", "tokens", "steps", "epochs", "prompts", "max_new_tokens", "dtype", "ours_overrides")
+
+
+def seed_spread(results: dict[str, dict]) -> dict:
+    """{file: peer_quality result} -> ours / peer per tree and seed, with the mean, min and max over
+    seeds: how far one seed's ratio is from what the recipe gives. The runs must differ in their
+    seed alone (same store, budget, prompts, trees and overrides)."""
+    (first_path, first), *others = results.items()
+    trees = [row["tree"] for row in first["rows"]]
+    for path, r in others:
+        differ = [k for k in SAME_BUDGET if r.get(k) != first.get(k)]
+        if differ or [row["tree"] for row in r["rows"]] != trees:
+            raise SystemExit(f"{path}: not the budget of {first_path} ({', '.join(differ) or 'trees'} differ)")
+    seeds = [r.get("seed", 0) for r in results.values()]
+    if len(set(seeds)) < len(seeds) or len(seeds) < 2:
+        raise SystemExit(f"--spread needs runs of at least two different seeds, got seeds {seeds}")
+    rows = []
+    for tree in trees:
+        ours, peer = zip(*((row["ours"], row["peer"]) for r in results.values() for row in r["rows"]
+                           if row["tree"] == tree))
+        ratios = [o / p for o, p in zip(ours, peer)]
+        rows.append({"tree": tree, "ours": list(ours), "peer": list(peer), "ratio": ratios,
+                     "ratio_mean": sum(ratios) / len(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios)})
+    return {"seeds": seeds, "files": list(results), "rows": rows, **{k: first.get(k) for k in SAME_BUDGET}}
+
+
+def print_spread(spread: dict) -> None:
+    seeds = spread["seeds"]
+    print("| tree | " + " | ".join(f"seed {s}" for s in seeds) + " | mean | min - max |")
+    print("|---|" + "---|" * (len(seeds) + 2))
+    for row in spread["rows"]:
+        print(f"| {row['tree']} | " + " | ".join(f"{r:.3f}" for r in row["ratio"])
+              + f" | **{row['ratio_mean']:.3f}** | {row['ratio_min']:.3f} - {row['ratio_max']:.3f} |")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.spread:
+        spread = seed_spread({path: json.loads(Path(path).read_text()) for path in args.spread})
+        spread["command"] = "python " + shlex.join(["benchmarks/peer_quality.py", *(argv if argv is not None else sys.argv[1:])])
+        print_spread(spread)
+        write_json(Path(args.spread_out), spread)
+        print(f"wrote {args.spread_out}")
+        return 0
     run_dir, work = Path(args.run), Path(args.work)
     if not Path(args.peer_python).exists():
         sys.exit(f"{args.peer_python} not found: run `make peer-venv` first (speculators in its own virtualenv)")

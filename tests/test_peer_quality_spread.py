@@ -1,0 +1,47 @@
+"""benchmarks/peer_quality.py --spread: ours / peer per seed and over seeds, from the runs' own
+result files (the training runs need the peer's virtualenv; the spread does not)."""
+import json
+
+import pytest
+
+from tests.test_eval_profile import benchmark
+
+
+def result(seed, ours, peer, **budget):
+    return {"rows": [{"tree": t, "ours": o, "peer": p} for t, o, p in zip(("2_1_3", "4_2_8"), ours, peer)],
+            "seed": seed, "samples": 238, "tokens": 45692, "steps": 180, "epochs": 3, "prompts": 30,
+            "max_new_tokens": 128, "dtype": "float32", "ours_overrides": [], **budget}
+
+
+def write(tmp_path, name, data):
+    path = tmp_path / name
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+def test_spread_over_seeds(tmp_path, capsys):
+    module = benchmark("peer_quality")
+    files = [write(tmp_path, "s0.json", result(0, (2.2, 2.5), (2.0, 2.5))),
+             write(tmp_path, "s1.json", result(1, (2.0, 2.6), (2.0, 2.0)))]
+    out = tmp_path / "seeds.json"
+    assert module.main(["--spread", *files, "--spread-out", str(out)]) == 0
+    spread = json.loads(out.read_text())
+    assert spread["seeds"] == [0, 1] and spread["steps"] == 180
+    first, second = spread["rows"]
+    assert first["tree"] == "2_1_3" and first["ratio"] == pytest.approx([1.1, 1.0])
+    assert first["ratio_mean"] == pytest.approx(1.05) and first["ratio_min"] == pytest.approx(1.0)
+    assert second["ratio"] == pytest.approx([1.0, 1.3]) and second["ratio_max"] == pytest.approx(1.3)
+    assert "--spread" in spread["command"]
+    assert "| 2_1_3 | 1.100 | 1.000 | **1.050** |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("other, message", [(result(1, (2.0, 2.0), (2.0, 2.0), steps=120), "steps differ"),
+                                            (result(0, (2.0, 2.0), (2.0, 2.0)), "two different seeds"),
+                                            (result(1, (2.0, 2.0), (2.0, 2.0), ours_overrides=["train.step_weight=1"]),
+                                             "ours_overrides differ")])
+def test_spread_refuses_runs_that_differ_in_more_than_the_seed(tmp_path, other, message):
+    module = benchmark("peer_quality")
+    files = [write(tmp_path, "s0.json", result(0, (2.2, 2.5), (2.0, 2.5))), write(tmp_path, "other.json", other)]
+    with pytest.raises(SystemExit, match=message):
+        module.main(["--spread", *files, "--spread-out", str(tmp_path / "seeds.json")])
+    assert not (tmp_path / "seeds.json").exists()
