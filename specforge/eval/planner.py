@@ -112,6 +112,9 @@ def greedy_trajectory(runner: TargetRunner, prompt: torch.Tensor, max_new_tokens
     return Trajectory(prompt, tokens, torch.cat(feats)[: p + stop - 1], stop)
 
 
+TRAJECTORY_BATCH = 8  # prompts decoded at once for a text target's greedy trajectories
+
+
 @torch.inference_mode()
 def batched_trajectories(runner: TargetRunner, prompts: list[torch.Tensor], max_new_tokens: int, eos_token_id,
                          extra: int) -> list[Trajectory]:
@@ -285,7 +288,7 @@ def _prompt_ids(prompt, device) -> torch.Tensor:
 @torch.inference_mode()
 def plan(target, draft, prompts, trees, max_new_tokens: int, eos_token_id=None,
          exact_ancestor_attention: bool = False, batch: int = 256,
-         trajectory_tree=None, trajectory_batch: int = 8) -> dict[str, list[RequestPlan]]:
+         trajectory_tree=None, trajectory_batch: int = TRAJECTORY_BATCH) -> dict[str, list[RequestPlan]]:
     """{tree name: [RequestPlan per prompt]} for every tree of `trees` (T_K_N strings or TreeSpecs),
     as `SpeculativeEngine(target, draft, tree).generate(prompt, max_new_tokens, eos_token_id=...)`
     would run them at temperature 0. `prompts`: token id sequences or heldout_prompts rows.

@@ -18,7 +18,7 @@ from specforge.checkpoint import load_draft
 from specforge.engine.tree_spec import TreeSpec
 from specforge.eval.cost_model import cost_key, decode_tokens_per_round, load_or_measure, prefix_length
 from specforge.eval.engine_eval import eval_with_engine, load_engine_inputs
-from specforge.eval.planner import plan, summarize
+from specforge.eval.planner import TRAJECTORY_BATCH, plan, summarize
 from specforge.run_layout import epoch_of
 from specforge.targets.loader import resolve_target_path, target_fingerprint, torch_dtype
 from specforge.targets.vl import is_vl_config
@@ -95,7 +95,7 @@ def plan_epochs(run_cfg, ckpts: list[Path], eval_cfg, cost_path: Path) -> dict:
                      "device": device, "threads": torch.get_num_threads(), "trees": [s.name for s in specs],
                      "prefix_len": prefix,
                      "trajectory": "decoding, then the tree predicted fastest so far" if is_vl_config(target.config)
-                     else "batched decoding (8 prompts at a time)",
+                     else f"batched decoding ({TRAJECTORY_BATCH} prompts at a time)",
                      "exact_ancestor_attention": exact},
             "rows": rows, "recommended": _nan_max(rows, "predicted_speedup"),
             "cost_model": {**cost.to_json(), "measured_now": measured, "path": str(cost_path)},
