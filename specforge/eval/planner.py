@@ -294,12 +294,11 @@ def plan(target, draft, prompts, trees, max_new_tokens: int, eos_token_id=None,
     would run them at temperature 0. `prompts`: token id sequences or heldout_prompts rows.
     `batch`: draft lanes per forward when expanding all round starts at once; 0 runs the engine's
     own `draft_levels` at each round start that some tree reaches (the reference, slower).
-    `trajectory_batch` > 1 (text targets): the greedy tokens of that many prompts at once, by batched
-    decoding (`batched_trajectories`). Otherwise, and for
-    vision-language targets, one prompt at a time: `trajectory_tree` names the tree whose engine
-    gives them (the same tokens in fewer target forwards than decoding), or is a function of the
-    plans so far that names the tree for the next prompt (None: decoding), e.g. the one predicted
-    fastest (planner_eval)."""
+    `trajectory_batch` > 1 (text targets): the greedy tokens of that many prompts at once, by
+    batched decoding (`batched_trajectories`). Otherwise, and for vision-language targets, one
+    prompt at a time: `trajectory_tree` names the tree whose engine gives them (the same tokens in
+    fewer target forwards than decoding), or is a function of the plans so far that names the tree
+    for the next prompt (None: decoding), e.g. the one predicted fastest (planner_eval)."""
     specs = [TreeSpec.parse(t) if isinstance(t, str) else t for t in trees]
     steps = {}  # per topk, the largest T of the grid
     for s in specs:
