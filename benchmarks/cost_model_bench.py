@@ -5,8 +5,9 @@ times the planner's grid against one tree's engine evaluation (issue #13: within
 For one checkpoint, on the run's held-out prompts: the planner + a freshly measured cost model over
 the grid (`--grid`, default eval.planner_trees: timed), then the planner's prediction for each of
 `--trees` and their measurement by the engine's own evaluation (`eval_with_engine`: base model
-before and after, same prompts). The prediction is a decode speed-up (prefill left out), so the
-error is against the engine's `decode_speedup`; the e2e speed-up is recorded beside it.
+before and after, same prompts; each request's fastest of --timing-repeats runs, as this machine's
+contention bursts move a single run by 10-30%). The prediction is a decode speed-up (prefill left
+out), so the error is against the engine's `decode_speedup`; the e2e speed-up is recorded beside it.
 --exact-share then runs the engine on every tree of the grid (untimed) and records `exact_share`:
 the share of (tree, request) pairs the planner replays exactly.
 
@@ -45,6 +46,8 @@ def parse_args(argv=None):
     p.add_argument("--engine-tree", default="5_1_6", help="of --trees: the one tree whose engine pass the grid is timed against")
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--timing-repeats", type=int, default=3,
+                   help="eval.timing_repeats of the engine runs: each request's fastest of this many runs")
     p.add_argument("--dtype", default=None, help="engine dtype of target and draft (default: the run's)")
     p.add_argument("--work-dir", default=None, help="where the cost model is stored (default: a temporary directory)")
     p.add_argument("--exact-share", action="store_true",
@@ -112,7 +115,8 @@ def main(argv=None) -> int:
     run_dir, ckpts = find_checkpoints(tiny_run(work / "tiny") if args.tiny else args.ckpt)
     ckpt, run_cfg = ckpts[-1], load_run_config(run_dir)
     eval_cfg = OmegaConf.structured(EvalConfig(num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
-                                               dtype=args.dtype, planner=True, planner_trees=list(args.grid)))
+                                               dtype=args.dtype, planner=True, planner_trees=list(args.grid),
+                                               timing_repeats=args.timing_repeats))
     cost_path = work / "cost_model.json"
     cost_path.unlink(missing_ok=True)  # the grid's time includes measuring its cost model
     load_before = os.getloadavg()[0]
@@ -129,7 +133,7 @@ def main(argv=None) -> int:
         shares = exact_share(run_cfg, ckpt, eval_cfg, list(args.grid), CostModel.from_json(stored))
 
     one = next(c for c in results["configs"] if c["tree"] == args.engine_tree)
-    one_tree_s = one["e2e_s"] * one["requests"]  # its speculative pass, generate calls only
+    one_tree_s = one["e2e_s"] * one["requests"]  # its speculative pass, generate calls only (fastest runs)
     base_s = results["base"]["e2e_s"] * results["base"]["requests"]  # one base pass (mean of the two)
     grid_s = grid["seconds"]["planner"]
     out = Path(args.out)
@@ -147,6 +151,7 @@ def main(argv=None) -> int:
                              "max_new_tokens": args.max_new_tokens, "dtype": grid["meta"]["dtype"],
                              "device": grid["cost_model"]["key"]["device"], "threads": grid["meta"]["threads"],
                              "prefix_len": grid["meta"]["prefix_len"], "engine_seconds": engine_s,
+                             "timing_repeats": args.timing_repeats,
                              "load_avg_1m_before": round(load_before, 2),
                              "load_avg_1m_after": round(os.getloadavg()[0], 2)}})
     write_json(out, report)

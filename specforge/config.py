@@ -201,6 +201,9 @@ class EvalConfig:
     exact_ancestor_attention: bool = False
     dtype: Optional[str] = None  # engine dtype of target and draft; None: target.dtype
     seed: int = 0  # sampling seed (temperature > 0)
+    # Runs of each request back to back (base and speculative alike); the fastest one's timings are
+    # kept. > 1 on a shared machine, whose contention bursts add 10-30% to a run now and then.
+    timing_repeats: int = 1
     # Tree planner (specforge/eval/planner_eval.py, temperature 0): every epoch x planner_trees from
     # one greedy pass per prompt, speed-ups predicted by a cost model measured on this machine;
     # planner_confirm > 0 measures that many best trees of the recommended epoch with the engine.

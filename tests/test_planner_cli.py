@@ -203,13 +203,10 @@ def test_planner_refuses_what_it_cannot_run_before_loading(planner_run, tmp_path
 
 def test_cost_model_bench_on_a_tiny_run(tmp_path, threads, capsys):
     """benchmarks/cost_model_bench.py end to end; what benchmarks/planner_bench.py wrote stays."""
-    import importlib.util
-
     from specforge.utils.io import write_json
+    from tests.test_eval_profile import benchmark
 
-    spec = importlib.util.spec_from_file_location("cost_model_bench", Path(__file__).parents[1] / "benchmarks" / "cost_model_bench.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = benchmark("cost_model_bench")
     out = tmp_path / "planner.json"
     write_json(out, {"engine_s": 1.0, "trees": []})  # planner_bench's keys
     argv = ["--tiny", "--grid", "1_1_2", "2_2_3", "--trees", "2_1_3", "5_1_6", "--num-prompts", "2",
@@ -222,5 +219,6 @@ def test_cost_model_bench_on_a_tiny_run(tmp_path, threads, capsys):
         assert r["measured_accept_length"] == r["accept_length"] and r["lossless"] == 1.0
         assert r["error"] == pytest.approx(r["predicted_speedup"] / r["measured_speedup"] - 1)
     assert report["grid_over_one_tree"] == pytest.approx(report["grid_seconds"] / report["one_tree_seconds"])
+    assert report["cost_model_bench"]["timing_repeats"] == 3  # each request's fastest of 3 engine runs
     assert report["command"].endswith("--work-dir " + str(tmp_path / "work"))
     assert "written: " + str(out) in capsys.readouterr().out
