@@ -1,9 +1,12 @@
 """The engine with and without its few-row matmul path (specforge/engine/few_rows.py), one process.
 
 Runs `engine_profile.py` (the evaluation code: base passes before and after, then each tree) with
-`few_rows.COLUMN_ROWS` 0 (off: torch's x @ W^T for every row count) and its default (on),
-alternating, --repeats times, and prints per run the base decode step and each tree's speed-up,
-accept length and lossless share. Timings are meaningful only on a quiet machine.
+each of the kernels of specforge/engine/few_rows.py alone for 1-8 rows (`few_rows.OVERRIDE`:
+`plain`, torch's linear; `column`, W @ x^T; `packed`, MKL's GEMM on weights packed once) and with
+the engine's default (`timed`: the fastest per row count on this machine, `choose_kernels`), in
+turn, --repeats times, and prints per run the base decode step and each tree's speed-up, accept
+length and lossless share. Timings are meaningful only on a quiet
+machine.
 
     .venv/bin/python benchmarks/few_rows_bench.py --ckpt outputs/smollm2_weather/epoch_10
 """
@@ -32,26 +35,29 @@ def main(argv=None) -> int:
     from specforge.engine import few_rows
     from specforge.utils.io import read_json, write_json
 
-    on = few_rows.COLUMN_ROWS
+    every = range(1, few_rows.MAX_ROWS + 1)
+    modes = {"plain": {}, "column": {n: "column" for n in every}, "timed": None}
+    if few_rows.packable():
+        modes["packed"] = {n: "packed" for n in every if n > 1}  # one row: plain (packing is for GEMMs)
     runs = []
     for rep in range(args.repeats):
-        for column_rows in (0, on):
-            few_rows.COLUMN_ROWS = column_rows
-            out = Path(args.out).with_suffix(f".{column_rows}_{rep}.tmp.json")
+        for mode, override in modes.items():
+            few_rows.OVERRIDE = override
+            out = Path(args.out).with_suffix(f".{mode}_{rep}.tmp.json")
             engine_profile.main(["--ckpt", args.ckpt, "--trees", *args.trees, "--num-prompts", str(args.num_prompts),
                                  "--max-new-tokens", str(args.max_new_tokens), "--dtype", "float32",
                                  "--out", str(out)])
             d = read_json(out)
             out.unlink()
-            runs.append({"column_rows": column_rows, "repeat": rep,
+            runs.append({"mode": mode, "repeat": rep, "kernels": d["meta"]["few_rows_kernels"],
                          "decode_ms": round(d["base"]["decode_ms_per_step"], 2),
                          "trees": {c["tree"]: {"speedup": round(c["speedup"], 3), "accept_length": round(c["accept_length"], 3),
                                                "lossless": c["lossless"]} for c in d["configs"]}})
-    few_rows.COLUMN_ROWS = on
-    print("\n| column rows | repeat | decode ms | " + " | ".join(f"{t} speed-up" for t in args.trees) + " |")
-    print("|---|---|---|" + "---|" * len(args.trees))
+    few_rows.OVERRIDE = None
+    print("\n| mode | kernel per row count | repeat | decode ms | " + " | ".join(f"{t} speed-up" for t in args.trees) + " |")
+    print("|---|---|---|---|" + "---|" * len(args.trees))
     for r in runs:
-        print(f"| {r['column_rows']} | {r['repeat']} | {r['decode_ms']:.1f} | "
+        print(f"| {r['mode']} | {r['kernels']} | {r['repeat']} | {r['decode_ms']:.1f} | "
               + " | ".join(f"{r['trees'][t]['speedup']:.2f}" for t in args.trees) + " |")
     write_json(args.out, {"runs": runs, "dtype": "float32", "num_prompts": args.num_prompts,
                           "max_new_tokens": args.max_new_tokens,

@@ -1,28 +1,60 @@
-"""The engine's few-row matmul path: the numbers of torch's linear, only inside the engine's forwards."""
+"""The engine's few-row matmul kernels: the numbers of torch's linear, only inside the engine's
+forwards, the kernel per row count timed on this machine once per model."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from specforge.engine.few_rows import COLUMN_ROWS, FewRowsLinear, few_rows_linear, few_rows_linears, plain_linears
+from specforge.engine import few_rows
+from specforge.engine.few_rows import (KERNELS, MAX_ROWS, FewRowsLinear, choose_kernels, few_rows_linear,
+                                       few_rows_linears, packable, plain_linears)
+
+KERNELS_HERE = [k for k in KERNELS if k != "packed" or packable()]
 
 
+@pytest.mark.parametrize("kernel", KERNELS_HERE)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9])
 @pytest.mark.parametrize("bias", [False, True])
-def test_few_rows_linear_is_torch_linear(rows, bias):
+def test_every_kernel_is_torch_linear(kernel, rows, bias):
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(300, 64, generator=g)
     b = torch.randn(300, generator=g) if bias else None
     x = torch.randn(1, rows, 64, generator=g)  # [batch, rows, in] as the models call it
-    got = few_rows_linear(x, w, b)
+    linear = torch.nn.Linear(64, 300, bias=bias)
+    linear.weight.data, linear.bias = w, None if b is None else torch.nn.Parameter(b)
+    if kernel == "packed":
+        few_rows._pack([linear])  # the weight packed for 4 and 8 rows, as choose_kernels does
+    got = few_rows_linear(x, w, b, {r: kernel for r in range(1, MAX_ROWS + 1)}, getattr(linear, "few_rows_packed", None))
     assert got.shape == (1, rows, 300) and got.is_contiguous()
     torch.testing.assert_close(got, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
 def test_other_dtypes_keep_torch_linear():
     w, x = torch.randn(8, 4, dtype=torch.bfloat16), torch.randn(2, 4, dtype=torch.bfloat16)
-    assert torch.equal(few_rows_linear(x, w), torch.nn.functional.linear(x, w))
-    assert COLUMN_ROWS >= 1
+    assert torch.equal(few_rows_linear(x, w, None, {2: "column"}), torch.nn.functional.linear(x, w))
+    bf16 = torch.nn.Linear(4, 8).to(torch.bfloat16)
+    assert choose_kernels(bf16, [bf16]) == {}  # only fp32 weights are timed
+
+
+def test_chosen_once_per_model():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 64))
+    chosen = choose_kernels(model, list(model), repeats=1)
+    assert set(chosen) <= set(range(1, MAX_ROWS + 1)) and set(chosen.values()) <= set(KERNELS_HERE) - {"plain"}
+    assert choose_kernels(model, list(model)) is chosen  # kept for the model: every engine over it agrees
+    packed = [m.few_rows_packed is not None for m in model]
+    assert all(packed) == ("packed" in chosen.values()) and len(set(packed)) == 1  # unused copies freed
+
+
+@pytest.mark.parametrize("override", [{}, {1: "column", 3: "column"}, {4: "packed", 8: "packed"}])
+def test_the_override_replaces_the_timing(override, monkeypatch):
+    if "packed" in override.values() and not packable():
+        pytest.skip("torch without MKL")
+    monkeypatch.setattr(few_rows, "OVERRIDE", override)
+    model = torch.nn.Linear(8, 8)
+    assert choose_kernels(model, [model]) == override
+    x = torch.randn(4, 8)
+    with few_rows_linears([model], override):
+        torch.testing.assert_close(model(x), torch.nn.functional.linear(x, model.weight, model.bias))
 
 
 @pytest.fixture(scope="module")
@@ -38,12 +70,12 @@ def test_linears_are_switched_inside_the_block_only(tiny_model):
     ids = torch.tensor([[1, 5, 9]])
     with torch.no_grad():
         want = tiny_model(ids).logits
-        with few_rows_linears(linears):
+        with few_rows_linears(linears, {3: "column"}):
             assert all(type(m) is FewRowsLinear for m in linears)
             got = tiny_model(ids).logits
     assert all(type(m) is torch.nn.Linear for m in linears)  # a shared model is handed back as it was
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    with pytest.raises(RuntimeError), few_rows_linears(linears):
+    with pytest.raises(RuntimeError), few_rows_linears(linears, {}):
         raise RuntimeError("a failing forward")
     assert all(type(m) is torch.nn.Linear for m in linears)
 
@@ -59,7 +91,29 @@ def test_a_subclass_gets_its_own_class_back():
     linears = plain_linears(model, subclasses=True)
     assert linears[0] is head and len(linears) == 3
     x = torch.randn(3, 16)
-    with few_rows_linears(linears):
+    with few_rows_linears(linears, {3: "column"}):
         assert type(head) is FewRowsLinear
         torch.testing.assert_close(head(x), x @ head.weight.T, rtol=1e-5, atol=1e-5)
     assert type(head) is DraftHead and type(plain) is torch.nn.Linear
+
+
+def test_the_engine_runs_the_target_with_its_chosen_kernels(tiny_target_dir, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    from specforge.engine.speculative import SpeculativeEngine
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32).eval()
+    engine = SpeculativeEngine(target, None)
+    assert target.get_output_embeddings().kernels is engine.runner.kernels
+    assert SpeculativeEngine(target, None).runner.kernels is engine.runner.kernels
+    seen = []
+    original = FewRowsLinear.forward
+
+    def spy(self, x):
+        seen.append(self.kernels)
+        return original(self, x)
+
+    monkeypatch.setattr(FewRowsLinear, "forward", spy)
+    engine.generate_base(torch.tensor([1, 5, 9]), 2)
+    assert seen and all(k is engine.runner.kernels for k in seen)
+    assert not any(hasattr(m, "kernels") for m in engine.runner.linears)  # handed back as they were

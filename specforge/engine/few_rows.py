@@ -1,33 +1,62 @@
 """Matmuls of a batch-1 engine on CPU: a few rows against a wide weight.
 
 A decode step multiplies 1 row and a verify forward N rows by every weight of the target, a draft
-step 1-K rows by the draft's. For so few rows the CPU BLAS computes x @ W^T as one matrix-vector
-product per row, on one core and at about half the memory bandwidth, while W @ x^T with the same
-numbers is a GEMM with a few columns that uses every core: on the 2-core CPU of docs/benchmarks.md
-("Few-row matmuls"), SmolLM2's decode step went from 65 to 39 ms, a 5-8 node verify from 69-110 to
-50-61 ms, a draft step from 1.8 to 1.3 ms. One row is given a copy as second column (one column is
-a matrix-vector product again).
-Only fp32 weights on CPU take this path (the lossless configuration); others, and more rows, use
-`torch.nn.functional.linear` as before.
+step 1-K rows by the draft's. For so few rows the kernels that compute the same x @ W^T run at
+very different speeds, and which one wins depends on the CPU:
+- `plain`: torch's linear. Its GEMM re-packs the whole weight at every call, and on some BLAS
+  builds a single row is a matrix-vector product on one core.
+- `column`: W @ x^T, a GEMM with a few columns (one row gets a copy as second column). On the
+  2-core AVX2 EPYC of docs/benchmarks.md ("Few-row matmuls") it took SmolLM2's decode step from 65
+  to 39 ms; on a 2-core AVX-512 Xeon it made it 76 ms against 34.
+- `packed`: MKL's GEMM on a weight packed once (`cblas_sgemm_pack`, what torch's CPU inductor
+  uses for frozen fp32 linears), rows padded up to the packed row count (PACK_ROWS). On that Xeon,
+  SmolLM2's linears over 4 / 8 rows: 31 / 38 ms against 44 / 60 with `plain`.
+So the engine times the kernels on the model's own weights once per process (`choose_kernels`:
+one pass over all of them per kernel and row count, as a forward streams them) and takes, for
+each row count up to MAX_ROWS, the fastest. Only fp32 weights on CPU are considered (the lossless
+configuration); others, and more rows, use `plain`. Every kernel gives torch's linear to rounding.
 """
 from __future__ import annotations
 
+import time
+import weakref
 from contextlib import contextmanager
+from typing import Optional
 
 import torch
 
-# Up to this many rows: W @ x^T. Measured on SmolLM2's verify forward (2026-11-24, 2-core AVX2):
-# 5-8 rows 50-61 ms against 69-110 ms; 10-16 rows within noise of the plain path, so it stops at 8.
-COLUMN_ROWS = 8
+MAX_ROWS = 8  # beyond 8 rows the kernels were within noise of `plain` on both CPUs measured
+PACK_ROWS = (4, 8)  # a weight is packed for these row counts; fewer rows are padded up to one
+KERNELS = ("plain", "column", "packed")
+# Set to {rows: kernel} to bypass the timing (benchmarks/few_rows_bench.py compares each kernel
+# alone with the timed choice).
+OVERRIDE: Optional[dict] = None
+_CHOSEN: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
 
 
-def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`torch.nn.functional.linear(x, weight, bias)`, as W @ x^T where that is faster."""
+def packable() -> bool:
+    return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+
+
+def pack_rows(n: int) -> int:
+    return next(p for p in PACK_ROWS if p >= n)
+
+
+def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                    kernels: dict | None = None, packed: dict | None = None) -> torch.Tensor:
+    """`torch.nn.functional.linear(x, weight, bias)` by the kernel `kernels` names for x's row
+    count (`plain` where it names none); `packed` holds the weight packed per PACK_ROWS."""
     rows = x.reshape(-1, x.shape[-1])
     n = rows.shape[0]
-    if n > COLUMN_ROWS or n == 0 or x.device.type != "cpu" or weight.dtype != torch.float32 \
-            or x.dtype != torch.float32:
+    kernel = (kernels or {}).get(n, "plain")
+    if kernel == "plain" or x.device.type != "cpu" or weight.dtype != torch.float32 or x.dtype != torch.float32:
         return torch.nn.functional.linear(x, weight, bias)
+    if kernel == "packed":
+        p = pack_rows(n)
+        if n < p:
+            rows = torch.cat([rows, rows.new_zeros(p - n, rows.shape[1])])
+        out = torch.ops.mkl._mkl_linear(rows.contiguous(), packed[p], weight, bias, p)[:n]
+        return out.reshape(*x.shape[:-1], weight.shape[0])
     if n == 1:
         rows = torch.cat([rows, rows])
     out = (weight @ rows.T).T[:n]
@@ -36,11 +65,64 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return out.contiguous().reshape(*x.shape[:-1], weight.shape[0])
 
 
+def _pack(modules: list[torch.nn.Module]) -> None:
+    for m in modules:
+        if getattr(m, "few_rows_packed", None) is None:
+            m.few_rows_packed = {p: torch.ops.mkl._mkl_reorder_linear_weight(m.weight.detach(), p) for p in PACK_ROWS}
+
+
+def choose_kernels(model: torch.nn.Module, modules: list[torch.nn.Module], repeats: int = 3) -> dict:
+    """{rows: kernel} for 1..MAX_ROWS rows: the fastest kernel on this machine over `modules` (a
+    model's fp32 matmuls with a `.weight`, in forward order), timed once per model object and
+    process. Every pass runs all of them in turn, so a model larger than the caches is timed
+    streaming from memory as its forward does; the fastest of `repeats` passes per kernel and row
+    count, interleaved. The packed copies stay on the modules (`few_rows_packed`) only where
+    `packed` wins some row count."""
+    if model in _CHOSEN:
+        return _CHOSEN[model]
+    modules = [m for m in modules if m.weight.device.type == "cpu" and m.weight.dtype == torch.float32]
+    if OVERRIDE is not None or not modules:
+        chosen = dict(OVERRIDE or {}) if modules else {}
+        if "packed" in chosen.values():
+            _pack(modules)
+        _CHOSEN[model] = chosen
+        return chosen
+    kernels = [k for k in KERNELS if k != "packed" or packable()]
+    if "packed" in kernels:
+        _pack(modules)
+    with torch.inference_mode():
+        inputs = {n: {m.weight.shape[1]: torch.randn(n, m.weight.shape[1]) for m in modules} for n in range(1, MAX_ROWS + 1)}
+
+        def one_pass(n: int, kernel: str) -> float:
+            start = time.perf_counter()
+            for m in modules:
+                few_rows_linear(inputs[n][m.weight.shape[1]], m.weight, None, {n: kernel},
+                                getattr(m, "few_rows_packed", None))
+            return time.perf_counter() - start
+
+        for kernel in kernels:  # warm-up: first touch of the weights and their packed copies
+            one_pass(MAX_ROWS, kernel)
+        best = {(n, k): float("inf") for n in range(1, MAX_ROWS + 1) for k in kernels}
+        for _ in range(repeats):
+            for n, k in best:
+                best[n, k] = min(best[n, k], one_pass(n, k))
+    chosen = {n: min(kernels, key=lambda k: best[n, k]) for n in range(1, MAX_ROWS + 1)}
+    chosen = {n: k for n, k in chosen.items() if k != "plain"}
+    if "packed" not in chosen.values():
+        for m in modules:  # not used: give the memory back
+            m.few_rows_packed = None
+    _CHOSEN[model] = chosen
+    return chosen
+
+
 class FewRowsLinear(torch.nn.Linear):
-    """An nn.Linear whose forward is `few_rows_linear` (same parameters, same state dict)."""
+    """An nn.Linear whose forward is `few_rows_linear` (same parameters, same state dict); its
+    kernels per row count are set by `few_rows_linears`."""
+
+    kernels: dict = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return few_rows_linear(x, self.weight, self.bias)
+        return few_rows_linear(x, self.weight, self.bias, self.kernels, getattr(self, "few_rows_packed", None))
 
 
 def plain_linears(model: torch.nn.Module, subclasses: bool = False) -> list[torch.nn.Linear]:
@@ -50,15 +132,18 @@ def plain_linears(model: torch.nn.Module, subclasses: bool = False) -> list[torc
 
 
 @contextmanager
-def few_rows_linears(linears: list[torch.nn.Linear]):
-    """Run `linears` as FewRowsLinear inside the block, their own class again after it: the model
-    may be shared (`specforge serve` extracts hidden states with it, and those must stay the
-    extractor's numbers; the draft's lm_head is a DraftHead that training calls with teacher rows)."""
+def few_rows_linears(linears: list[torch.nn.Linear], kernels: dict):
+    """Run `linears` as FewRowsLinear (`kernels`: {rows: kernel}) inside the block, their own
+    class again after it: the model may be shared (`specforge serve` extracts hidden states with
+    it, and those must stay the extractor's numbers; the draft's lm_head is a DraftHead that
+    training calls with teacher rows)."""
     classes = [module.__class__ for module in linears]
     for module in linears:
         module.__class__ = FewRowsLinear
+        module.kernels = kernels
     try:
         yield
     finally:
         for module, cls in zip(linears, classes):
             module.__class__ = cls
+            del module.kernels

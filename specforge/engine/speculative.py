@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import torch
 
-from specforge.engine.few_rows import few_rows_linears, plain_linears
+from specforge.engine.few_rows import choose_kernels, few_rows_linears, plain_linears
 from specforge.engine.target import TargetRunner
 from specforge.engine.tree import Tree, build_tree, first_level, lane_attention_mask, next_level
 from specforge.engine.tree_spec import TreeSpec
@@ -247,6 +247,7 @@ class SpeculativeEngine:
             param = next(draft.parameters())
             self.draft_dtype = param.dtype
             self.draft_linears = plain_linears(draft, subclasses=True)  # few_rows_linears in its forwards
+            self.draft_kernels = choose_kernels(draft, self.draft_linears)
             cfg = draft.config
             self.draft_kv = DraftKV(cfg.num_key_value_heads, cfg.head_dim, param.dtype, param.device)
             if self.runner.vl is not None and not draft.uses_mrope:
@@ -281,7 +282,7 @@ class SpeculativeEngine:
             pos = torch.arange(start, start + n, device=tokens.device)[None] + self.runner.rope_delta
         else:
             pos = position_ids[None]
-        with few_rows_linears(self.draft_linears):
+        with few_rows_linears(self.draft_linears, self.draft_kernels):
             feat = self.draft.project(aux.to(self.draft_dtype))[None]
             out, logits, (k, v) = self.draft.step(
                 tokens[None], feat, pos, self.draft_kv.past(),
@@ -318,7 +319,7 @@ class SpeculativeEngine:
             written = (i - 1) * k
             mask = torch.cat([prefix, lane_mask.to(device), self_mask], dim=1)[None]
             pos = torch.full((1, k), length + i - 1 + self.runner.rope_delta, device=device)
-            with few_rows_linears(self.draft_linears):
+            with few_rows_linears(self.draft_linears, self.draft_kernels):
                 out, logits, (kk, vv) = self.draft.step(
                     lane_tok[None], lane_feat[None], pos, self.draft_kv.past(written), mask)
             probs, child = self._draft_topk(logits[0])

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from specforge.engine.few_rows import few_rows_linear, few_rows_linears, plain_linears
+from specforge.engine.few_rows import choose_kernels, few_rows_linear, few_rows_linears, plain_linears
 from specforge.targets.layers import check_aux_layer_ids
 from specforge.targets.loader import text_config, untied_last_hidden_state
 from specforge.targets.vl import capture_input_embeds, is_vl_config, mm_token_type_ids, rope_positions, vl_info
@@ -123,9 +123,11 @@ class Fp32Head(torch.nn.Module):
         super().__init__()
         self.register_buffer("weight", head.weight.detach().float(), persistent=False)
         self.bias = None if head.bias is None else head.bias.detach().float()
+        self.kernels = {}  # {rows: kernel} of engine/few_rows.py, chosen by TargetRunner
+        self.few_rows_packed = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return few_rows_linear(hidden.float(), self.weight, self.bias)
+        return few_rows_linear(hidden.float(), self.weight, self.bias, self.kernels, self.few_rows_packed)
 
 
 class TargetRunner:
@@ -143,6 +145,9 @@ class TargetRunner:
         if not isinstance(model.get_output_embeddings(), Fp32Head):
             model.set_output_embeddings(Fp32Head(model.get_output_embeddings()))
         self.linears = plain_linears(model)  # run as FewRowsLinear: decode and verify multiply 1-N rows
+        head = model.get_output_embeddings()
+        self.kernels = choose_kernels(model, self.linears + [head])  # timed once per model and process
+        head.kernels = self.kernels
         self.model = model
         self.num_layers = cfg.num_hidden_layers
         check_aux_layer_ids(aux_layer_ids, self.num_layers, what="aux_layer_ids", ascending=False)
@@ -179,7 +184,7 @@ class TargetRunner:
         """One forward of [B, n] tokens over the cache: (logits [B, n', V], aux [B, n, 3H] or None).
         B > 1 only for the planner's batched greedy decoding (text targets, a 4D `mask`)."""
         with _forward_settings(text_config(self.model.config), force_gqa=mask is not None), \
-                few_rows_linears(self.linears):
+                few_rows_linears(self.linears, self.kernels):
             out = self.model(
                 input_ids=input_ids,
                 position_ids=position_ids,

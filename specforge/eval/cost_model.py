@@ -22,7 +22,8 @@ Each figure is the median of `repeats` timings of the engine's own functions aft
 realistic length (mean prompt + max_new_tokens / 2), all items interleaved in every repeat so that
 a machine that drifts moves them alike (the base step is timed over a few steps back to back, as
 the base model runs them). Every N and K of the grid is measured, nothing is interpolated: on CPU
-1-4 row matmuls take another kernel (engine/few_rows.py), so t_verify(N) is not monotone in N.
+each row count up to 8 takes the kernel that was fastest for it on this machine (engine/few_rows.py),
+so t_verify(N) is not monotone in N.
 """
 from __future__ import annotations
 

@@ -234,7 +234,9 @@ def eval_with_engine(run_cfg, ckpts: list[Path], eval_cfg, on_progress=None) -> 
         "max_new_tokens": eval_cfg.max_new_tokens,
         "temperature": eval_cfg.temperature, "dtype": dtype_name, "device": device,
         "threads": torch.get_num_threads(), "exact_ancestor_attention": eval_cfg.exact_ancestor_attention,
-        "timing_repeats": eval_cfg.timing_repeats}}
+        "timing_repeats": eval_cfg.timing_repeats,
+        # the target's matmul kernel per row count, timed on this machine (engine/few_rows.py)
+        "few_rows_kernels": {str(n): k for n, k in sorted(base_engine.runner.kernels.items())}}}
     with progress_bar() as bar:
         task = bar.add_task("eval", total=n_passes * len(prompts), info="base")
         base_outputs, base_stats = _run_pass(base_engine, prompts, eval_cfg, eos, False, bar, task)

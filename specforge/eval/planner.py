@@ -240,7 +240,7 @@ def batched_levels(engine: SpeculativeEngine, starts: list[int], state: DraftSta
         mask = torch.cat([prefix, *seen, torch.eye(b * k, dtype=torch.bool, device=device)], dim=1)[None]
         pos = (lengths + i - 1 + engine.runner.rope_delta).repeat_interleave(k)[None]
         past = (torch.cat([seq_k, *scratch_k], dim=2), torch.cat([seq_v, *scratch_v], dim=2))
-        with few_rows_linears(engine.draft_linears):  # as the engine's own draft steps
+        with few_rows_linears(engine.draft_linears, engine.draft_kernels):  # as the engine's own draft steps
             out, logits, (kk, vv) = draft.step(lane_tok[None], lane_feat[None], pos, past, mask)
         probs, child = engine._draft_topk(logits[0])
         flat, flat_tok, scores, sel, parents = next_levels(scores, probs.view(b, k, k), child.view(b, k, k), i)
