@@ -5,8 +5,7 @@ each of the kernels of specforge/engine/few_rows.py alone for 1-8 rows (`few_row
 `plain`, torch's linear; `column`, W @ x^T; `packed`, MKL's GEMM on weights packed once) and with
 the engine's default (`timed`: the fastest per row count on this machine, `choose_kernels`), in
 turn, --repeats times, and prints per run the base decode step and each tree's speed-up, accept
-length and lossless share. Timings are meaningful only on a quiet
-machine.
+length and lossless share. Timings are meaningful only on a quiet machine.
 
     .venv/bin/python benchmarks/few_rows_bench.py --ckpt outputs/smollm2_weather/epoch_10
 """

@@ -117,3 +117,9 @@ def test_the_engine_runs_the_target_with_its_chosen_kernels(tiny_target_dir, mon
     engine.generate_base(torch.tensor([1, 5, 9]), 2)
     assert seen and all(k is engine.runner.kernels for k in seen)
     assert not any(hasattr(m, "kernels") for m in engine.runner.linears)  # handed back as they were
+
+
+def test_packed_copies_only_where_they_fit_in_memory():
+    assert few_rows._packs_fit([torch.nn.Linear(64, 256)])
+    huge = torch.nn.Linear(200_000, 200_000, device="meta")  # 160 GB of fp32: two more copies never fit
+    assert not few_rows._packs_fit([huge])

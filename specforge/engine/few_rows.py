@@ -18,6 +18,7 @@ configuration); others, and more rows, use `plain`. Every kernel gives torch's l
 """
 from __future__ import annotations
 
+import os
 import time
 import weakref
 from contextlib import contextmanager
@@ -65,6 +66,17 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return out.contiguous().reshape(*x.shape[:-1], weight.shape[0])
 
 
+def _packs_fit(modules: list[torch.nn.Module]) -> bool:
+    """One packed copy per PACK_ROWS of every weight: tried only while they take at most a quarter
+    of the memory available now (a 2B fp32 target on a 24 GB machine would not fit twice more)."""
+    need = len(PACK_ROWS) * sum(m.weight.numel() * m.weight.element_size() for m in modules)
+    try:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return False
+    return need <= free / 4
+
+
 def _pack(modules: list[torch.nn.Module]) -> None:
     for m in modules:
         if getattr(m, "few_rows_packed", None) is None:
@@ -76,8 +88,8 @@ def choose_kernels(model: torch.nn.Module, modules: list[torch.nn.Module], repea
     model's fp32 matmuls with a `.weight`, in forward order), timed once per model object and
     process. Every pass runs all of them in turn, so a model larger than the caches is timed
     streaming from memory as its forward does; the fastest of `repeats` passes per kernel and row
-    count, interleaved. The packed copies stay on the modules (`few_rows_packed`) only where
-    `packed` wins some row count."""
+    count, interleaved. The packed copies (one per PACK_ROWS, so the weights' memory x3) stay on the
+    modules (`few_rows_packed`) only where `packed` wins some row count."""
     if model in _CHOSEN:
         return _CHOSEN[model]
     modules = [m for m in modules if m.weight.device.type == "cpu" and m.weight.dtype == torch.float32]
@@ -87,7 +99,7 @@ def choose_kernels(model: torch.nn.Module, modules: list[torch.nn.Module], repea
             _pack(modules)
         _CHOSEN[model] = chosen
         return chosen
-    kernels = [k for k in KERNELS if k != "packed" or packable()]
+    kernels = [k for k in KERNELS if k != "packed" or (packable() and _packs_fit(modules))]
     if "packed" in kernels:
         _pack(modules)
     with torch.inference_mode():
