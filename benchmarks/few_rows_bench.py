@@ -1,8 +1,8 @@
 """The engine with and without its few-row matmul path (specforge/engine/few_rows.py), one process.
 
 Runs `engine_profile.py` (the evaluation code: base passes before and after, then each tree) with
-each of the kernels of specforge/engine/few_rows.py alone for 1-8 rows (`few_rows.OVERRIDE`:
-`plain`, torch's linear; `column`, W @ x^T; `packed`, MKL's GEMM on weights packed once) and with
+each of the kernels of specforge/engine/few_rows.py alone (`few_rows.OVERRIDE`: `plain`, torch's
+linear; `column`, W @ x^T for 1-8 rows; `packed`, MKL's GEMM on weights packed once, for 2-8 rows) and with
 the engine's default (`timed`: the fastest per row count on this machine, `choose_kernels`), in
 turn, --repeats times, and prints per run the base decode step and each tree's speed-up, accept
 length and lossless share. Timings are meaningful only on a quiet machine.

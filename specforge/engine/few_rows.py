@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-MAX_ROWS = 8  # beyond 8 rows the kernels were within noise of `plain` on both CPUs measured
+MAX_ROWS = 8  # beyond 8 rows W @ x^T was within noise of `plain` on the AVX2 EPYC; packing for more is unmeasured
 PACK_ROWS = (4, 8)  # a weight is packed for these row counts; fewer rows are padded up to one
 KERNELS = ("plain", "column", "packed")
 # Set to {rows: kernel} to bypass the timing (benchmarks/few_rows_bench.py compares each kernel
