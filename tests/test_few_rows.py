@@ -1,6 +1,9 @@
 """The engine's few-row matmul kernels: the numbers of torch's linear, only inside the engine's
-forwards, the kernel per row count timed on this machine once per model."""
+forwards, the kernel per row count timed on this machine once per weight geometry (or brought back
+with a stored cost model)."""
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -33,16 +36,40 @@ def test_other_dtypes_keep_torch_linear():
     w, x = torch.randn(8, 4, dtype=torch.bfloat16), torch.randn(2, 4, dtype=torch.bfloat16)
     assert torch.equal(few_rows_linear(x, w, None, {2: "column"}), torch.nn.functional.linear(x, w))
     bf16 = torch.nn.Linear(4, 8).to(torch.bfloat16)
-    assert choose_kernels(bf16, [bf16]) == {}  # only fp32 weights are timed
+    assert choose_kernels([bf16]) == {}  # only fp32 weights are timed
 
 
-def test_chosen_once_per_model():
+def test_chosen_once_per_weight_geometry(monkeypatch):
+    monkeypatch.setattr(few_rows, "_CHOSEN", {})
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 64))
-    chosen = choose_kernels(model, list(model), repeats=1)
+    chosen = choose_kernels(list(model), repeats=1)
     assert set(chosen) <= set(range(1, MAX_ROWS + 1)) and set(chosen.values()) <= set(KERNELS_HERE) - {"plain"}
-    assert choose_kernels(model, list(model)) is chosen  # kept for the model: every engine over it agrees
+    assert choose_kernels(list(model)) is chosen  # every engine over the model agrees
+    twin = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 64))
+    assert choose_kernels(list(twin)) is chosen  # the same shapes (a target loaded twice): the same choice
+    assert len(few_rows._CHOSEN) == 1
+    choose_kernels([torch.nn.Linear(64, 128)], repeats=1)
+    assert len(few_rows._CHOSEN) == 2  # other shapes: timed for themselves
     packed = [m.few_rows_packed is not None for m in model]
     assert all(packed) == ("packed" in chosen.values()) and len(set(packed)) == 1  # unused copies freed
+
+
+def test_a_stored_choice_is_taken_untimed(monkeypatch):
+    monkeypatch.setattr(few_rows, "_CHOSEN", {})
+    model = torch.nn.Sequential(torch.nn.Linear(32, 96), torch.nn.Linear(96, 32))
+    assert few_rows.kernels_of(list(model)) == {}  # nothing chosen yet
+    stored = {few_rows.geometry(list(model)): {"1": "column", "3": "column"}}
+    few_rows.remember_kernels(json.loads(json.dumps(stored)))  # as a cost model file brings it back
+    monkeypatch.setattr(few_rows, "_time_kernels", lambda *a: pytest.fail("a remembered choice was timed again"))
+    assert choose_kernels(list(model)) == {1: "column", 3: "column"}
+    assert few_rows.kernels_of(list(model)) == stored
+    with pytest.raises(ValueError, match="not among"):
+        few_rows.remember_kernels({"abc": {"1": "fastest"}})
+    if packable():  # a stored `packed` where this process has no room for the copies: plain instead
+        few_rows.remember_kernels({few_rows.geometry(list(model)): {"1": "column", "8": "packed"}})
+        monkeypatch.setattr(few_rows, "_packs_fit", lambda modules: False)
+        assert choose_kernels(list(model)) == {1: "column"}
+        assert all(getattr(m, "few_rows_packed", None) is None for m in model)
 
 
 @pytest.mark.parametrize("override", [{}, {1: "column", 3: "column"}, {4: "packed", 8: "packed"}])
@@ -51,7 +78,7 @@ def test_the_override_replaces_the_timing(override, monkeypatch):
         pytest.skip("torch without MKL")
     monkeypatch.setattr(few_rows, "OVERRIDE", override)
     model = torch.nn.Linear(8, 8)
-    assert choose_kernels(model, [model]) == override
+    assert choose_kernels([model]) == override
     x = torch.randn(4, 8)
     with few_rows_linears([model], override):
         torch.testing.assert_close(model(x), torch.nn.functional.linear(x, model.weight, model.bias))

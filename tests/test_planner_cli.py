@@ -60,6 +60,32 @@ def test_cost_model_is_stored_reused_and_measured_again_when_the_key_differs(tin
     assert len(read_json(path)["models"]) == 4
 
 
+def test_a_stored_cost_model_brings_back_its_kernels(tiny_models, tmp_path, monkeypatch):
+    """The figures hold for the few-row kernels they were measured with: a process that reads the
+    stored model runs its engines with those, untimed (a new timing could choose others)."""
+    from specforge.engine import few_rows
+    from specforge.engine.speculative import SpeculativeEngine
+
+    monkeypatch.setattr(few_rows, "_CHOSEN", {})
+    target, draft = tiny_models
+    path, key = tmp_path / "cost_model.json", cost_key("fp-a", draft, prefix_len=20)
+    model, _ = load_or_measure(path, key, target, draft, list(range(3, 15)), GRID[:2], repeats=1)
+    engine = SpeculativeEngine(target, draft, "3_1_4")
+    assert model.kernels == {**few_rows.kernels_of(engine.runner.kernel_modules),
+                             **few_rows.kernels_of(engine.draft_linears)} and len(model.kernels) == 2
+
+    stored = read_json(path)
+    other = {geometry: {"2": "column"} for geometry in model.kernels}  # as if another machine state chose so
+    stored["models"][0]["kernels"] = other
+    path.write_text(json.dumps(stored))
+    monkeypatch.setattr(few_rows, "_CHOSEN", {})  # a new process
+    monkeypatch.setattr(few_rows, "_time_kernels", lambda *a: pytest.fail("kernels timed despite a stored model"))
+    again, measured = load_or_measure(path, key, target, draft, list(range(3, 15)), GRID[:2])
+    assert not measured and again.kernels == other
+    engine = SpeculativeEngine(target, draft, "3_1_4")
+    assert engine.runner.kernels == engine.draft_kernels == {2: "column"}
+
+
 def test_round_cost_composes_as_documented():
     ms = 1e-3
     cost = CostModel(key={}, t_base=30 * ms, t_verify={6: 50 * ms, 8: 60 * ms}, t_accept={6: 0.5 * ms, 8: 0.7 * ms},

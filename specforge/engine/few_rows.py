@@ -11,16 +11,18 @@ very different speeds, and which one wins depends on the CPU:
 - `packed`: MKL's GEMM on a weight packed once (`cblas_sgemm_pack`, what torch's CPU inductor
   uses for frozen fp32 linears), rows padded up to the packed row count (PACK_ROWS). On that Xeon,
   SmolLM2's linears over 4 / 8 rows: 31 / 38 ms against 44 / 60 with `plain`.
-So the engine times the kernels on the model's own weights once per process (`choose_kernels`:
-one pass over all of them per kernel and row count, as a forward streams them) and takes, for
-each row count up to MAX_ROWS, the fastest. Only fp32 weights on CPU are considered (the lossless
-configuration); others, and more rows, use `plain`. Every kernel gives torch's linear to rounding.
+So the engine times the kernels on the model's own weights once per weight geometry and process
+(`choose_kernels`: one pass over all of them per kernel and row count, as a forward streams them)
+and takes, for each row count up to MAX_ROWS, the fastest; the planner's cost model stores the
+choice it was measured under and brings it back with itself (`kernels_of`, `remember_kernels`).
+Only fp32 weights on CPU are considered (the lossless configuration); others, and more rows, use
+`plain`. Every kernel gives torch's linear to rounding.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import time
-import weakref
 from contextlib import contextmanager
 from typing import Optional
 
@@ -32,7 +34,7 @@ KERNELS = ("plain", "column", "packed")
 # Set to {rows: kernel} to bypass the timing (benchmarks/few_rows_bench.py compares each kernel
 # alone with the timed choice).
 OVERRIDE: Optional[dict] = None
-_CHOSEN: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+_CHOSEN: dict[str, dict] = {}  # geometry(modules) -> {rows: kernel}
 
 
 def packable() -> bool:
@@ -83,22 +85,47 @@ def _pack(modules: list[torch.nn.Module]) -> None:
             m.few_rows_packed = {p: torch.ops.mkl._mkl_reorder_linear_weight(m.weight.detach(), p) for p in PACK_ROWS}
 
 
-def choose_kernels(model: torch.nn.Module, modules: list[torch.nn.Module], repeats: int = 3) -> dict:
+def geometry(modules: list[torch.nn.Module]) -> str:
+    """What a kernel choice depends on besides the machine: the weights' shapes, in order, and
+    torch's thread count. Two models of one geometry (a target loaded twice, every epoch's draft)
+    share a choice, so every engine over them in a process runs the same kernels."""
+    shapes = ";".join(f"{tuple(m.weight.shape)}" for m in modules)
+    return hashlib.sha1(f"threads {torch.get_num_threads()}|{shapes}".encode()).hexdigest()[:16]
+
+
+def _timeable(modules: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    return [m for m in modules if m.weight.device.type == "cpu" and m.weight.dtype == torch.float32]
+
+
+def choose_kernels(modules: list[torch.nn.Module], repeats: int = 3) -> dict:
     """{rows: kernel} for 1..MAX_ROWS rows: the fastest kernel on this machine over `modules` (a
-    model's fp32 matmuls with a `.weight`, in forward order), timed once per model object and
-    process. Every pass runs all of them in turn, so a model larger than the caches is timed
-    streaming from memory as its forward does; the fastest of `repeats` passes per kernel and row
-    count, interleaved. The packed copies (one per PACK_ROWS, so the weights' memory x3) stay on the
+    model's fp32 matmuls with a `.weight`, in forward order), timed once per `geometry` and
+    process (or set by `remember_kernels`, e.g. with a stored cost model measured under it). Every
+    pass runs all of them in turn, so a model larger than the caches is timed streaming from
+    memory as its forward does; the fastest of `repeats` passes per kernel and row count,
+    interleaved. The packed copies (one per PACK_ROWS, so the weights' memory x3) stay on the
     modules (`few_rows_packed`) only where `packed` wins some row count."""
-    if model in _CHOSEN:
-        return _CHOSEN[model]
-    modules = [m for m in modules if m.weight.device.type == "cpu" and m.weight.dtype == torch.float32]
-    if OVERRIDE is not None or not modules:
-        chosen = dict(OVERRIDE or {}) if modules else {}
-        if "packed" in chosen.values():
-            _pack(modules)
-        _CHOSEN[model] = chosen
-        return chosen
+    modules = _timeable(modules)
+    if not modules:
+        return {}
+    if OVERRIDE is not None:
+        chosen = dict(OVERRIDE)
+    else:
+        key = geometry(modules)
+        if key not in _CHOSEN:
+            _CHOSEN[key] = _time_kernels(modules, repeats)
+        chosen = _CHOSEN[key]
+    if "packed" in chosen.values() and not all(getattr(m, "few_rows_packed", None) for m in modules):
+        if OVERRIDE is None and not (packable() and _packs_fit(modules)):  # a remembered choice, no room now
+            return {n: k for n, k in chosen.items() if k != "packed"}
+        _pack(modules)
+    if "packed" not in chosen.values():
+        for m in modules:  # not used: give the memory back
+            m.few_rows_packed = None
+    return chosen
+
+
+def _time_kernels(modules: list[torch.nn.Module], repeats: int) -> dict:
     kernels = [k for k in KERNELS if k != "packed" or (packable() and _packs_fit(modules))]
     if "packed" in kernels:
         _pack(modules)
@@ -119,12 +146,24 @@ def choose_kernels(model: torch.nn.Module, modules: list[torch.nn.Module], repea
             for n, k in best:
                 best[n, k] = min(best[n, k], one_pass(n, k))
     chosen = {n: min(kernels, key=lambda k: best[n, k]) for n in range(1, MAX_ROWS + 1)}
-    chosen = {n: k for n, k in chosen.items() if k != "plain"}
-    if "packed" not in chosen.values():
-        for m in modules:  # not used: give the memory back
-            m.few_rows_packed = None
-    _CHOSEN[model] = chosen
-    return chosen
+    return {n: k for n, k in chosen.items() if k != "plain"}
+
+
+def kernels_of(modules: list[torch.nn.Module]) -> dict:
+    """{geometry: {rows: kernel}} as `choose_kernels` chose it for `modules` in this process (empty
+    if it has not, or nothing of them is timed); JSON-ready, for `remember_kernels`."""
+    modules = _timeable(modules)
+    key = geometry(modules) if modules else None
+    return {key: {str(n): k for n, k in sorted(_CHOSEN[key].items())}} if key in _CHOSEN else {}
+
+
+def remember_kernels(stored: dict) -> None:
+    """Take choices stored by `kernels_of` (a cost model measured under them) as this process's:
+    engines built afterwards over those geometries run them, untimed."""
+    for key, chosen in stored.items():
+        if not set(chosen.values()) <= set(KERNELS):
+            raise ValueError(f"stored few-row kernels {chosen}: not among {KERNELS}")
+        _CHOSEN[key] = {int(n): k for n, k in chosen.items()}
 
 
 class FewRowsLinear(torch.nn.Linear):

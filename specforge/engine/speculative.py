@@ -247,7 +247,7 @@ class SpeculativeEngine:
             param = next(draft.parameters())
             self.draft_dtype = param.dtype
             self.draft_linears = plain_linears(draft, subclasses=True)  # few_rows_linears in its forwards
-            self.draft_kernels = choose_kernels(draft, self.draft_linears)
+            self.draft_kernels = choose_kernels(self.draft_linears)
             cfg = draft.config
             self.draft_kv = DraftKV(cfg.num_key_value_heads, cfg.head_dim, param.dtype, param.device)
             if self.runner.vl is not None and not draft.uses_mrope:

@@ -146,7 +146,8 @@ class TargetRunner:
             model.set_output_embeddings(Fp32Head(model.get_output_embeddings()))
         self.linears = plain_linears(model)  # run as FewRowsLinear: decode and verify multiply 1-N rows
         head = model.get_output_embeddings()
-        self.kernels = choose_kernels(model, self.linears + [head])  # timed once per model and process
+        self.kernel_modules = self.linears + [head]
+        self.kernels = choose_kernels(self.kernel_modules)  # timed once per weight geometry and process
         head.kernels = self.kernels
         self.model = model
         self.num_layers = cfg.num_hidden_layers

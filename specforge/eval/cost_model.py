@@ -31,11 +31,12 @@ import math
 import platform
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
+from specforge.engine.few_rows import kernels_of, remember_kernels
 from specforge.engine.speculative import DraftState, SpeculativeEngine, sample_token
 from specforge.engine.tree import build_tree
 from specforge.engine.tree_spec import TreeSpec
@@ -60,6 +61,9 @@ class CostModel:
     t_build: dict  # tree name -> build_tree
     t_extend: list  # [a - 1]: the draft's catch-up forward over a tokens
     measure_s: float = 0.0  # wall time of the measurement
+    # the engine's few-row kernels these figures were measured with ({geometry: {rows: kernel}},
+    # engine/few_rows.py): a stored model brings them back, so its engines run what it priced
+    kernels: dict = field(default_factory=dict)
 
     @staticmethod
     def needs(specs) -> dict:
@@ -142,7 +146,9 @@ def cost_key(target_fingerprint: str, draft, prefix_len: int, exact_ancestor_att
 def load_or_measure(path: str | Path, key: dict, target, draft, prompt, trees,
                     repeats: int = REPEATS) -> tuple[CostModel, bool]:
     """(model, measured now): the model stored in `path` under `key` when it covers `trees`, else
-    a new measurement, stored under `key` (models of other keys stay in the file)."""
+    a new measurement, stored under `key` (models of other keys stay in the file). A stored
+    model's few-row kernels become this process's choice for its target and draft geometries
+    (engines built afterwards run them, untimed)."""
     path = Path(path)
     specs = [TreeSpec.parse(t) if isinstance(t, str) else t for t in trees]
     stored = read_json(path)["models"] if path.exists() else []
@@ -150,6 +156,7 @@ def load_or_measure(path: str | Path, key: dict, target, draft, prompt, trees,
         if d["key"] == key:
             model = CostModel.from_json(d)
             if model.covers(specs):
+                remember_kernels(model.kernels)
                 return model, False
     model = measure(target, draft, prompt, key, specs, repeats)
     write_json(path, {"models": [d for d in stored if d["key"] != key] + [model.to_json()]})
@@ -241,8 +248,9 @@ def measure(target, draft, prompt, key: dict, trees, repeats: int = REPEATS) -> 
                 if r:
                     samples.setdefault(name, []).append(t)
     med = {name: statistics.median(ts) for name, ts in samples.items()}
-    per = {field: {name[1]: v for name, v in med.items() if name[0] == field}
-           for field in ("t_verify", "t_accept", "t_keep", "t_level1", "t_step", "t_build", "t_extend")}
+    per = {what: {name[1]: v for name, v in med.items() if name[0] == what}
+           for what in ("t_verify", "t_accept", "t_keep", "t_level1", "t_step", "t_build", "t_extend")}
     return CostModel(key=key, t_base=med[("t_base",)], **{f: v for f, v in per.items() if f != "t_extend"},
                      t_extend=[per["t_extend"][a] for a in range(1, need["extend"] + 1)],
-                     measure_s=time.perf_counter() - t_start)
+                     measure_s=time.perf_counter() - t_start,
+                     kernels={**kernels_of(runner.kernel_modules), **kernels_of(engine.draft_linears)})
