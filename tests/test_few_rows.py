@@ -12,11 +12,11 @@ from specforge.engine import few_rows
 from specforge.engine.few_rows import (KERNELS, MAX_ROWS, FewRowsLinear, choose_kernels, few_rows_linear,
                                        few_rows_linears, packable, plain_linears)
 
-KERNELS_HERE = [k for k in KERNELS if k != "packed" or packable()]
+KERNELS_HERE = [k for k in KERNELS if few_rows._runs_here(k)]
 
 
 @pytest.mark.parametrize("kernel", KERNELS_HERE)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 12, 32, 33])
 @pytest.mark.parametrize("bias", [False, True])
 def test_every_kernel_is_torch_linear(kernel, rows, bias):
     g = torch.Generator().manual_seed(rows)
@@ -25,8 +25,7 @@ def test_every_kernel_is_torch_linear(kernel, rows, bias):
     x = torch.randn(1, rows, 64, generator=g)  # [batch, rows, in] as the models call it
     linear = torch.nn.Linear(64, 300, bias=bias)
     linear.weight.data, linear.bias = w, None if b is None else torch.nn.Parameter(b)
-    if kernel == "packed":
-        few_rows._pack([linear])  # the weight packed for 4 and 8 rows, as choose_kernels does
+    few_rows._copy([linear], {kernel})  # the copies it reads (packed for 4 and 8 rows, oneDNN's), as choose_kernels does
     got = few_rows_linear(x, w, b, {r: kernel for r in range(1, MAX_ROWS + 1)}, getattr(linear, "few_rows_packed", None))
     assert got.shape == (1, rows, 300) and got.is_contiguous()
     torch.testing.assert_close(got, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
@@ -50,8 +49,10 @@ def test_chosen_once_per_weight_geometry(monkeypatch):
     assert len(few_rows._CHOSEN) == 1
     choose_kernels([torch.nn.Linear(64, 128)], repeats=1)
     assert len(few_rows._CHOSEN) == 2  # other shapes: timed for themselves
-    packed = [m.few_rows_packed is not None for m in model]
-    assert all(packed) == ("packed" in chosen.values()) and len(set(packed)) == 1  # unused copies freed
+    for m in model:  # the copies of the kernels chosen, and no others (unused copies freed)
+        copies = set(m.few_rows_packed or {})
+        assert ({4, 8} <= copies) == ("packed" in chosen.values())
+        assert ("onednn" in copies) == ("onednn" in chosen.values())
 
 
 def test_a_stored_choice_is_taken_untimed(monkeypatch):
@@ -65,17 +66,18 @@ def test_a_stored_choice_is_taken_untimed(monkeypatch):
     assert few_rows.kernels_of(list(model)) == stored
     with pytest.raises(ValueError, match="not among"):
         few_rows.remember_kernels({"abc": {"1": "fastest"}})
-    if packable():  # a stored `packed` where this process has no room for the copies: plain instead
-        few_rows.remember_kernels({few_rows.geometry(list(model)): {"1": "column", "8": "packed"}})
-        monkeypatch.setattr(few_rows, "_packs_fit", lambda modules: False)
+    if packable() and few_rows.onednn_ready():  # kernels whose copies do not fit now: plain instead
+        few_rows.remember_kernels({few_rows.geometry(list(model)): {"1": "column", "8": "packed", "16": "onednn"}})
+        monkeypatch.setattr(few_rows, "_copies_fit", lambda modules, copies: False)
         assert choose_kernels(list(model)) == {1: "column"}
         assert all(getattr(m, "few_rows_packed", None) is None for m in model)
 
 
-@pytest.mark.parametrize("override", [{}, {1: "column", 3: "column"}, {4: "packed", 8: "packed"}])
+@pytest.mark.parametrize("override", [{}, {1: "column", 3: "column"}, {4: "packed", 8: "packed"},
+                                      {2: "onednn", 16: "onednn"}])
 def test_the_override_replaces_the_timing(override, monkeypatch):
-    if "packed" in override.values() and not packable():
-        pytest.skip("torch without MKL")
+    if not all(few_rows._runs_here(k) for k in override.values()):
+        pytest.skip("torch without MKL / oneDNN")
     monkeypatch.setattr(few_rows, "OVERRIDE", override)
     model = torch.nn.Linear(8, 8)
     assert choose_kernels([model]) == override
@@ -147,6 +149,6 @@ def test_the_engine_runs_the_target_with_its_chosen_kernels(tiny_target_dir, mon
 
 
 def test_packed_copies_only_where_they_fit_in_memory():
-    assert few_rows._packs_fit([torch.nn.Linear(64, 256)])
+    assert few_rows._copies_fit([torch.nn.Linear(64, 256)], 3)
     huge = torch.nn.Linear(200_000, 200_000, device="meta")  # 160 GB of fp32: two more copies never fit
-    assert not few_rows._packs_fit([huge])
+    assert not few_rows._copies_fit([huge], 1)

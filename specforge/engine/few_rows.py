@@ -11,9 +11,14 @@ very different speeds, and which one wins depends on the CPU:
 - `packed`: MKL's GEMM on a weight packed once (`cblas_sgemm_pack`, what torch's CPU inductor
   uses for frozen fp32 linears), rows padded up to the packed row count (PACK_ROWS). On that Xeon,
   SmolLM2's linears over 4 / 8 rows: 31 / 38 ms against 44 / 60 with `plain`.
+- `onednn`: oneDNN's inner product on a copy of the weight in its own layout (`to_mkldnn`). MKL
+  picks its code path by CPU vendor, oneDNN by instruction set: on a 2-core AVX-512 EPYC (Zen 4)
+  SmolLM2's linears over 8 / 16 / 32 rows took 25 / 32 / 39 ms against 33 / 47 / 82 with `column`
+  and 46 / 56 / 75 with `plain` (1-4 rows: `column`, 16-19 ms).
 So the engine times the kernels on the model's own weights once per weight geometry and process
-(`choose_kernels`: one pass over all of them per kernel and row count, as a forward streams them)
-and takes, for each row count up to MAX_ROWS, the fastest; the planner's cost model stores the
+(`choose_kernels`: one pass over all of them per kernel and row count of TIMED_ROWS, as a forward
+streams them) and takes, for each row count up to MAX_ROWS, the fastest (a count between two timed
+ones takes the choice of the next one up); the planner's cost model stores the
 choice it was measured under and brings it back with itself (`kernels_of`, `remember_kernels`).
 Only fp32 weights on CPU are considered (the lossless configuration); others, and more rows, use
 `plain`. Every kernel gives torch's linear to rounding.
@@ -28,9 +33,15 @@ from typing import Optional
 
 import torch
 
-MAX_ROWS = 8  # beyond 8 rows W @ x^T was within noise of `plain` on the AVX2 EPYC; packing for more is unmeasured
+# Row counts timed: the small ones of a CPU round's verify and draft steps, then the trees' wider
+# verifies (a count in between takes the choice of the next timed one up); more rows (a prefill)
+# use `plain`.
+TIMED_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+MAX_ROWS = TIMED_ROWS[-1]
+PRUNE = 1.3  # after the first pass, a kernel slower than this x the fastest at a row count is dropped there
 PACK_ROWS = (4, 8)  # a weight is packed for these row counts; fewer rows are padded up to one
-KERNELS = ("plain", "column", "packed")
+KERNELS = ("plain", "column", "packed", "onednn")
+COPIES = {"packed": len(PACK_ROWS), "onednn": 1}  # copies of every weight a kernel keeps
 # Set to {rows: kernel} to bypass the timing (benchmarks/few_rows_bench.py compares each kernel
 # alone with the timed choice).
 OVERRIDE: Optional[dict] = None
@@ -41,6 +52,16 @@ def packable() -> bool:
     return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
 
 
+def onednn_ready() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def _available(kernel: str, rows: int) -> bool:
+    if kernel == "packed":
+        return packable() and rows <= PACK_ROWS[-1]
+    return kernel != "onednn" or onednn_ready()
+
+
 def pack_rows(n: int) -> int:
     return next(p for p in PACK_ROWS if p >= n)
 
@@ -48,12 +69,18 @@ def pack_rows(n: int) -> int:
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                     kernels: dict | None = None, packed: dict | None = None) -> torch.Tensor:
     """`torch.nn.functional.linear(x, weight, bias)` by the kernel `kernels` names for x's row
-    count (`plain` where it names none); `packed` holds the weight packed per PACK_ROWS."""
+    count (`plain` where it names none); `packed` holds the weight's copies of the kernels that
+    keep one (`_copy`: per PACK_ROWS for `packed`, "onednn" for `onednn`)."""
     rows = x.reshape(-1, x.shape[-1])
     n = rows.shape[0]
     kernel = (kernels or {}).get(n, "plain")
     if kernel == "plain" or x.device.type != "cpu" or weight.dtype != torch.float32 or x.dtype != torch.float32:
         return torch.nn.functional.linear(x, weight, bias)
+    if kernel == "packed" and n > PACK_ROWS[-1]:  # packed for at most PACK_ROWS[-1] rows
+        return torch.nn.functional.linear(x, weight, bias)
+    if kernel == "onednn":
+        out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), packed["onednn"], bias, "none", [None], "")
+        return out.reshape(*x.shape[:-1], weight.shape[0])
     if kernel == "packed":
         p = pack_rows(n)
         if n < p:
@@ -68,10 +95,10 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return out.contiguous().reshape(*x.shape[:-1], weight.shape[0])
 
 
-def _packs_fit(modules: list[torch.nn.Module]) -> bool:
-    """One packed copy per PACK_ROWS of every weight: tried only while they take at most a quarter
-    of the memory available now (a 2B fp32 target on a 24 GB machine would not fit twice more)."""
-    need = len(PACK_ROWS) * sum(m.weight.numel() * m.weight.element_size() for m in modules)
+def _copies_fit(modules: list[torch.nn.Module], copies: int) -> bool:
+    """`copies` more copies of every weight: kept only while they take at most a quarter of the
+    memory available now (a 2B fp32 target on a 24 GB machine would not fit twice more)."""
+    need = copies * sum(m.weight.numel() * m.weight.element_size() for m in modules)
     try:
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
@@ -79,10 +106,18 @@ def _packs_fit(modules: list[torch.nn.Module]) -> bool:
     return need <= free / 4
 
 
-def _pack(modules: list[torch.nn.Module]) -> None:
+def _copy(modules: list[torch.nn.Module], kernels: set[str]) -> None:
+    """Give every module the copies of its weight that `kernels` read (`few_rows_packed`), and
+    free those of other kernels."""
     for m in modules:
-        if getattr(m, "few_rows_packed", None) is None:
-            m.few_rows_packed = {p: torch.ops.mkl._mkl_reorder_linear_weight(m.weight.detach(), p) for p in PACK_ROWS}
+        have = getattr(m, "few_rows_packed", None) or {}
+        keep = {}
+        if "packed" in kernels:
+            keep.update({p: have.get(p) if p in have else torch.ops.mkl._mkl_reorder_linear_weight(m.weight.detach(), p)
+                         for p in PACK_ROWS})
+        if "onednn" in kernels:
+            keep["onednn"] = have["onednn"] if "onednn" in have else m.weight.detach().to_mkldnn()
+        m.few_rows_packed = keep or None
 
 
 def geometry(modules: list[torch.nn.Module]) -> str:
@@ -103,8 +138,8 @@ def choose_kernels(modules: list[torch.nn.Module], repeats: int = 3) -> dict:
     process (or set by `remember_kernels`, e.g. with a stored cost model measured under it). Every
     pass runs all of them in turn, so a model larger than the caches is timed streaming from
     memory as its forward does; the fastest of `repeats` passes per kernel and row count,
-    interleaved. The packed copies (one per PACK_ROWS, so the weights' memory x3) stay on the
-    modules (`few_rows_packed`) only where `packed` wins some row count."""
+    interleaved. The weight copies a kernel reads (`packed`: one per PACK_ROWS, `onednn`: one)
+    stay on the modules (`few_rows_packed`) only where that kernel wins some row count."""
     modules = _timeable(modules)
     if not modules:
         return {}
@@ -115,22 +150,37 @@ def choose_kernels(modules: list[torch.nn.Module], repeats: int = 3) -> dict:
         if key not in _CHOSEN:
             _CHOSEN[key] = _time_kernels(modules, repeats)
         chosen = _CHOSEN[key]
-    if "packed" in chosen.values() and not all(getattr(m, "few_rows_packed", None) for m in modules):
-        if OVERRIDE is None and not (packable() and _packs_fit(modules)):  # a remembered choice, no room now
-            return {n: k for n, k in chosen.items() if k != "packed"}
-        _pack(modules)
-    if "packed" not in chosen.values():
-        for m in modules:  # not used: give the memory back
-            m.few_rows_packed = None
-    return chosen
+    # a remembered choice may name a kernel this process cannot run, or whose copies do not fit now
+    usable = _usable(modules, [k for k in KERNELS if k in chosen.values()])
+    runnable = {n: k for n, k in chosen.items() if k in usable and (k != "packed" or n <= PACK_ROWS[-1])}
+    _copy(modules, set(runnable.values()))
+    return chosen if runnable == chosen else runnable
+
+
+def _runs_here(kernel: str) -> bool:
+    return {"packed": packable, "onednn": onednn_ready}.get(kernel, lambda: True)()
+
+
+def _usable(modules: list[torch.nn.Module], kernels: list[str]) -> list[str]:
+    """Of `kernels`, those that run here and whose weight copies are on the modules or fit in
+    memory (`packed`, two copies, given up first)."""
+    usable = [k for k in kernels if _runs_here(k)]
+    missing = [k for k in usable if k in COPIES and not all(_has_copy(m, k) for m in modules)]
+    while missing and not _copies_fit(modules, sum(COPIES[k] for k in missing)):
+        usable.remove(missing.pop(0))
+    return usable
+
+
+def _has_copy(module: torch.nn.Module, kernel: str) -> bool:
+    have = getattr(module, "few_rows_packed", None) or {}
+    return all(p in have for p in PACK_ROWS) if kernel == "packed" else kernel in have
 
 
 def _time_kernels(modules: list[torch.nn.Module], repeats: int) -> dict:
-    kernels = [k for k in KERNELS if k != "packed" or (packable() and _packs_fit(modules))]
-    if "packed" in kernels:
-        _pack(modules)
+    kernels = _usable(modules, list(KERNELS))
+    _copy(modules, set(kernels))
     with torch.inference_mode():
-        inputs = {n: {m.weight.shape[1]: torch.randn(n, m.weight.shape[1]) for m in modules} for n in range(1, MAX_ROWS + 1)}
+        inputs = {n: {m.weight.shape[1]: torch.randn(n, m.weight.shape[1]) for m in modules} for n in TIMED_ROWS}
 
         def one_pass(n: int, kernel: str) -> float:
             start = time.perf_counter()
@@ -139,13 +189,16 @@ def _time_kernels(modules: list[torch.nn.Module], repeats: int) -> dict:
                                 getattr(m, "few_rows_packed", None))
             return time.perf_counter() - start
 
-        for kernel in kernels:  # warm-up: first touch of the weights and their packed copies
-            one_pass(MAX_ROWS, kernel)
-        best = {(n, k): float("inf") for n in range(1, MAX_ROWS + 1) for k in kernels}
-        for _ in range(repeats):
+        for kernel in kernels:  # warm-up: first touch of the weights and their copies
+            one_pass(PACK_ROWS[-1], kernel)
+        best = {(n, k): float("inf") for n in TIMED_ROWS for k in kernels if k != "packed" or n <= PACK_ROWS[-1]}
+        for r in range(repeats):
+            fastest = {n: min(t for (m, _), t in best.items() if m == n) for n in TIMED_ROWS}
             for n, k in best:
-                best[n, k] = min(best[n, k], one_pass(n, k))
-    chosen = {n: min(kernels, key=lambda k: best[n, k]) for n in range(1, MAX_ROWS + 1)}
+                if r == 0 or best[n, k] < PRUNE * fastest[n]:  # a clear loser is not timed again
+                    best[n, k] = min(best[n, k], one_pass(n, k))
+    fastest = {n: min((k for k in kernels if (n, k) in best), key=lambda k: best[n, k]) for n in TIMED_ROWS}
+    chosen = {n: fastest[next(t for t in TIMED_ROWS if t >= n)] for n in range(1, MAX_ROWS + 1)}
     return {n: k for n, k in chosen.items() if k != "plain"}
 
 
@@ -159,7 +212,8 @@ def kernels_of(modules: list[torch.nn.Module]) -> dict:
 
 def remember_kernels(stored: dict) -> None:
     """Take choices stored by `kernels_of` (a cost model measured under them) as this process's:
-    engines built afterwards over those geometries run them, untimed."""
+    engines built afterwards over those geometries run them, untimed (a kernel that cannot run
+    here, or whose copies no longer fit, gives way to `plain`)."""
     for key, chosen in stored.items():
         if not set(chosen.values()) <= set(KERNELS):
             raise ValueError(f"stored few-row kernels {chosen}: not among {KERNELS}")
