@@ -2,12 +2,19 @@
 
 Runs `engine_profile.py` (the evaluation code: base passes before and after, then each tree) with
 each of the kernels of specforge/engine/few_rows.py alone (`few_rows.OVERRIDE`: `plain`, torch's
-linear; `column`, W @ x^T for 1-8 rows; `packed`, MKL's GEMM on weights packed once, for 2-8 rows) and with
+linear; `column`, W @ x^T for 1-32 rows; `packed`, MKL's GEMM on weights packed once, for 2-8 rows;
+`onednn`, oneDNN's inner product, 1-32 rows) and with
 the engine's default (`timed`: the fastest per row count on this machine, `choose_kernels`), in
 turn, --repeats times, and prints per run the base decode step and each tree's speed-up, accept
 length and lossless share. Timings are meaningful only on a quiet machine.
 
     .venv/bin/python benchmarks/few_rows_bench.py --ckpt outputs/smollm2_weather/epoch_10
+
+`--linears` times the target's matmuls alone instead (every linear of the model and its fp32
+output head, one pass over all of them per kernel and row count, fastest of --passes): the table
+`choose_kernels` decides on, in ms per pass, written to benchmarks/results/few_rows_linears.json.
+
+    .venv/bin/python benchmarks/few_rows_bench.py --linears --ckpt outputs/smollm2_weather/epoch_10
 """
 from __future__ import annotations
 
@@ -27,8 +34,13 @@ def main(argv=None) -> int:
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "few_rows.json"))
+    p.add_argument("--out", default=None, help="default: benchmarks/results/few_rows.json (few_rows_linears.json)")
+    p.add_argument("--linears", action="store_true", help="the target's matmuls alone, per kernel and row count")
+    p.add_argument("--passes", type=int, default=7, help="--linears: fastest of this many passes")
     args = p.parse_args(argv)
+    if args.linears:
+        return linears(args, argv)
+    args.out = args.out or str(ROOT / "benchmarks" / "results" / "few_rows.json")
 
     import engine_profile
     from specforge.engine import few_rows
@@ -36,8 +48,10 @@ def main(argv=None) -> int:
 
     every = range(1, few_rows.MAX_ROWS + 1)
     modes = {"plain": {}, "column": {n: "column" for n in every}, "timed": None}
-    if few_rows.packable():
-        modes["packed"] = {n: "packed" for n in every if n > 1}  # one row: plain (packing is for GEMMs)
+    if few_rows.packable():  # one row: plain (packing is for GEMMs); packed for at most 8 rows
+        modes["packed"] = {n: "packed" for n in every if 1 < n <= few_rows.PACK_ROWS[-1]}
+    if few_rows.onednn_ready():
+        modes["onednn"] = {n: "onednn" for n in every}
     runs = []
     for rep in range(args.repeats):
         for mode, override in modes.items():
@@ -62,6 +76,55 @@ def main(argv=None) -> int:
                           "max_new_tokens": args.max_new_tokens,
                           "command": "python benchmarks/few_rows_bench.py " + " ".join(map(shlex.quote, argv or sys.argv[1:]))})
     print(f"written: {args.out}")
+    return 0
+
+
+def linears(args, argv) -> int:
+    """ms per pass over the target's fp32 matmuls, per kernel x row count of few_rows.TIMED_ROWS."""
+    import time
+
+    import torch
+
+    from specforge.engine import few_rows
+    from specforge.engine.target import TargetRunner
+    from specforge.eval.cost_model import describe_device
+    from specforge.eval.engine_eval import find_checkpoints, load_run_config
+    from specforge.targets.loader import load_target
+    from specforge.utils.io import write_json
+
+    run_dir, _ = find_checkpoints(args.ckpt)
+    target_cfg = load_run_config(run_dir).target
+    target_cfg.dtype = "float32"
+    runner = TargetRunner(load_target(target_cfg, "cpu"), [])  # its timed choice, and its modules
+    modules = few_rows._timeable(runner.kernel_modules)
+    kernels = [k for k in few_rows.KERNELS if few_rows._runs_here(k)]
+    few_rows._copy(modules, set(kernels))
+    table = {}
+    with torch.inference_mode():
+        for kernel in kernels:
+            for n in few_rows.TIMED_ROWS:
+                if kernel == "packed" and n > few_rows.PACK_ROWS[-1]:
+                    continue
+                xs = {m.weight.shape[1]: torch.randn(n, m.weight.shape[1]) for m in modules}
+                best = float("inf")
+                for _ in range(args.passes + 1):  # the first touches the weights
+                    t0 = time.perf_counter()
+                    for m in modules:
+                        few_rows.few_rows_linear(xs[m.weight.shape[1]], m.weight, None, {n: kernel}, m.few_rows_packed)
+                    best = min(best, time.perf_counter() - t0)
+                table.setdefault(kernel, {})[n] = round(1000 * best, 2)
+    print(f"{describe_device('cpu')}, {torch.get_num_threads()} threads: ms per pass over {len(modules)} matmuls\n")
+    print("| rows | " + " | ".join(map(str, few_rows.TIMED_ROWS)) + " |")
+    print("|---|" + "---|" * len(few_rows.TIMED_ROWS))
+    for kernel, row in table.items():
+        print(f"| {kernel} | " + " | ".join(f"{row[n]:.1f}" if n in row else "-" for n in few_rows.TIMED_ROWS) + " |")
+    chosen = {str(n): k for n, k in sorted(runner.kernels.items())}
+    print(f"\nchosen by the engine (rows: kernel; plain elsewhere): {chosen}")
+    out = args.out or str(ROOT / "benchmarks" / "results" / "few_rows_linears.json")
+    write_json(out, {"device": describe_device("cpu"), "threads": torch.get_num_threads(), "matmuls": len(modules),
+                     "ms_per_pass": table, "passes": args.passes, "chosen": chosen,
+                     "command": "python benchmarks/few_rows_bench.py " + " ".join(map(shlex.quote, argv or sys.argv[1:]))})
+    print(f"written: {out}")
     return 0
 
 

@@ -54,9 +54,11 @@ def test_cost_model_is_stored_reused_and_measured_again_when_the_key_differs(tin
     stored = read_json(path)["models"]
     assert len(stored) == 4 and [m["key"] for m in stored][0] == key
 
-    # same key, a grid with an N and a K it never measured: measured again, replacing its entry
+    # same key, a grid with an N and a K it never measured: measured again (with the stored trees),
+    # replacing its entry
     wider, measured = load_or_measure(path, key, target, draft, prompt, ["2_4_9"], repeats=2)
     assert measured and 9 in wider.t_verify and 4 in wider.t_step
+    assert wider.covers(specs)  # with the trees it held before: a sub-grid never narrows the stored entry
     assert len(read_json(path)["models"]) == 4
 
 

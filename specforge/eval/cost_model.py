@@ -61,6 +61,7 @@ class CostModel:
     t_build: dict  # tree name -> build_tree
     t_extend: list  # [a - 1]: the draft's catch-up forward over a tokens
     measure_s: float = 0.0  # wall time of the measurement
+    kernel_timing_s: float = 0.0  # of which choosing the few-row kernels (0: chosen earlier in the process)
     # the engine's few-row kernels these figures were measured with ({geometry: {rows: kernel}},
     # engine/few_rows.py): a stored model brings them back, so its engines run what it priced
     kernels: dict = field(default_factory=dict)
@@ -146,7 +147,8 @@ def cost_key(target_fingerprint: str, draft, prefix_len: int, exact_ancestor_att
 def load_or_measure(path: str | Path, key: dict, target, draft, prompt, trees,
                     repeats: int = REPEATS) -> tuple[CostModel, bool]:
     """(model, measured now): the model stored in `path` under `key` when it covers `trees`, else
-    a new measurement, stored under `key` (models of other keys stay in the file). A stored
+    a new measurement, stored under `key` (models of other keys stay in the file; one of the same
+    key is measured again with its trees and the new ones together). A stored
     model's few-row kernels become this process's choice for its target and draft geometries
     (engines built afterwards run them, untimed)."""
     path = Path(path)
@@ -158,6 +160,8 @@ def load_or_measure(path: str | Path, key: dict, target, draft, prompt, trees,
             if model.covers(specs):
                 remember_kernels(model.kernels)
                 return model, False
+            # measured again for the union: the stored entry's trees stay covered
+            specs += [TreeSpec.parse(t) for t in model.t_build if t not in {s.name for s in specs}]
     model = measure(target, draft, prompt, key, specs, repeats)
     write_json(path, {"models": [d for d in stored if d["key"] != key] + [model.to_json()]})
     return model, True
@@ -171,7 +175,9 @@ def measure(target, draft, prompt, key: dict, trees, repeats: int = REPEATS) -> 
     specs = [TreeSpec.parse(t) if isinstance(t, str) else t for t in trees]
     need = CostModel.needs(specs)
     kmax = max(need["steps"])
+    t_kernels = time.perf_counter()  # building the engine chooses its few-row kernels, once per process
     engine = SpeculativeEngine(target, draft, TreeSpec(1, kmax, 2), key.get("exact_ancestor_attention", False))
+    t_kernels = time.perf_counter() - t_kernels
     runner, kv = engine.runner, engine.draft_kv
     ids = torch.as_tensor(prompt["input_ids"] if isinstance(prompt, dict) else prompt, dtype=torch.long)
     if runner.vl is not None:  # a text prefix: image placeholders need their images (the cost is per token)
@@ -252,5 +258,5 @@ def measure(target, draft, prompt, key: dict, trees, repeats: int = REPEATS) -> 
            for what in ("t_verify", "t_accept", "t_keep", "t_level1", "t_step", "t_build", "t_extend")}
     return CostModel(key=key, t_base=med[("t_base",)], **{f: v for f, v in per.items() if f != "t_extend"},
                      t_extend=[per["t_extend"][a] for a in range(1, need["extend"] + 1)],
-                     measure_s=time.perf_counter() - t_start,
+                     measure_s=time.perf_counter() - t_start, kernel_timing_s=t_kernels,
                      kernels={**kernels_of(runner.kernel_modules), **kernels_of(engine.draft_linears)})

@@ -112,7 +112,9 @@ def greedy_trajectory(runner: TargetRunner, prompt: torch.Tensor, max_new_tokens
     return Trajectory(prompt, tokens, torch.cat(feats)[: p + stop - 1], stop)
 
 
-TRAJECTORY_BATCH = 8  # prompts decoded at once for a text target's greedy trajectories
+# prompts decoded at once for a text target's greedy trajectories: 16 demo prompts x 128 tokens in
+# 10.7 s against 14.0 s in batches of 8 (2-core AVX-512 EPYC, the engine's few-row kernels)
+TRAJECTORY_BATCH = 16
 
 
 @torch.inference_mode()
