@@ -2,8 +2,8 @@
 
 Runs `engine_profile.py` (the evaluation code: base passes before and after, then each tree) with
 each of the kernels of specforge/engine/few_rows.py alone (`few_rows.OVERRIDE`: `plain`, torch's
-linear; `column`, W @ x^T for 1-32 rows; `packed`, MKL's GEMM on weights packed once, for 2-8 rows;
-`onednn`, oneDNN's inner product, 1-32 rows) and with
+linear; `column`, W @ x^T; `packed`, MKL's GEMM on weights packed once, for 2-8 rows;
+`onednn`, oneDNN's inner product) and with
 the engine's default (`timed`: the fastest per row count on this machine, `choose_kernels`), in
 turn, --repeats times, and prints per run the base decode step and each tree's speed-up, accept
 length and lossless share. Timings are meaningful only on a quiet machine.
@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     from specforge.engine import few_rows
     from specforge.utils.io import read_json, write_json
 
-    every = range(1, few_rows.MAX_ROWS + 1)
+    every = few_rows.TIMED_ROWS
     modes = {"plain": {}, "column": {n: "column" for n in every}, "timed": None}
     if few_rows.packable():  # one row: plain (packing is for GEMMs); packed for at most 8 rows
         modes["packed"] = {n: "packed" for n in every if 1 < n <= few_rows.PACK_ROWS[-1]}

@@ -17,14 +17,14 @@ very different speeds, and which one wins depends on the CPU:
   and 46 / 56 / 75 with `plain` (1-4 rows: `column`, 16-19 ms).
 So the engine times the kernels on the model's own weights once per weight geometry and process
 (`choose_kernels`: one pass over all of them per kernel and row count of TIMED_ROWS, as a forward
-streams them) and takes, for each row count up to MAX_ROWS, the fastest (a count between two timed
-ones takes the choice of the next one up); the planner's cost model stores the
+streams them) and takes, for each, the fastest (a count between two timed ones takes the choice of
+the next one up); the planner's cost model stores the
 choice it was measured under and brings it back with itself (`kernels_of`, `remember_kernels`).
-Only fp32 weights on CPU are considered (the lossless configuration); others, and more rows, use
-`plain`. Every kernel gives torch's linear to rounding.
+Only fp32 weights on CPU are considered (the lossless configuration); others use `plain`. Every kernel gives torch's linear to rounding.
 """
 from __future__ import annotations
 
+import bisect
 import hashlib
 import os
 import time
@@ -33,11 +33,10 @@ from typing import Optional
 
 import torch
 
-# Row counts timed: the small ones of a CPU round's verify and draft steps, then the trees' wider
-# verifies (a count in between takes the choice of the next timed one up); more rows (a prefill)
-# use `plain`.
-TIMED_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
-MAX_ROWS = TIMED_ROWS[-1]
+# Row counts timed: the small ones of a CPU round's verify and draft steps, the trees' wider
+# verifies, and 128 for more rows (a prefill, the planner's batched draft lanes). A count in between
+# takes the choice of the next timed one up, more than 128 the choice for 128 (`timed_count`).
+TIMED_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 128)
 PRUNE = 1.3  # after the first pass, a kernel slower than this x the fastest at a row count is dropped there
 PACK_ROWS = (4, 8)  # a weight is packed for these row counts; fewer rows are padded up to one
 KERNELS = ("plain", "column", "packed", "onednn")
@@ -62,6 +61,11 @@ def _available(kernel: str, rows: int) -> bool:
     return kernel != "onednn" or onednn_ready()
 
 
+def timed_count(n: int) -> int:
+    """The timed row count whose kernel `n` rows take: the next one up, or the largest."""
+    return TIMED_ROWS[min(bisect.bisect_left(TIMED_ROWS, n), len(TIMED_ROWS) - 1)]
+
+
 def pack_rows(n: int) -> int:
     return next(p for p in PACK_ROWS if p >= n)
 
@@ -73,7 +77,7 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     keep one (`_copy`: per PACK_ROWS for `packed`, "onednn" for `onednn`)."""
     rows = x.reshape(-1, x.shape[-1])
     n = rows.shape[0]
-    kernel = (kernels or {}).get(n, "plain")
+    kernel = (kernels or {}).get(timed_count(n), "plain")
     if kernel == "plain" or x.device.type != "cpu" or weight.dtype != torch.float32 or x.dtype != torch.float32:
         return torch.nn.functional.linear(x, weight, bias)
     if kernel == "packed" and n > PACK_ROWS[-1]:  # packed for at most PACK_ROWS[-1] rows
@@ -133,7 +137,8 @@ def _timeable(modules: list[torch.nn.Module]) -> list[torch.nn.Module]:
 
 
 def choose_kernels(modules: list[torch.nn.Module], repeats: int = 3) -> dict:
-    """{rows: kernel} for 1..MAX_ROWS rows: the fastest kernel on this machine over `modules` (a
+    """{rows: kernel} per row count of TIMED_ROWS (`plain` where none is named; other counts: see
+    `timed_count`): the fastest kernel on this machine over `modules` (a
     model's fp32 matmuls with a `.weight`, in forward order), timed once per `geometry` and
     process (or set by `remember_kernels`, e.g. with a stored cost model measured under it). Every
     pass runs all of them in turn, so a model larger than the caches is timed streaming from
@@ -198,8 +203,7 @@ def _time_kernels(modules: list[torch.nn.Module], repeats: int) -> dict:
                 if r == 0 or best[n, k] < PRUNE * fastest[n]:  # a clear loser is not timed again
                     best[n, k] = min(best[n, k], one_pass(n, k))
     fastest = {n: min((k for k in kernels if (n, k) in best), key=lambda k: best[n, k]) for n in TIMED_ROWS}
-    chosen = {n: fastest[next(t for t in TIMED_ROWS if t >= n)] for n in range(1, MAX_ROWS + 1)}
-    return {n: k for n, k in chosen.items() if k != "plain"}
+    return {n: k for n, k in fastest.items() if k != "plain"}
 
 
 def kernels_of(modules: list[torch.nn.Module]) -> dict:
