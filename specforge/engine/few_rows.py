@@ -55,12 +55,6 @@ def onednn_ready() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def _available(kernel: str, rows: int) -> bool:
-    if kernel == "packed":
-        return packable() and rows <= PACK_ROWS[-1]
-    return kernel != "onednn" or onednn_ready()
-
-
 def timed_count(n: int) -> int:
     """The timed row count whose kernel `n` rows take: the next one up, or the largest."""
     return TIMED_ROWS[min(bisect.bisect_left(TIMED_ROWS, n), len(TIMED_ROWS) - 1)]
