@@ -11,8 +11,8 @@ length and lossless share. Timings are meaningful only on a quiet machine.
     .venv/bin/python benchmarks/few_rows_bench.py --ckpt outputs/smollm2_weather/epoch_10
 
 `--linears` times the target's matmuls alone instead (every linear of the model and its fp32
-output head, one pass over all of them per kernel and row count, fastest of --passes): the table
-`choose_kernels` decides on, in ms per pass, written to benchmarks/results/few_rows_linears.json.
+output head, one pass over all of them per kernel and row count, fastest of --passes after a
+warm-up, `few_rows.pass_seconds` without pruning): the table `choose_kernels` decides on, in ms per pass, written to benchmarks/results/few_rows_linears.json.
 
     .venv/bin/python benchmarks/few_rows_bench.py --linears --ckpt outputs/smollm2_weather/epoch_10
 """
@@ -81,8 +81,6 @@ def main(argv=None) -> int:
 
 def linears(args, argv) -> int:
     """ms per pass over the target's fp32 matmuls, per kernel x row count of few_rows.TIMED_ROWS."""
-    import time
-
     import torch
 
     from specforge.engine import few_rows
@@ -100,19 +98,8 @@ def linears(args, argv) -> int:
     kernels = [k for k in few_rows.KERNELS if few_rows._runs_here(k)]
     few_rows._copy(modules, set(kernels))
     table = {}
-    with torch.inference_mode():
-        for kernel in kernels:
-            for n in few_rows.TIMED_ROWS:
-                if kernel == "packed" and n > few_rows.PACK_ROWS[-1]:
-                    continue
-                xs = {m.weight.shape[1]: torch.randn(n, m.weight.shape[1]) for m in modules}
-                best = float("inf")
-                for _ in range(args.passes + 1):  # the first touches the weights
-                    t0 = time.perf_counter()
-                    for m in modules:
-                        few_rows.few_rows_linear(xs[m.weight.shape[1]], m.weight, None, {n: kernel}, m.few_rows_packed)
-                    best = min(best, time.perf_counter() - t0)
-                table.setdefault(kernel, {})[n] = round(1000 * best, 2)
+    for (n, kernel), seconds in few_rows.pass_seconds(modules, kernels, args.passes).items():
+        table.setdefault(kernel, {})[n] = round(1000 * seconds, 2)
     print(f"{describe_device('cpu')}, {torch.get_num_threads()} threads: ms per pass over {len(modules)} matmuls\n")
     print("| rows | " + " | ".join(map(str, few_rows.TIMED_ROWS)) + " |")
     print("|---|" + "---|" * len(few_rows.TIMED_ROWS))

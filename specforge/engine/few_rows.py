@@ -11,16 +11,16 @@ very different speeds, and which one wins depends on the CPU:
 - `packed`: MKL's GEMM on a weight packed once (`cblas_sgemm_pack`, what torch's CPU inductor
   uses for frozen fp32 linears), rows padded up to the packed row count (PACK_ROWS). On that Xeon,
   SmolLM2's linears over 4 / 8 rows: 31 / 38 ms against 44 / 60 with `plain`.
-- `onednn`: oneDNN's inner product on a copy of the weight in its own layout (`to_mkldnn`). MKL
-  picks its code path by CPU vendor, oneDNN by instruction set: on a 2-core AVX-512 EPYC (Zen 4)
-  SmolLM2's linears over 8 / 16 / 32 rows took 25 / 32 / 39 ms against 33 / 47 / 82 with `column`
-  and 46 / 56 / 75 with `plain` (1-4 rows: `column`, 16-19 ms).
+- `onednn`: oneDNN's inner product on a copy of the weight in its own layout (`to_mkldnn`). On a
+  2-core AVX-512 EPYC (Zen 4) SmolLM2's matmuls over 8 / 16 / 32 / 128 rows took 30 / 35 / 43 / 102
+  ms against 36 / 50 / 72 / 252 with `column` and 46 / 56 / 76 / 197 with `plain` (1-4 rows:
+  `column`, 15-20 ms; docs/benchmarks.md, "Few-row matmuls").
 So the engine times the kernels on the model's own weights once per weight geometry and process
 (`choose_kernels`: one pass over all of them per kernel and row count of TIMED_ROWS, as a forward
 streams them) and takes, for each, the fastest (a count between two timed ones takes the choice of
-the next one up); the planner's cost model stores the
-choice it was measured under and brings it back with itself (`kernels_of`, `remember_kernels`).
-Only fp32 weights on CPU are considered (the lossless configuration); others use `plain`. Every kernel gives torch's linear to rounding.
+the next one up); the planner's cost model stores the choice it was measured under and brings it
+back with itself (`kernels_of`, `remember_kernels`). Only fp32 weights on CPU are considered (the
+lossless configuration); others use `plain`. Every kernel gives torch's linear to rounding.
 """
 from __future__ import annotations
 
@@ -64,6 +64,11 @@ def pack_rows(n: int) -> int:
     return next(p for p in PACK_ROWS if p >= n)
 
 
+def serves(kernel: str, n: int) -> bool:
+    """Whether `kernel` computes `n` rows (the weight is packed for at most PACK_ROWS[-1])."""
+    return kernel != "packed" or n <= PACK_ROWS[-1]
+
+
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                     kernels: dict | None = None, packed: dict | None = None) -> torch.Tensor:
     """`torch.nn.functional.linear(x, weight, bias)` by the kernel `kernels` names for x's row
@@ -74,7 +79,7 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     kernel = (kernels or {}).get(timed_count(n), "plain")
     if kernel == "plain" or x.device.type != "cpu" or weight.dtype != torch.float32 or x.dtype != torch.float32:
         return torch.nn.functional.linear(x, weight, bias)
-    if kernel == "packed" and n > PACK_ROWS[-1]:  # packed for at most PACK_ROWS[-1] rows
+    if not serves(kernel, n):
         return torch.nn.functional.linear(x, weight, bias)
     if kernel == "onednn":
         out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), packed["onednn"], bias, "none", [None], "")
@@ -151,7 +156,7 @@ def choose_kernels(modules: list[torch.nn.Module], repeats: int = 3) -> dict:
         chosen = _CHOSEN[key]
     # a remembered choice may name a kernel this process cannot run, or whose copies do not fit now
     usable = _usable(modules, [k for k in KERNELS if k in chosen.values()])
-    runnable = {n: k for n, k in chosen.items() if k in usable and (k != "packed" or n <= PACK_ROWS[-1])}
+    runnable = {n: k for n, k in chosen.items() if k in usable and serves(k, n)}
     _copy(modules, set(runnable.values()))
     return chosen if runnable == chosen else runnable
 
@@ -178,6 +183,17 @@ def _has_copy(module: torch.nn.Module, kernel: str) -> bool:
 def _time_kernels(modules: list[torch.nn.Module], repeats: int) -> dict:
     kernels = _usable(modules, list(KERNELS))
     _copy(modules, set(kernels))
+    best = pass_seconds(modules, kernels, repeats, prune=PRUNE)
+    fastest = {n: min((k for k in kernels if (n, k) in best), key=lambda k: best[n, k]) for n in TIMED_ROWS}
+    return {n: k for n, k in fastest.items() if k != "plain"}
+
+
+def pass_seconds(modules: list[torch.nn.Module], kernels: list[str], repeats: int,
+                 prune: float | None = None) -> dict:
+    """{(rows, kernel): the fastest of `repeats` passes over all of `modules`} per row count of
+    TIMED_ROWS that the kernel serves, after a warm-up pass per kernel (first touch of the weights
+    and their copies, which `kernels` must already have: `_copy`); passes interleaved. `prune`: after
+    the first pass, a kernel slower than this x the fastest at a row count is not timed again there."""
     with torch.inference_mode():
         inputs = {n: {m.weight.shape[1]: torch.randn(n, m.weight.shape[1]) for m in modules} for n in TIMED_ROWS}
 
@@ -188,16 +204,15 @@ def _time_kernels(modules: list[torch.nn.Module], repeats: int) -> dict:
                                 getattr(m, "few_rows_packed", None))
             return time.perf_counter() - start
 
-        for kernel in kernels:  # warm-up: first touch of the weights and their copies
+        for kernel in kernels:
             one_pass(PACK_ROWS[-1], kernel)
-        best = {(n, k): float("inf") for n in TIMED_ROWS for k in kernels if k != "packed" or n <= PACK_ROWS[-1]}
+        best = {(n, k): float("inf") for n in TIMED_ROWS for k in kernels if serves(k, n)}
         for r in range(repeats):
             fastest = {n: min(t for (m, _), t in best.items() if m == n) for n in TIMED_ROWS}
             for n, k in best:
-                if r == 0 or best[n, k] < PRUNE * fastest[n]:  # a clear loser is not timed again
+                if r == 0 or prune is None or best[n, k] < prune * fastest[n]:
                     best[n, k] = min(best[n, k], one_pass(n, k))
-    fastest = {n: min((k for k in kernels if (n, k) in best), key=lambda k: best[n, k]) for n in TIMED_ROWS}
-    return {n: k for n, k in fastest.items() if k != "plain"}
+    return best
 
 
 def kernels_of(modules: list[torch.nn.Module]) -> dict:
