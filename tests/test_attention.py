@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from specforge.models.attention import TTTMask, attend, causal_mask
+from specforge.models.attention import TTTMask, attend, causal_flash_backward, causal_mask
 
 
 def test_ttt_mask_step0_is_causal():
@@ -66,6 +66,52 @@ def test_split_ttt_attention_equals_the_dense_mask(impl, seq, step, heads, kv_he
     mask = TTTMask(seq, step, _documents(2, seq) if packed else None)
     for got, want in zip(_output_and_grads(impl, q, k, v, mask), _output_and_grads("dense", q, k, v, mask)):
         torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
+def test_per_step_keys_give_what_concatenated_keys_give():
+    """Training keeps the keys of each TTT step apart (a list); the dense layout concatenates them."""
+    q, k, v = _qkv(13, 3)
+    mask = TTTMask(13, 3)
+    for impl in ("sdpa", "eager", "dense"):
+        listed = attend(q, list(k.split(13, dim=2)), list(v.split(13, dim=2)), mask, impl)
+        torch.testing.assert_close(listed, attend(q, k, v, mask, impl), atol=0, rtol=0)
+    with pytest.raises(ValueError, match="TTT step 3 needs 4 steps"):
+        attend(q, list(k.split(13, dim=2))[:3], list(v.split(13, dim=2))[:3], mask, "sdpa")
+
+
+@pytest.mark.parametrize("dtype, packed", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, True)])
+def test_flash_backward_in_pieces_sums_to_the_whole(dtype, packed):
+    """The backward split into two triangles and a rectangle (for heads that do not divide among
+    the threads) gives the one-call kernel's gradients, with and without a document mask."""
+    seq, gen = 64, torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, seq, 16, dtype=dtype, generator=gen) for h in (6, 2, 2))
+    mask = None
+    if packed:
+        allowed = TTTMask(seq, 0, _documents(1, seq)).causal_block()[:, None]
+        mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, float("-inf"))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, attn_mask=mask, scale=0.25)
+    grad = torch.randn(out.shape, generator=gen).to(dtype)
+    whole = causal_flash_backward(grad, q, k, v, out, lse, mask, 0.25, pieces=False)
+    pieces = causal_flash_backward(grad, q, k, v, out, lse, mask, 0.25, pieces=True)
+    tol = 1e-6 if dtype == torch.float32 else 2e-2
+    for got, want in zip(pieces, whole):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_split_ttt_attention_with_heads_that_do_not_divide_among_threads():
+    """1 x 3 heads on 2 threads: the backward goes in pieces, and still equals the dense mask."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        q, k, v = _qkv(256, 2, heads=3, kv_heads=1, batch=1)
+        for packed in (False, True):
+            mask = TTTMask(256, 2, _documents(1, 256) if packed else None)
+            got, want = _output_and_grads("sdpa", q, k, v, mask), _output_and_grads("dense", q, k, v, mask)
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a, b, atol=2e-6, rtol=1e-5)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_split_ttt_attention_in_bf16_stays_close_to_fp32():

@@ -8,10 +8,12 @@ position t+k and its own earlier drafts are its only extra context. With packed 
 
 The dense mask spans (k+1) x S keys per query: O(k S^2) work for S + k allowed keys. The TTT
 kernels split it instead, O(S^2 + k S): the causal block once, each later step's key as one dot
-product per position, both under one log-sum-exp. Same numbers as the dense mask.
+product per position, both under one log-sum-exp. Same numbers as the dense mask. Training keeps
+each step's keys and values apart (lists, never concatenated or expanded to the query heads).
 
 - sdpa: on CPU, torch's fused flash kernel for the causal block (it returns the log-sum-exp; a
-  custom backward reuses its kernel with the combined output), the diagonals element-wise;
+  custom backward reuses its kernel with the combined output, in pieces when the heads do not
+  divide among the threads), the diagonals element-wise, one step at a time;
   elsewhere the eager split. For plain causal masks (the engine), torch's SDPA.
 - eager: the split written out in plain torch; readable, autograd does the backward.
 - dense: the full (k+1) x S mask through SDPA; the reference that parity tests compare against.
@@ -89,27 +91,74 @@ def sdpa_attention(q, k, v, mask: torch.Tensor) -> torch.Tensor:
     )
 
 
-def _split_kv(keys, values, mask: TTTMask, n_rep: int):
-    """[B,kvh,(k+1)S,d] -> step 0's keys/values [B,h,S,d] and the later steps' [B,h,k,S,d]."""
-    keys, values = _expand_kv(keys, n_rep), _expand_kv(values, n_rep)
-    s = mask.seq_len
-    later = (mask.step, s)
-    return keys[:, :, :s], values[:, :, :s], keys[:, :, s:].unflatten(2, later), values[:, :, s:].unflatten(2, later)
+def _steps(keys, values, mask: TTTMask):
+    """Per-step keys and values: one [B,kvh,S,d] per TTT step, step 0 first. Accepts the lists the
+    training loop keeps, or the steps concatenated along the sequence (dense layout)."""
+    if torch.is_tensor(keys):
+        keys, values = keys.split(mask.seq_len, dim=2), values.split(mask.seq_len, dim=2)
+    if len(keys) != mask.step + 1 or len(values) != mask.step + 1:
+        raise ValueError(f"TTT step {mask.step} needs {mask.step + 1} steps of keys, got {len(keys)}")
+    return list(keys), list(values)
+
+
+def _grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[B,h,..] -> [B,kvh,h/kvh,..]: the query heads of each key head side by side (GQA without
+    copying the keys; head i reads key head i // (h/kvh), as repeat_interleave lays them out)."""
+    return x.unflatten(1, (kv_heads, x.shape[1] // kv_heads))
 
 
 def ttt_eager_attention(q, keys, values, mask: TTTMask) -> torch.Tensor:
     """The O(S^2 + kS) split in plain torch: scores of the causal block [.., S, S] and of each
     later step's diagonal [.., S, k] share one softmax."""
-    k0, v0, kd, vd = _split_kv(keys, values, mask, q.shape[1] // keys.shape[1])
+    keys, values = _steps(keys, values, mask)
+    n_rep = q.shape[1] // keys[0].shape[1]
     scale = 1.0 / math.sqrt(q.shape[-1])
     qf = q.float()
-    causal = (qf @ k0.float().transpose(-1, -2)) * scale
+    causal = (qf @ _expand_kv(keys[0], n_rep).float().transpose(-1, -2)) * scale
     causal = causal.masked_fill(~mask.causal_block(q.device)[:, None], float("-inf"))
-    diag = (qf[:, :, None] * kd.float()).sum(-1).transpose(-1, -2) * scale  # [B,h,S,k]
-    p = torch.cat([causal, diag], dim=-1).softmax(-1)
-    out = p[..., : mask.seq_len] @ v0.float()
-    out = out + (p[..., mask.seq_len :].transpose(-1, -2)[..., None] * vd.float()).sum(2)
+    diag = [(qf * _expand_kv(k, n_rep).float()).sum(-1) * scale for k in keys[1:]]  # each [B,h,S]
+    p = torch.cat([causal, *(d[..., None] for d in diag)], dim=-1).softmax(-1)
+    out = p[..., : mask.seq_len] @ _expand_kv(values[0], n_rep).float()
+    for j, v in enumerate(values[1:]):
+        out = out + p[..., mask.seq_len + j, None] * _expand_kv(v, n_rep).float()
     return out.to(q.dtype)
+
+
+def causal_flash_backward(grad_out, q, k, v, out, lse, mask, scale, pieces: bool | None = None):
+    """torch's CPU flash backward for causal attention (plus an additive `mask` [B,1,S,S] or None).
+
+    The kernel runs each (batch, head) on one thread: 1 x 9 heads on 2 threads wait for the thread
+    with five. When B*h does not divide among the threads (`pieces` None: decided here), the causal
+    square goes in three pieces with twice as many items of equal work: the two triangles (queries
+    and keys [0, S/2) and [S/2, S)) batched in one call, then the rectangle below them (queries
+    [S/2, S) x keys [0, S/2)) as two quarters batched in another. Each piece takes the whole
+    output and log-sum-exp as they are, so the pieces' gradients sum to the whole exactly."""
+    backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+    batch, heads, seq = q.shape[:3]
+    if pieces is None:
+        pieces = (batch * heads) % torch.get_num_threads() != 0 and seq % 4 == 0 and seq >= 256
+    if not pieces:
+        return backward(grad_out, q, k, v, out, lse, 0.0, True, attn_mask=mask, scale=scale)
+    half, quarter = seq // 2, seq // 4
+    triangles, quarters, left = [(0, half), (half, seq)], [(half, half + quarter), (half + quarter, seq)], [(0, half)] * 2
+
+    def rows(x, spans):  # [B, h, S, ..] -> the spans' rows, batched: [2B, h, S/2 or S/4, ..]
+        return torch.cat([x[:, :, a:b] for a, b in spans])
+
+    def masked(q_spans, k_spans):
+        return None if mask is None else torch.cat([mask[:, :, a:b, c:d] for (a, b), (c, d) in zip(q_spans, k_spans)])
+
+    tq, tk, tv = backward(rows(grad_out, triangles), rows(q, triangles), rows(k, triangles), rows(v, triangles),
+                          rows(out, triangles), rows(lse, triangles), 0.0, True,
+                          attn_mask=masked(triangles, triangles), scale=scale)
+    rq, rk, rv = backward(rows(grad_out, quarters), rows(q, quarters), rows(k, left), rows(v, left),
+                          rows(out, quarters), rows(lse, quarters), 0.0, False,
+                          attn_mask=masked(quarters, left), scale=scale)
+    first, second = slice(0, batch), slice(batch, 2 * batch)
+    dq = torch.cat([tq[first], tq[second] + torch.cat([rq[first], rq[second]], dim=2)], dim=2)
+    dk = torch.cat([(tk[first].float() + rk[first] + rk[second]).to(k.dtype), tk[second]], dim=2)
+    dv = torch.cat([(tv[first].float() + rv[first] + rv[second]).to(v.dtype), tv[second]], dim=2)
+    return dq, dk, dv
 
 
 class _FlashTTT(torch.autograd.Function):
@@ -117,44 +166,57 @@ class _FlashTTT(torch.autograd.Function):
     and log-sum-exp; the diagonals join under the combined log-sum-exp. Backward: the flash
     backward, handed the COMBINED output and log-sum-exp, yields exactly the causal keys' share of
     the gradient (its probabilities are normalised by what it is given); the diagonals' share is
-    the softmax backward written out, element-wise."""
+    the softmax backward written out, element-wise, one step at a time (no [k, S, d] temporaries).
+    The kernel takes grouped key heads (GQA) as they are; the diagonals broadcast over the group."""
 
     @staticmethod
-    def forward(ctx, q, k0, v0, kd, vd, block_mask):
+    def forward(ctx, q, k0, v0, block_mask, *later):
+        kd, vd = later[: len(later) // 2], later[len(later) // 2 :]
         scale = 1.0 / math.sqrt(q.shape[-1])
         causal_out, causal_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k0, v0, 0.0, block_mask is None, attn_mask=block_mask, scale=scale)
-        diag = (q.float()[:, :, None] * kd.float()).sum(-1) * scale  # [B,h,k,S]
-        lse = torch.logsumexp(torch.cat([causal_lse[:, :, None], diag], dim=2), dim=2)  # [B,h,S]
-        p_diag = (diag - lse[:, :, None]).exp()
-        out = (causal_lse - lse).exp()[..., None] * causal_out.float()
-        out = (out + (p_diag[..., None] * vd.float()).sum(2)).to(q.dtype)
-        ctx.save_for_backward(q, k0, v0, kd, vd, out, lse, p_diag, block_mask)
+            q, k0, v0, 0.0, True, attn_mask=block_mask, scale=scale)
+        kvh = k0.shape[1]
+        qg = _grouped(q.float(), kvh)  # [B,g,r,S,d]
+        causal_lse = _grouped(causal_lse, kvh)  # [B,g,r,S]
+        diag = (torch.stack([(qg * k[:, :, None].float()).sum(-1) for k in kd]) * scale if kd
+                else causal_lse.new_empty((0, *causal_lse.shape)))  # [k,B,g,r,S]
+        lse = torch.logsumexp(torch.cat([causal_lse[None], diag]), dim=0)
+        p_diag = (diag - lse).exp()
+        out = (causal_lse - lse).exp()[..., None] * _grouped(causal_out.float(), kvh)
+        for p, v in zip(p_diag, vd):
+            out.addcmul_(p[..., None], v[:, :, None].float())
+        out = out.flatten(1, 2).to(q.dtype)
+        ctx.save_for_backward(q, k0, v0, out, lse.flatten(1, 2), p_diag, block_mask, *later)
         ctx.scale = scale
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k0, v0, kd, vd, out, lse, p_diag, block_mask = ctx.saved_tensors
+        q, k0, v0, out, lse, p_diag, block_mask, *later = ctx.saved_tensors
+        kd, vd = later[: len(later) // 2], later[len(later) // 2 :]
         grad_out = grad_out.contiguous()
-        dq, dk0, dv0 = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out, q, k0, v0, out, lse, 0.0, block_mask is None, attn_mask=block_mask, scale=ctx.scale)
-        g = grad_out.float()
-        row = (g * out.float()).sum(-1)  # [B,h,S]: sum_j p_j dP_j over every key
-        d_diag = p_diag * ((g[:, :, None] * vd.float()).sum(-1) - row[:, :, None])  # [B,h,k,S]
-        dq = (dq.float() + (d_diag[..., None] * kd.float()).sum(2) * ctx.scale).to(q.dtype)
-        dkd = (d_diag[..., None] * q.float()[:, :, None] * ctx.scale).to(kd.dtype)
-        dvd = (p_diag[..., None] * g[:, :, None]).to(vd.dtype)
-        return dq, dk0, dv0, dkd, dvd, None
+        dq, dk0, dv0 = causal_flash_backward(grad_out, q, k0, v0, out, lse, block_mask, ctx.scale)
+        kvh = k0.shape[1]
+        g, qg = _grouped(grad_out.float(), kvh), _grouped(q.float(), kvh)
+        row = (g * _grouped(out.float(), kvh)).sum(-1)  # [B,g,r,S]: sum_j p_j dP_j over every key
+        dq = _grouped(dq.float(), kvh)
+        dkd, dvd = [], []
+        for p, k, v in zip(p_diag, kd, vd):
+            d = p * ((g * v[:, :, None].float()).sum(-1) - row)  # [B,g,r,S]: dscore of this diagonal
+            dq.addcmul_(d[..., None], k[:, :, None].float(), value=ctx.scale)
+            dkd.append(((d[..., None] * qg).sum(2) * ctx.scale).to(k.dtype))
+            dvd.append((p[..., None] * g).sum(2).to(v.dtype))
+        return (dq.flatten(1, 2).to(q.dtype), dk0, dv0, None, *dkd, *dvd)
 
 
 def ttt_fused_attention(q, keys, values, mask: TTTMask) -> torch.Tensor:
-    k0, v0, kd, vd = _split_kv(keys, values, mask, q.shape[1] // keys.shape[1])
-    block_mask = None  # plain causal: the kernel skips the blocks above the diagonal
+    keys, values = _steps(keys, values, mask)
+    block_mask = None  # causal: the kernel skips the blocks above the diagonal, with or without it
     if mask.doc_ids is not None:
         allowed = mask.causal_block(q.device)[:, None]
         block_mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(~allowed, float("-inf"))
-    return _FlashTTT.apply(q.contiguous(), k0.contiguous(), v0.contiguous(), kd, vd, block_mask)
+    return _FlashTTT.apply(q.contiguous(), keys[0].contiguous(), values[0].contiguous(), block_mask,
+                           *keys[1:], *values[1:])
 
 
 def flex_attention(q, k, v, mask: TTTMask) -> torch.Tensor:
@@ -172,13 +234,15 @@ def flex_attention(q, k, v, mask: TTTMask) -> torch.Tensor:
 
 
 def attend(q, k, v, mask, impl: str = "sdpa") -> torch.Tensor:
-    """Dispatch on `impl`; `mask` is a bool tensor [B|1, n, L] (inference) or a TTTMask (training)."""
+    """Dispatch on `impl`; `mask` is a bool tensor [B|1, n, L] (inference) or a TTTMask (training),
+    whose keys and values come per step (lists) or concatenated along the sequence."""
     if impl not in ("sdpa", "eager", "flex", "dense"):
         raise ValueError(f"train.attention: {impl!r} is not one of sdpa, eager, flex")
     if isinstance(mask, TTTMask):
-        if impl == "flex":
-            return flex_attention(q, k, v, mask)
-        if impl == "dense":
+        if impl in ("flex", "dense"):
+            k, v = (torch.cat(_steps(k, v, mask)[i], dim=2) for i in (0, 1))
+            if impl == "flex":
+                return flex_attention(q, k, v, mask)
             return sdpa_attention(q, k, v, mask.dense(q.device))
         if impl == "sdpa" and q.device.type == "cpu":
             return ttt_fused_attention(q, k, v, mask)

@@ -234,7 +234,9 @@ class DraftAttention(nn.Module):
         q = (q * cos + rotate_half(q) * sin).to(v.dtype)
         k = (k * cos + rotate_half(k) * sin).to(v.dtype)
         keys, values = k, v
-        if past_kv is not None:
+        if isinstance(past_kv, tuple) and isinstance(past_kv[0], list):  # TTT: the earlier steps' keys, per step
+            keys, values = [*past_kv[0], k], [*past_kv[1], v]
+        elif past_kv is not None:
             keys = torch.cat([past_kv[0].to(k.dtype), k], dim=2)
             values = torch.cat([past_kv[1].to(v.dtype), v], dim=2)
         out = attend(q, keys, values, mask, impl)

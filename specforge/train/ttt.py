@@ -39,7 +39,7 @@ class Teacher:
         probs, argmax = [], []
         for i in range(0, flat.shape[0], self.chunk):  # bounded memory: V can be 150K wide
             logits = flat[i : i + self.chunk] @ self.weight.T
-            argmax.append(logits.argmax(-1))
+            argmax.append(logits.max(-1).indices)  # argmax (first of ties too); 6x faster in bf16 on CPU
             p = logits[:, self.draft_ids].float().softmax(-1)
             if self.hard_weight:  # greedy verification accepts the argmax alone: weigh it up
                 top = p.argmax(-1, keepdim=True)
@@ -71,7 +71,7 @@ def shift(x: torch.Tensor, by: int, fill=0) -> torch.Tensor:
 
 
 def ttt_forward(draft, batch: dict, teacher: Teacher, ttt_length: int, step_weight: float,
-                loss_chunk: int = 1024):
+                loss_chunk: int | None = None):
     """Returns the weighted loss (a scalar to backprop) and per-step StepStats.
 
     batch: input_ids [B,S] long, loss_mask [B,S] bool (False on padding), aux [B,S,3H], last [B,S,H],
@@ -92,7 +92,7 @@ def ttt_forward(draft, batch: dict, teacher: Teacher, ttt_length: int, step_weig
         embeds = draft.embed_tokens(ids)
         override = batch["embed_override"].to(device=embeds.device, dtype=embeds.dtype)
         embeds = torch.where(batch["embed_override_mask"].bool()[..., None], override, embeds)
-    keys, values = None, None
+    keys, values = [], []  # per TTT step: the attention splits them, never concatenated
     total = feat.new_zeros((), dtype=torch.float32)
     stats, chain = [], torch.ones_like(loss_mask)
     for k in range(ttt_length):
@@ -102,13 +102,13 @@ def ttt_forward(draft, batch: dict, teacher: Teacher, ttt_length: int, step_weig
             valid &= shift(doc_ids, 2 + k, -1) == doc_ids
         out, normed, (new_k, new_v) = draft.step(
             step_ids, feat, batch["position_ids"] + k,
-            past_kv=None if keys is None else (keys, values),
+            past_kv=(keys, values) if keys else None,
             attn_mask=TTTMask(seq_len, k, doc_ids),
             input_embeds=None if embeds is None else shift(embeds, 1 + k),
             head=False,
         )
-        keys = new_k if keys is None else torch.cat([keys, new_k], dim=2)
-        values = new_v if values is None else torch.cat([values, new_v], dim=2)
+        keys.append(new_k)
+        values.append(new_v)
         rows, positions = valid.nonzero(as_tuple=True)  # only scored positions reach the head
         loss_sum, predicted = draft.lm_head(
             normed[rows, positions], TeacherRows(probs, rows, positions + 1 + k, loss_chunk))
