@@ -173,6 +173,9 @@ class TrainConfig:
     ttt_length: int = 7
     step_weight: float = 0.8  # loss weight of TTT step k is step_weight**k
     hard_label_weight: float = 0.0  # loss target: (1 - w) x the target's distribution + w x one-hot of its argmax
+    # loss weight of a position at TTT step k > 0: 1 - w + w x [the draft's greedy chain there was right at
+    # steps 0..k-1], i.e. how much the steps greedy verification never reaches still count (0: all count)
+    reach_weight: float = 0.0
     feature_noise: float = 0.0  # uniform noise on the target states, this x their RMS per token (training only)
     attention: str = "sdpa"  # sdpa | eager | flex
     pack_tokens: int = 0  # >0: documents packed into rows of at most this many tokens, batch_size rows per micro-step

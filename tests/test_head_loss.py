@@ -66,3 +66,17 @@ def test_no_scored_rows_is_a_zero_in_the_graph():
 def test_without_teacher_rows_it_is_the_plain_head():
     head, _, _, _, h = problem()
     torch.testing.assert_close(head(h), h @ head.weight.T)
+
+
+def test_row_weights_scale_each_rows_loss_and_gradients():
+    head, probs, b, t, h = problem()
+    weight = torch.rand(h.shape[0], generator=torch.Generator().manual_seed(3))
+    got = loss_and_grads(lambda x: head(x, TeacherRows(probs, b, t, 5, weight)), head, h)
+
+    def weighted(x):
+        logits = head(x)
+        return -(weight[:, None] * probs[b, t] * logits.float().log_softmax(-1)).sum(), logits.argmax(-1)
+
+    want = loss_and_grads(weighted, head, h)
+    for a, w in zip(got, want):
+        torch.testing.assert_close(a, w, atol=1e-5, rtol=1e-5)

@@ -1,5 +1,6 @@
 """The TTT unroll must compute exactly what the draft computes when it drafts a chain at serving
 time: step k at position t = the k-th chained draft step after the prefix 0..t."""
+import pytest
 import torch
 
 from specforge.models.draft import Eagle3Config, Eagle3Draft
@@ -124,3 +125,27 @@ def test_summarize_simulated_accept_length_is_product_rule():
     s = summarize(stats)
     expected = 1 + s["acc_0"] + s["acc_0"] * s["acc_1"] + s["acc_0"] * s["acc_1"] * s["acc_2"]
     assert abs(s["sim_accept_length"] - expected) < 1e-12
+
+
+def test_reach_weight_drops_the_steps_after_the_greedy_chain_missed():
+    """reach_weight=1: a position counts at step k only if the draft's argmax was right at steps
+    0..k-1. A draft that misses everywhere at step 0 then trains on step 0 alone."""
+    draft = tiny_draft()
+    with torch.no_grad():
+        draft.lm_head.weight.zero_()  # every logit 0: the argmax is draft id 0 everywhere
+    batch = random_batch(draft, seq=8)
+    batch["last"] = batch["last"].abs()
+    weight = torch.zeros(draft.config.vocab_size, draft.config.target_hidden_size)
+    weight[2] = 100.0  # the teacher's argmax: target id 2 = draft id 1, never the draft's choice
+    teacher = Teacher(weight, draft.t2d)
+    plain_loss, plain = ttt_forward(draft, batch, teacher, 3, 0.8)
+    same_loss, same = ttt_forward(draft, batch, teacher, 3, 0.8, reach_weight=0.0)
+    assert torch.equal(plain_loss, same_loss)
+    loss, stats = ttt_forward(draft, batch, teacher, 3, 0.8, reach_weight=1.0)
+    assert int(stats[0].correct) == 0 and int(stats[1].positions) > 0
+    assert all(float(s.loss_sum) == 0.0 for s in stats[1:]) and all(float(s.loss_sum) > 0 for s in plain[1:])
+    torch.testing.assert_close(loss, stats[0].loss_sum / stats[0].positions)
+    half, half_stats = ttt_forward(draft, batch, teacher, 3, 0.8, reach_weight=0.5)
+    torch.testing.assert_close(half_stats[1].loss_sum, 0.5 * plain[1].loss_sum)
+    with pytest.raises(ValueError, match="train.reach_weight"):
+        ttt_forward(draft, batch, teacher, 3, 0.8, reach_weight=1.5)

@@ -27,12 +27,13 @@ def chunk_rows(vocab: int) -> int:
 class TeacherRows:
     """Which rows of the teacher's distribution score which hidden rows: hidden row i is scored
     against probs[batch[i], position[i]]; probs [B, S, V] fp32 (not a copy per step).
-    `chunk`: rows at a time (None: chunk_rows of the vocab)."""
+    `chunk`: rows at a time (None: chunk_rows of the vocab); `weight` [N]: each row's loss weight."""
 
     probs: torch.Tensor
     batch: torch.Tensor
     position: torch.Tensor
     chunk: int | None = None
+    weight: torch.Tensor | None = None
 
     def __post_init__(self):
         if self.chunk is None:
@@ -51,6 +52,8 @@ class _LinearSoftCrossEntropy(torch.autograd.Function):
         for i in range(0, hidden.shape[0], rows.chunk):
             h = hidden[i : i + rows.chunk].to(w.dtype)
             p = rows.probs[rows.batch[i : i + rows.chunk], rows.position[i : i + rows.chunk]]
+            if rows.weight is not None:  # a weighted target: the gradient below holds for any row sum
+                p = p * rows.weight[i : i + rows.chunk, None]
             logits = h @ w.T
             logp = logits.float().log_softmax(-1)
             loss -= (p * logp).sum()

@@ -71,7 +71,7 @@ def shift(x: torch.Tensor, by: int, fill=0) -> torch.Tensor:
 
 
 def ttt_forward(draft, batch: dict, teacher: Teacher, ttt_length: int, step_weight: float,
-                loss_chunk: int | None = None):
+                loss_chunk: int | None = None, reach_weight: float = 0.0):
     """Returns the weighted loss (a scalar to backprop) and per-step StepStats.
 
     batch: input_ids [B,S] long, loss_mask [B,S] bool (False on padding), aux [B,S,3H], last [B,S,H],
@@ -80,7 +80,11 @@ def ttt_forward(draft, batch: dict, teacher: Teacher, ttt_length: int, step_weig
     token embedding of that position is the override (the target's merged input embedding);
     optionally doc_ids [B,S] (packed rows, see batches.py): attention and scoring stay within a
     document, so a packed row gives its documents' losses and gradients as unpacked.
+    reach_weight w: at step k a position's loss weighs 1 - w + w x [the draft's greedy chain was
+    right there at steps 0..k-1] (greedy verification never uses a draft after its first miss).
     """
+    if not 0.0 <= reach_weight <= 1.0:
+        raise ValueError(f"train.reach_weight: {reach_weight} is not in [0, 1]")
     ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
     doc_ids = batch.get("doc_ids")
     probs, argmax, in_vocab = teacher(batch["last"])
@@ -110,8 +114,11 @@ def ttt_forward(draft, batch: dict, teacher: Teacher, ttt_length: int, step_weig
         keys.append(new_k)
         values.append(new_v)
         rows, positions = valid.nonzero(as_tuple=True)  # only scored positions reach the head
+        weight = None
+        if reach_weight and k:
+            weight = 1.0 - reach_weight + reach_weight * chain[rows, positions].float()
         loss_sum, predicted = draft.lm_head(
-            normed[rows, positions], TeacherRows(probs, rows, positions + 1 + k, loss_chunk))
+            normed[rows, positions], TeacherRows(probs, rows, positions + 1 + k, loss_chunk, weight))
         n = valid.sum()
         total = total + (step_weight**k) * loss_sum / n.clamp(min=1)
         with torch.no_grad():
