@@ -176,6 +176,7 @@ class TrainConfig:
     # loss weight of a position at TTT step k > 0: 1 - w + w x [the draft's greedy chain there was right at
     # steps 0..k-1], i.e. how much the steps greedy verification never reaches still count (0: all count)
     reach_weight: float = 0.0
+    freeze_lm_head: bool = False  # the lm_head keeps its start (with draft.lm_head_init=target: the target's rows)
     feature_noise: float = 0.0  # uniform noise on the target states, this x their RMS per token (training only)
     attention: str = "sdpa"  # sdpa | eager | flex
     pack_tokens: int = 0  # >0: documents packed into rows of at most this many tokens, batch_size rows per micro-step

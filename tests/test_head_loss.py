@@ -80,3 +80,16 @@ def test_row_weights_scale_each_rows_loss_and_gradients():
     want = loss_and_grads(weighted, head, h)
     for a, w in zip(got, want):
         torch.testing.assert_close(a, w, atol=1e-5, rtol=1e-5)
+
+
+def test_a_frozen_head_gets_no_gradient_and_the_same_hidden_gradient():
+    head, probs, b, t, h = problem()
+    trained = loss_and_grads(lambda x: head(x, TeacherRows(probs, b, t, 5)), head, h)
+    head.zero_grad()
+    head.requires_grad_(False)
+    x = h.clone().requires_grad_()
+    loss, predicted = head(x, TeacherRows(probs, b, t, 5))
+    (2.5 * loss).backward()
+    assert head.weight.grad is None
+    torch.testing.assert_close(x.grad, trained[2], atol=0, rtol=0)
+    assert torch.equal(predicted, trained[1])

@@ -61,3 +61,21 @@ def test_feature_noise_is_relative_per_state_and_only_in_training():
     assert torch.equal(noisy_module(batch)[0], plain(batch)[0])  # held-out metrics see the real states
     noisy_module.train(True)
     assert not torch.equal(noisy_module(batch)[0], plain(batch)[0])
+
+
+def test_freeze_lm_head_keeps_the_targets_rows_through_a_training_step():
+    embed, head = torch.randn(50, 24), torch.randn(50, 24)
+    vocab = tiny_vocab()
+    draft = build_draft(compose_cfg("draft.lm_head_init=target", "train.freeze_lm_head=true"), tiny_target_config(),
+                        [0, 1, 2], vocab, embed, head)
+    assert not draft.lm_head.weight.requires_grad
+    start = draft.lm_head.weight.detach().clone()
+    fc = draft.fc.weight.detach().clone()
+    module = TTTModule(draft, Teacher(head, draft.t2d), 2, 0.8)
+    params = [p for p in module.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    loss, _ = module(random_batch(draft, seq=6))
+    loss.backward()
+    opt.step()
+    assert torch.equal(draft.lm_head.weight, start) and draft.lm_head.weight.grad is None
+    assert not torch.equal(draft.fc.weight, fc)  # the rest trains

@@ -85,6 +85,8 @@ def build_draft(cfg, target_config, aux_layer_ids, vocab: dict, embed: torch.Ten
             init_head_from_target(draft, head)
     draft.embed_tokens.weight.data.copy_(embed)
     draft.embed_tokens.requires_grad_(False)
+    if cfg.train.freeze_lm_head:  # as speculators trains its head: the target's rows, never updated
+        draft.lm_head.requires_grad_(False)
     return draft
 
 
