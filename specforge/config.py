@@ -316,6 +316,9 @@ def check_config(cfg) -> None:
     check_eagle31_options({key: cfg.draft[key] for key in EAGLE31_OPTIONS}, prefix="draft.")
     if cfg.train.pack_tokens < 0:
         raise ValueError(f"train.pack_tokens: {cfg.train.pack_tokens} is negative; 0 turns packing off")
+    for key in ("hard_label_weight", "reach_weight"):  # shares of the loss: [0, 1]
+        if not 0.0 <= cfg.train[key] <= 1.0:
+            raise ValueError(f"train.{key}: {cfg.train[key]} is not in [0, 1]")
 
 
 def register_configs() -> None:
