@@ -36,6 +36,11 @@ class HeadInit(_Choice):
     target = "target"  # the target's own lm_head rows of the draft vocab (as speculators starts; still trained)
 
 
+class LayerInit(_Choice):
+    random = "random"  # nn.Linear's initialisation
+    identity = "identity"  # fc passes the highest captured target state through; o_proj, down_proj start at 0
+
+
 class EvalEngine(_Choice):
     embedded = "embedded"  # the embedded speculative engine (specforge/engine)
     server = "server"  # serving benchmark of running servers (eval.url, eval.baseline_url)
@@ -131,6 +136,7 @@ class DraftConfig:
     max_position_embeddings: Optional[int] = None
     init_from: Optional[str] = None  # fine-tune an existing draft checkpoint (keeps its vocab map)
     lm_head_init: HeadInit = HeadInit.random  # a fresh draft's lm_head: random | target (its rows of the draft vocab)
+    layer_init: LayerInit = LayerInit.random  # a fresh draft's fc and layer: random | identity (see LayerInit)
     # Vision-language targets: the draft's token embedding at image positions. "merged": the
     # target's merged input embeddings (vision features there), as SGLang feeds them (docs/contract.md §2);
     # "token": the draft's own embedding of the image placeholder token.

@@ -88,3 +88,21 @@ def test_loss_shares_outside_0_1_fail_before_any_stage_runs(tmp_path, override):
     with pytest.raises(ValueError, match=f"{override.split('=')[0]}: .* is not in \\[0, 1\\]"):
         run_pipeline(compose_cfg(override, f"output_dir={tmp_path}"))
     assert not any(tmp_path.iterdir())  # nothing ran, nothing was written
+
+
+def test_layer_init_identity_starts_as_the_highest_target_state():
+    """fc passes the highest captured state through and the layer adds nothing: the draft's first
+    feature and output are that state (after the EAGLE 3.1 norms the exp turns on)."""
+    embed, head = torch.randn(50, 24), torch.randn(50, 24)
+    draft = build_draft(compose_cfg("draft.layer_init=identity"), tiny_target_config(), [0, 2, 1], tiny_vocab(),
+                        embed, head)
+    aux = torch.randn(1, 5, 72)
+    top = aux[..., 24:48]  # aux_layer_ids [0, 2, 1]: the second state is the highest layer's
+    feat = draft.project(aux)
+    torch.testing.assert_close(feat, draft.fc_norm[1](top) if draft.fc_norm is not None else top)
+    out, _, _ = draft.step(torch.randint(0, 50, (1, 5)), feat, torch.arange(5)[None])
+    torch.testing.assert_close(out, draft.norm(feat) if draft.config.norm_output else feat)
+    assert DraftConfig().layer_init == "random"
+    with pytest.raises(ValueError, match="layer_init=identity: the draft's hidden size 16 differs"):
+        build_draft(compose_cfg("draft.layer_init=identity", "draft.hidden_size=16", "draft.lm_head_init=random"),
+                    tiny_target_config(), [0, 1, 2], tiny_vocab(), embed, head)

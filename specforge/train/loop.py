@@ -83,6 +83,8 @@ def build_draft(cfg, target_config, aux_layer_ids, vocab: dict, embed: torch.Ten
         draft.set_vocab_mapping(vocab["d2t"], vocab["t2d"])
         if str(cfg.draft.lm_head_init) == "target":
             init_head_from_target(draft, head)
+        if str(cfg.draft.layer_init) == "identity":
+            init_layer_as_identity(draft)
     draft.embed_tokens.weight.data.copy_(embed)
     draft.embed_tokens.requires_grad_(False)
     if cfg.train.freeze_lm_head:  # as speculators trains its head: the target's rows, never updated
@@ -100,6 +102,23 @@ def init_head_from_target(draft: Eagle3Draft, head: torch.Tensor | None) -> None
                          f"the draft's hidden size is {width}; it needs draft.hidden_size equal to the target's")
     with torch.no_grad():
         draft.lm_head.weight.copy_(head[draft.t2d.to(head.device)].float())
+
+
+def init_layer_as_identity(draft: Eagle3Draft) -> None:
+    """The draft starts as the identity on the target's highest captured state: fc passes it
+    through, and the layer's output projections (o_proj, down_proj) start at zero, so that step 0
+    reads the target's own head off a late layer's state (with lm_head_init=target, a logit lens)
+    before anything is learnt. The other weights keep their random start and get gradients as soon
+    as the output projections move."""
+    width, top = draft.config.hidden_size, draft.config.target_hidden_size
+    if width != top:
+        raise ValueError(f"draft.layer_init=identity: the draft's hidden size {width} differs from the target's {top}")
+    chunk = max(range(3), key=lambda i: draft.config.aux_layer_ids[i])  # fc's input: the states in aux_layer_ids order
+    with torch.no_grad():
+        draft.fc.weight.zero_()
+        draft.fc.weight[:, chunk * top : (chunk + 1) * top].copy_(torch.eye(width))
+        draft.midlayer.self_attn.o_proj.weight.zero_()
+        draft.midlayer.mlp.down_proj.weight.zero_()
 
 
 def target_head(cfg) -> tuple[torch.Tensor, torch.Tensor, object]:
