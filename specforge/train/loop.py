@@ -113,7 +113,8 @@ def init_layer_as_identity(draft: Eagle3Draft) -> None:
     width, top = draft.config.hidden_size, draft.config.target_hidden_size
     if width != top:
         raise ValueError(f"draft.layer_init=identity: the draft's hidden size {width} differs from the target's {top}")
-    chunk = max(range(3), key=lambda i: draft.config.aux_layer_ids[i])  # fc's input: the states in aux_layer_ids order
+    ids = draft.config.aux_layer_ids  # fc's input: the captured states in this order
+    chunk = max(range(len(ids)), key=lambda i: ids[i])
     with torch.no_grad():
         draft.fc.weight.zero_()
         draft.fc.weight[:, chunk * top : (chunk + 1) * top].copy_(torch.eye(width))
