@@ -74,6 +74,10 @@ class FixConfig:
     # toon=true: an answer that decodes to one scalar (a line of prose, a number) is not a TOON
     # document; quarantine it (toon_not_a_document) or keep it as written.
     toon_prose: str = "quarantine"  # quarantine | keep
+    # toon=true: an answer that no repair makes valid TOON (toon_unrepairable); quarantine it, or
+    # keep it as written (regenerated answers: broken TOON is what the target says, the draft must
+    # learn it too).
+    toon_unrepairable: str = "quarantine"  # quarantine | keep
 
 
 @dataclass

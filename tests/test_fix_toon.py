@@ -183,6 +183,24 @@ def test_fix_dataset_quarantines_unrepairable_toon_with_the_decoder_message():
     assert result.counts["by_reason"] == {"toon_unrepairable": 1}
 
 
+def test_unrepairable_toon_keep_leaves_that_turn_as_written():
+    """toon_unrepairable=keep: the broken turn stays byte for byte, the others are still repaired,
+    and a misspelled policy fails before any row is read."""
+    broken = 'city: "Paris'
+    fixable = CANONICAL.replace("hourly[3]", "hourly[9]")
+    row = RawRow("answers.jsonl", 1, {"messages": [
+        {"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "content": broken},
+        {"role": "user", "content": "And tomorrow?"}, {"role": "assistant", "content": fixable}]}, None)
+    result = fix_dataset([row, _row(broken, 2)], FixConfig(toon=True, dedupe=False, toon_unrepairable="keep"))
+    assert result.quarantined == [] and len(result.kept) == 2
+    answers = [m["content"] for m in result.kept[0]["messages"] if m["role"] == "assistant"]
+    assert answers == [broken, CANONICAL] and result.kept[0]["fixes"] == ["fixed_array_length"]
+    assert result.kept[1]["messages"][1]["content"] == broken and result.kept[1]["fixes"] == []
+    assert result.counts["input_rows"] == result.counts["kept"] + result.counts["fixed"] == 2
+    with pytest.raises(ValueError, match=r"data.fix.toon_unrepairable: 'drop' is not one of \['quarantine', 'keep'\]"):
+        fix_dataset([row], FixConfig(toon=True, toon_unrepairable="drop"))
+
+
 def test_toon_off_leaves_answers_alone():
     broken = CANONICAL.replace("  ", "\t")
     result = fix_dataset([_row(broken)], FixConfig(toon=False))

@@ -10,7 +10,8 @@ Per row, in this order (each step switched by FixConfig; `enabled=False` only pa
 invalid JSON -> parse (to_conversation; row-level `images` become image parts there) -> row
 length (`max_chars`: checked before any repair or tokenization) -> role names -> images -> empty
 turns -> consecutive roles -> assistant present -> TOON answers (specforge.data.fix.toon; an
-answer that is prose, not a document, is quarantined unless `toon_prose="keep"`) -> duplicates
+answer that is prose, not a document, is quarantined unless `toon_prose="keep"`, one no repair makes
+valid unless `toon_unrepairable="keep"`: either is then left as written) -> duplicates
 (judged on the cleaned messages, so a copy that differs only by a fixable defect is still a copy).
 
 Images: every image part is checked once (missing, unreadable or outside `image_root` ->
@@ -50,6 +51,7 @@ _CHOICES = {
     "no_assistant": ("quarantine", "keep"),
     "toon_where": ("message", "fenced"),
     "toon_prose": PROSE_POLICIES,
+    "toon_unrepairable": PROSE_POLICIES,
 }
 
 
@@ -118,7 +120,8 @@ def fix_row(
     toon_fixes: list[str] = []
     if cfg.toon:
         try:
-            messages, toon_fixes = repair_answers(messages, cfg.toon_where, cfg.toon_prose)
+            messages, toon_fixes = repair_answers(messages, cfg.toon_where, cfg.toon_prose,
+                                                    cfg.toon_unrepairable)
         except ToonUnrepairable as e:
             raise Quarantine(f"toon_unrepairable: {e}") from None
         except ToonNotADocument as e:

@@ -128,9 +128,11 @@ def repair_fenced(content: str, prose: str = "keep") -> tuple[str, list[str]]:
     return "".join(pieces), fixes
 
 
-def repair_answers(messages: list[dict], where: str, prose: str = "keep") -> tuple[list[dict], list[str]]:
+def repair_answers(messages: list[dict], where: str, prose: str = "keep",
+                   unrepairable: str = "quarantine") -> tuple[list[dict], list[str]]:
     """Repair the TOON of every assistant turn (`where`: "message" or "fenced"; `prose`: what a
-    payload that is a single scalar gets, "quarantine" or "keep").
+    payload that is a single scalar gets, "quarantine" or "keep"; `unrepairable`: what a turn no
+    repair makes valid gets, "quarantine" or "keep" as written).
 
     Raises ToonUnrepairable or ToonNotADocument naming the assistant turn (counted among
     assistant turns)."""
@@ -138,6 +140,8 @@ def repair_answers(messages: list[dict], where: str, prose: str = "keep") -> tup
         raise ValueError(f"data.fix.toon_where: {where!r} is not 'message' or 'fenced'")
     if prose not in PROSE_POLICIES:
         raise ValueError(f"data.fix.toon_prose: {prose!r} is not one of {list(PROSE_POLICIES)}")
+    if unrepairable not in PROSE_POLICIES:
+        raise ValueError(f"data.fix.toon_unrepairable: {unrepairable!r} is not one of {list(PROSE_POLICIES)}")
     fn = repair_toon if where == "message" else repair_fenced
 
     def repair(text: str) -> tuple[str, list[str]]:
@@ -150,8 +154,12 @@ def repair_answers(messages: list[dict], where: str, prose: str = "keep") -> tup
         turn += 1
         try:
             content, turn_fixes = _repair_content(m["content"], repair)
-        except (ToonUnrepairable, ToonNotADocument) as e:
-            raise type(e)(f"{e} (assistant turn {turn})") from None
+        except ToonUnrepairable as e:
+            if unrepairable == "quarantine":
+                raise ToonUnrepairable(f"{e} (assistant turn {turn})") from None
+            content, turn_fixes = m["content"], []  # kept as the target wrote it
+        except ToonNotADocument as e:
+            raise ToonNotADocument(f"{e} (assistant turn {turn})") from None
         out.append({**m, "content": content})
         fixes.extend(f for f in turn_fixes if f not in fixes)
     return out, fixes
