@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml constraints.txt
 setup: $(STAMP)
 
 data/weather/train.jsonl: data_prep/weather.py | $(STAMP)
-	$(BIN)/python data_prep/weather.py --out data/weather --train 300 --eval 40 --seed 0
+	$(BIN)/python data_prep/weather.py --out data/weather --train 600 --eval 40 --seed 0
 
 data: data/weather/train.jsonl
 

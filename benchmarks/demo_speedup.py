@@ -8,7 +8,7 @@ Each row also gives the bound accept length x t_base / t_round (the speed-up if 
 were all the time spent: the prefill and the base model's other costs out), and how far the
 measured speed-up is from it.
 
-    .venv/bin/python benchmarks/demo_speedup.py --ckpt outputs/smollm2_weather/epoch_10
+    .venv/bin/python benchmarks/demo_speedup.py --ckpt outputs/smollm2_weather/epoch_8
 
 Timings are only meaningful on a quiet machine: the 1-min load average is recorded.
 """
@@ -24,7 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CKPT = ROOT / "outputs" / "smollm2_weather"
-CPU_TREES = ["2_1_3", "3_1_4", "4_1_5", "4_2_8"]  # 1-4 row verifies are cheap on a CPU (few_rows.py)
+CPU_TREES = ["2_1_3", "3_1_4", "3_2_4", "2_2_4", "4_2_8"]  # 1-4 row verifies are cheap on a CPU (few_rows.py)
 
 
 def parse_args(argv=None):
