@@ -6,7 +6,9 @@ output equals the base model's on every request, and writes `benchmarks/results/
 ({"tree", "speedup", "accept_length", "lossless_share", "dtype", "command"} plus every tree's row).
 Each row also gives the bound accept length x t_base / t_round (the speed-up if the decode rounds
 were all the time spent: the prefill and the base model's other costs out), and how far the
-measured speed-up is from it.
+measured speed-up is from it. Both models find the system prompt that every held-out prompt starts
+with cached (eval.shared_prefix, as SGLang's radix cache serves them); `--no-shared-prefix`
+prefills every prompt whole.
 
     .venv/bin/python benchmarks/demo_speedup.py --ckpt outputs/smollm2_weather/epoch_8
 
@@ -33,6 +35,8 @@ def parse_args(argv=None):
     p.add_argument("--trees", nargs="+", default=CPU_TREES, help="trees T_K_N")
     p.add_argument("--num-prompts", type=int, default=40, help="held-out prompts (at most the split's)")
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--no-shared-prefix", action="store_true",
+                   help="prefill every prompt whole (default: the system prompt all share stays cached, eval.shared_prefix)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "demo_speedup.json"))
     return p.parse_args(argv)
 
@@ -59,7 +63,8 @@ def main(argv=None) -> int:
     ckpt = ckpts[-1]
     run_cfg = load_run_config(run_dir)
     eval_cfg = OmegaConf.structured(EvalConfig(trees=list(args.trees), num_prompts=args.num_prompts,
-                                               max_new_tokens=args.max_new_tokens, dtype="float32"))
+                                               max_new_tokens=args.max_new_tokens, dtype="float32",
+                                               shared_prefix=not args.no_shared_prefix))
     load_before, t0 = os.getloadavg()[0], time.perf_counter()
     results = eval_with_engine(run_cfg, [ckpt], eval_cfg)
     load_after = os.getloadavg()[0]
@@ -82,6 +87,7 @@ def main(argv=None) -> int:
               "command": "python benchmarks/demo_speedup.py " + shlex.join(argv if argv is not None else sys.argv[1:]),
               "bound": top["bound"], "checkpoint": str(ckpt), "prompts": results["meta"]["prompts"],
               "max_new_tokens": args.max_new_tokens, "base_tok_s": base["tok_s"],
+              "shared_prefix_tokens": results["meta"]["shared_prefix_tokens"].get("heldout", 0),
               "base_ms_per_step": base["ms_per_step"], "rows": rows,
               "cpu": platform.processor() or platform.machine(), "threads": results["meta"]["threads"],
               "load_avg_1m": [round(load_before, 2), round(load_after, 2)],

@@ -218,6 +218,9 @@ class EvalConfig:
     # Runs of each request back to back (base and speculative alike); the fastest one's timings are
     # kept. > 1 on a shared machine, whose contention bursts add 10-30% to a run now and then.
     timing_repeats: int = 1
+    # Keep the cache of the prefix all prompts of a suite share (a system prompt, >= 16 tokens) and
+    # prefill only the rest, base and speculative alike, as SGLang's radix cache serves them.
+    shared_prefix: bool = True
     # Tree planner (specforge/eval/planner_eval.py, temperature 0): every epoch x planner_trees from
     # one greedy pass per prompt, speed-ups predicted by a cost model measured on this machine;
     # planner_confirm > 0 measures that many best trees of the recommended epoch with the engine.

@@ -445,3 +445,45 @@ def test_phase_timers_charge_the_right_phase(runs, monkeypatch, where, phase):
     assert len(calls) >= 4
     assert stats.phase_s[phase] >= slept
     assert all(v < slept for p, v in stats.phase_s.items() if p != phase), stats.phase_s
+
+
+# ---- a shared prompt prefix (a system prompt), cached once ---------------------------------------
+
+
+def test_shared_prefix_gives_the_same_caches_and_tokens(varied):
+    """A request whose prompt starts with the shared prefix restores its entries and prefills the
+    rest: the same target and draft caches as a whole prefill, the same tokens, base and
+    speculative; a prompt that does not start with it prefills everything."""
+    model, prompt, ref = varied
+    draft = random_draft(model)
+    whole = SpeculativeEngine(model, draft, "3_2_4")
+    whole.reset(prompt.shape[0] + 8)
+    token, state = whole.prefill(prompt)
+    shared = SpeculativeEngine(model, draft, "3_2_4")
+    assert shared.share_prefix(prompt[:7]) == 6
+    _, _, cached = shared._start(prompt, 8, None, shared.spec.num_draft_tokens)
+    assert cached == 6 and shared.runner.length == 6 and shared.draft_kv.length == 6
+    token2, state2 = shared.prefill(prompt, cached=cached)
+    assert token2.tolist() == token.tolist()
+    torch.testing.assert_close(state2.probs, state.probs, atol=1e-5, rtol=1e-5)
+    assert state2.ids.tolist() == state.ids.tolist()
+    for a, b in zip(shared.runner.cache.layers, whole.runner.cache.layers):
+        assert a.length == b.length == prompt.shape[0]
+        torch.testing.assert_close(a.keys[:, :, : a.length], b.keys[:, :, : b.length], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(shared.draft_kv.past(), whole.draft_kv.past(), atol=1e-5, rtol=1e-5)
+
+    out, stats = shared.generate(prompt, 60)
+    assert out.tolist() == ref.tolist()
+    base, _ = shared.generate_base(prompt, 60)
+    assert base.tolist() == ref.tolist()
+    other = prompt.flip(0)  # does not start with the prefix: no entries restored
+    assert shared._start(other, 8, None, 4)[2] == 0 and shared.runner.length == 0
+    assert shared.generate(other, 20)[0].tolist() == greedy_reference(model, other, 20).tolist()
+    shared.share_prefix(None)
+    assert shared._start(prompt, 8, None, 4)[2] == 0
+
+
+def test_shared_prefix_refuses_a_single_token(varied):
+    model, prompt, _ = varied
+    with pytest.raises(ValueError, match="at least 2 tokens"):
+        SpeculativeEngine(model, None).share_prefix(prompt[:1])

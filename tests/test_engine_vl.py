@@ -122,3 +122,11 @@ def test_cost_model_measures_on_a_vision_language_target(setup):
     model, draft, ids, _, _ = setup
     cost = measure(model, draft, {"input_ids": ids.tolist()}, cost_key("tiny-vl", draft, 40), ["3_1_4", "3_2_6"], repeats=1)
     assert cost.t_base > 0 and set(cost.t_verify) == {4, 6} and set(cost.t_step) == {1, 2}
+
+
+def test_a_shared_prefix_is_refused(setup):
+    """Its prompt's M-RoPE positions come from the whole prompt: no cached prefix (the evaluation
+    shares none on a vision-language target)."""
+    model, draft, ids, _, _ = setup
+    with pytest.raises(ValueError, match="vision-language"):
+        SpeculativeEngine(model, draft, "3_1_4").share_prefix(ids[:20])

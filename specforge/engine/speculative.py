@@ -8,6 +8,10 @@ the draft's cache always covers exactly the target's committed prefix.
 
 `generate_base` runs the plain target on the same cache machinery, so the two are comparable.
 
+`share_prefix` keeps both caches of a prompt prefix that many requests share (a system prompt),
+as SGLang's radix cache does; a request starting with it copies those entries instead of
+prefilling them, base and speculative alike.
+
 Every request records where its wall-clock time went (`GenerationStats.phase_s`, see PHASES).
 """
 from __future__ import annotations
@@ -179,6 +183,16 @@ def sample_token(logits: torch.Tensor, temperature: float, generator) -> torch.T
     return torch.multinomial(probs, 1, generator=generator)[0]
 
 
+class SharedPrefix(NamedTuple):
+    """Cache entries of `tokens[:-1]` (the last token is prefilled again by each request: the
+    draft's catch-up over the prefix's last position needs its target feature): per target layer
+    (keys, values), and the draft's (keys, values) pairing token p+1 with feature p, or None."""
+
+    tokens: torch.Tensor
+    target: list
+    draft: tuple | None
+
+
 class _Request:
     """Output tokens, stop conditions and timing of one generate call."""
 
@@ -239,6 +253,7 @@ class SpeculativeEngine:
         if aux_layer_ids is None:
             aux_layer_ids = draft.config.aux_layer_ids if draft is not None else []
         self.runner = TargetRunner(target, list(aux_layer_ids))
+        self.prefix: SharedPrefix | None = None  # share_prefix
         if draft is not None:
             if self.spec.topk > draft.config.draft_vocab_size:
                 raise ValueError(
@@ -337,10 +352,50 @@ class SpeculativeEngine:
     # ---- generation ---------------------------------------------------------------------------
 
     def _start(self, input_ids, max_new_tokens, eos_token_id, num_draft_tokens, on_tokens=None):
+        """(prompt, request, cached): `cached` leading prompt tokens are in the caches already (the
+        shared prefix, restored here, inside the request's time), the rest needs a prefill."""
         prompt = _as_prompt(input_ids, self.device)
         req = _Request(prompt.shape[0], max_new_tokens, eos_token_id, num_draft_tokens, self.device, on_tokens)
         self.reset(prompt.shape[0] + max_new_tokens)
-        return prompt, req
+        return prompt, req, self._restore_prefix(prompt, draft=num_draft_tokens > 0)
+
+    @torch.inference_mode()
+    def share_prefix(self, input_ids) -> int:
+        """Keep the caches of `input_ids` (>= 2 tokens, text only) for every later request whose
+        prompt starts with them; returns the tokens a request then skips (len - 1). Computed by
+        the same prefill as a request's, so the restored entries are what that request would
+        have written. `share_prefix(None)` forgets it."""
+        if input_ids is None:
+            self.prefix = None
+            return 0
+        ids = _as_prompt(input_ids, self.device)
+        if ids.shape[0] < 2:
+            raise ValueError(f"share_prefix: at least 2 tokens, got {ids.shape[0]}")
+        if self.runner.vl is not None:
+            raise ValueError("share_prefix: a vision-language prompt must start an empty cache (M-RoPE positions)")
+        self.prefix = None
+        self.reset(ids.shape[0])
+        _, aux = self.runner.prefill(ids[:-1], need_aux=self.draft is not None)
+        target = [(layer.keys[:, :, : layer.length].clone(), layer.values[:, :, : layer.length].clone())
+                  for layer in self.runner.cache.layers]
+        draft = None
+        if self.draft is not None:
+            self.draft_extend(ids[1:], aux)
+            draft = tuple(t.clone() for t in self.draft_kv.past())
+        self.prefix = SharedPrefix(ids, target, draft)
+        return ids.shape[0] - 1
+
+    def _restore_prefix(self, prompt: torch.Tensor, draft: bool) -> int:
+        p = self.prefix
+        n = 0 if p is None else p.tokens.shape[0]
+        if not n or prompt.shape[0] < n or not torch.equal(prompt[:n], p.tokens):
+            return 0
+        for layer, (k, v) in zip(self.runner.cache.layers, p.target):
+            layer.update(k, v)
+        if draft:
+            self.draft_kv.write(0, *p.draft)
+            self.draft_kv.length = n - 1
+        return n - 1
 
     def reset(self, max_len: int):
         """Empty both caches, sized for `max_len` committed tokens plus one round's scratch."""
@@ -350,19 +405,22 @@ class SpeculativeEngine:
             self.draft_kv.reset(capacity)
 
     @torch.inference_mode()
-    def prefill(self, prompt: torch.Tensor, temperature: float = 0.0, generator=None, images=None):
+    def prefill(self, prompt: torch.Tensor, temperature: float = 0.0, generator=None, images=None,
+                cached: int = 0):
         """Target prefill (first token sampled there), then the draft over the prompt pairing
-        (token p+1, feature p). Returns the first token [1] and the draft state of round 1."""
-        logits, aux = self.runner.prefill(prompt, images=images)
+        (token p+1, feature p); the first `cached` prompt tokens are in both caches already.
+        Returns the first token [1] and the draft state of round 1."""
+        logits, aux = self.runner.prefill(prompt[cached:], images=images)
         token = sample_token(logits, temperature, generator).reshape(1)
-        return token, self.draft_prefill(prompt, token, aux)
+        return token, self.draft_prefill(prompt, token, aux, cached)
 
     @torch.inference_mode()
-    def draft_prefill(self, prompt: torch.Tensor, token: torch.Tensor, aux: torch.Tensor) -> DraftState:
+    def draft_prefill(self, prompt: torch.Tensor, token: torch.Tensor, aux: torch.Tensor,
+                      cached: int = 0) -> DraftState:
         """The draft over the prompt, pairing (token p+1, feature p), `token` the first sampled one,
         after the runner's prefill of `prompt` (whose M-RoPE positions and merged image embeddings
-        a vision-language prompt's draft reads)."""
-        tokens = torch.cat([prompt[1:], token])
+        a vision-language prompt's draft reads); positions below `cached` are in its cache."""
+        tokens = torch.cat([prompt[1:], token])[cached:]
         if self.runner.vl is None:
             return self.draft_extend(tokens, aux)
         embeds = None
@@ -382,10 +440,10 @@ class SpeculativeEngine:
         "image_grid_thw"}) go with the prompt of a vision-language target."""
         if self.draft is None:
             raise ValueError("generate: this engine has no draft; use generate_base")
-        prompt, req = self._start(input_ids, max_new_tokens, eos_token_id, self.spec.num_draft_tokens,
-                                  on_tokens)
+        prompt, req, cached = self._start(input_ids, max_new_tokens, eos_token_id, self.spec.num_draft_tokens,
+                                          on_tokens)
         timer = req.timer
-        token, state = self.prefill(prompt, temperature, generator, images)
+        token, state = self.prefill(prompt, temperature, generator, images, cached)
         timer.lap("prefill")
         req.emit(token.tolist())
         req.first_token_done()
@@ -418,9 +476,9 @@ class SpeculativeEngine:
     def generate_base(self, input_ids, max_new_tokens: int, temperature: float = 0.0,
                       eos_token_id=None, generator: torch.Generator | None = None, on_tokens=None, images=None):
         """Plain autoregressive decoding of the target on the same cache machinery."""
-        prompt, req = self._start(input_ids, max_new_tokens, eos_token_id, 0, on_tokens)
+        prompt, req, cached = self._start(input_ids, max_new_tokens, eos_token_id, 0, on_tokens)
         timer = req.timer
-        logits, _ = self.runner.prefill(prompt, need_aux=False, images=images)
+        logits, _ = self.runner.prefill(prompt[cached:], need_aux=False, images=images)
         token = sample_token(logits, temperature, generator)
         timer.lap("prefill")
         req.emit([int(token)])

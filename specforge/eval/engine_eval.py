@@ -9,6 +9,10 @@ phase timers): ms per verify round of each phase (draft, verify, accept, cache, 
 base model, per decode step (decode, other); each phase's share of e2e time; and the cost of a
 round in base decode steps (`round_cost`), which explains the speed-up:
 decode speed-up ~= accept length / round_cost_steps.
+
+The prompts of a suite usually share a system prompt; with eval.shared_prefix (default, as
+SGLang's radix cache serves them) both engines keep its cache entries and prefill the rest of
+each prompt only (`shared_prefixes`, `SpeculativeEngine.share_prefix`).
 """
 from __future__ import annotations
 
@@ -137,15 +141,39 @@ def aggregate(stats: list[GenerationStats], steps: int = 0) -> dict:
     }
 
 
-def _run_pass(engine, prompts, eval_cfg, eos, speculative: bool, bar, task):
+MIN_SHARED_PREFIX = 16  # tokens; a shorter common prefix (a chat template's header) is not worth a cache
+
+
+def shared_prefixes(suites: dict[str, list[dict]]) -> dict[str, list[int]]:
+    """{suite: the tokens every one of its prompts starts with}, for suites of >= 2 text prompts
+    whose common prefix has >= MIN_SHARED_PREFIX tokens (a system prompt)."""
+    out = {}
+    for name, prompts in suites.items():
+        if len(prompts) < 2 or any(p.get("images") for p in prompts):
+            continue
+        common = os.path.commonprefix([[int(t) for t in p["input_ids"]] for p in prompts])
+        if len(common) >= MIN_SHARED_PREFIX:
+            out[name] = common
+    return out
+
+
+def _share(engine, tokens: list[int] | None) -> None:
+    held = None if engine.prefix is None else engine.prefix.tokens.tolist()
+    if held != tokens:
+        engine.share_prefix(tokens)
+
+
+def _run_pass(engine, prompts, eval_cfg, eos, speculative: bool, bar, task, prefixes=None):
     """Every prompt through `engine`; with eval.timing_repeats = R > 1 each request runs R times
     back to back and keeps its fastest run's figures: on a shared machine contention only ever
     adds time, so the fastest of a few runs is the steadiest estimate of the request's cost. The
-    R runs (same seed) must give the same tokens."""
+    R runs (same seed) must give the same tokens. `prefixes` {suite: tokens}: the shared prefix
+    each suite's requests find cached (none for a suite not in it)."""
     outputs, stats = [], []
     generator = torch.Generator(device=engine.device)
     run = engine.generate if speculative else engine.generate_base
     for i, p in enumerate(prompts):
+        _share(engine, (prefixes or {}).get(p["suite"]))
         best = None
         for _ in range(eval_cfg.timing_repeats):
             generator.manual_seed(eval_cfg.seed + i)
@@ -226,6 +254,8 @@ def eval_with_engine(run_cfg, ckpts: list[Path], eval_cfg, on_progress=None) -> 
         return {name: [x for x, p in zip(items, prompts) if p["suite"] == name] for name in suites}
 
     base_engine = SpeculativeEngine(target, None)
+    # a vision-language prompt starts an empty cache (its M-RoPE positions): nothing shared there
+    prefixes = shared_prefixes(suites) if eval_cfg.shared_prefix and base_engine.runner.vl is None else {}
     warm = prompts[0]
     base_engine.generate_base(warm["input_ids"], 8, eos_token_id=eos, images=warm.get("images"))
     n_passes = 2 + len(ckpts) * len(trees)
@@ -235,11 +265,12 @@ def eval_with_engine(run_cfg, ckpts: list[Path], eval_cfg, on_progress=None) -> 
         "temperature": eval_cfg.temperature, "dtype": dtype_name, "device": device,
         "threads": torch.get_num_threads(), "exact_ancestor_attention": eval_cfg.exact_ancestor_attention,
         "timing_repeats": eval_cfg.timing_repeats,
+        "shared_prefix_tokens": {name: len(prefixes[name]) - 1 if name in prefixes else 0 for name in suites},
         # the target's matmul kernel per row count, timed on this machine (engine/few_rows.py)
         "few_rows_kernels": {str(n): k for n, k in sorted(base_engine.runner.kernels.items())}}}
     with progress_bar() as bar:
         task = bar.add_task("eval", total=n_passes * len(prompts), info="base")
-        base_outputs, base_stats = _run_pass(base_engine, prompts, eval_cfg, eos, False, bar, task)
+        base_outputs, base_stats = _run_pass(base_engine, prompts, eval_cfg, eos, False, bar, task, prefixes)
         results["base"] = aggregate(base_stats)
         results["suite_base"] = {name: aggregate(s) for name, s in per_suite(base_stats).items()}
         if on_progress:
@@ -250,7 +281,7 @@ def eval_with_engine(run_cfg, ckpts: list[Path], eval_cfg, on_progress=None) -> 
                 bar.update(task, info=f"{ckpt.name} {tree}")
                 engine = SpeculativeEngine(target, draft, tree, eval_cfg.exact_ancestor_attention)
                 engine.generate(warm["input_ids"], 8, eos_token_id=eos, images=warm.get("images"))
-                outputs, stats = _run_pass(engine, prompts, eval_cfg, eos, True, bar, task)
+                outputs, stats = _run_pass(engine, prompts, eval_cfg, eos, True, bar, task, prefixes)
                 config = {"checkpoint": str(ckpt), "epoch": epoch_of(ckpt), "tree": str(tree)}
                 row = {**config, **aggregate(stats, tree.steps),
                        "lossless": _lossless(outputs, base_outputs, eval_cfg),
@@ -268,7 +299,7 @@ def eval_with_engine(run_cfg, ckpts: list[Path], eval_cfg, on_progress=None) -> 
                         r["speedup"] = r["tok_s"] / results["suite_base"][r["suite"]]["tok_s"]
                     on_progress(results)
         bar.update(task, info="base (again)")
-        _, base_again = _run_pass(base_engine, prompts, eval_cfg, eos, False, bar, task)
+        _, base_again = _run_pass(base_engine, prompts, eval_cfg, eos, False, bar, task, prefixes)
 
     results["base"] = _base_of(aggregate(base_stats), aggregate(base_again))
     firsts, seconds = per_suite(base_stats), per_suite(base_again)
