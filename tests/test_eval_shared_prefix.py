@@ -7,6 +7,7 @@ import json
 
 from omegaconf import OmegaConf
 
+from specforge.eval.report import markdown
 from specforge.eval.engine_eval import MIN_SHARED_PREFIX, eval_with_engine, load_run_config, shared_prefixes
 from tests.test_eval_profile import tiny_run  # noqa: F401 - the fixture: a run dir with one random draft
 
@@ -44,3 +45,4 @@ def test_the_evaluation_gives_the_same_figures_with_and_without_it(tiny_run, tmp
     assert with_prefix["lossless"] == without["lossless"] == 1.0
     for key in ("completion_tokens", "verify_rounds", "accept_length", "accept_histogram"):
         assert with_prefix[key] == without[key]
+    assert "eval.shared_prefix" in markdown(results[True]) and "eval.shared_prefix" not in markdown(results[False])

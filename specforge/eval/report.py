@@ -115,13 +115,23 @@ def suite_lines(results: dict) -> list[str]:
     return lines
 
 
+def _shared_prefix(meta: dict) -> str:
+    shared = {name: n for name, n in (meta.get("shared_prefix_tokens") or {}).items() if n}
+    if not shared:
+        return ""
+    return (" The prefix every prompt of a suite starts with stayed cached, base and speculative alike "
+            "(eval.shared_prefix, as SGLang's radix cache): " + ", ".join(f"{name} {n} tokens" for name, n in shared.items())
+            + " per prompt not prefilled.")
+
+
 def markdown(results: dict) -> str:
     base, meta = results["base"], results["meta"]
     lines = ["## Evaluation: speculative decoding vs the base model", "",
              f"{_prompts(meta)}, max {meta['max_new_tokens']} new tokens, temperature "
              f"{meta['temperature']}, batch 1, {meta['dtype']} on {meta['device']} ({meta['threads']} threads). "
              "Accept length = completion tokens / verify rounds (SGLang's definition); speed-up = tok/s over "
-             "the base model's tok/s measured in the same run (mean of a pass before and after).", "",
+             "the base model's tok/s measured in the same run (mean of a pass before and after)."
+             + _shared_prefix(meta), "",
              f"Base model: {base['tok_s']:.2f} tok/s (passes: {base['tok_s_first_pass']:.2f}, "
              f"{base['tok_s_second_pass']:.2f}), prefill {base['prefill_s']:.3f} s, TPOT "
              f"{base['tpot_ms_mean']:.1f} ms (p99 {base['tpot_ms_p99']:.1f}), e2e {base['e2e_s']:.2f} s.", "",
