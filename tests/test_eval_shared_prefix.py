@@ -7,8 +7,8 @@ import json
 
 from omegaconf import OmegaConf
 
-from specforge.eval.report import markdown
 from specforge.eval.engine_eval import MIN_SHARED_PREFIX, eval_with_engine, load_run_config, shared_prefixes
+from specforge.eval.report import markdown
 from tests.test_eval_profile import tiny_run  # noqa: F401 - the fixture: a run dir with one random draft
 
 SYSTEM = "You are a weather assistant. Reply with the city, the date and a one-line summary of the sky."
