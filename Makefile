@@ -15,7 +15,7 @@ export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export DS_BUILD_OPS ?= 0  # DeepSpeed (a test dependency) installs without compiling its CUDA ops
 
-.PHONY: setup demo demo-vl test data clean-demo peer-venv
+.PHONY: setup demo demo-vl test data clean-demo peer-venv FORCE
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -27,8 +27,14 @@ $(STAMP): pyproject.toml constraints.txt
 
 setup: $(STAMP)
 
-data/weather/train.jsonl: data_prep/weather.py | $(STAMP)
-	$(BIN)/python data_prep/weather.py --out data/weather --train 600 --eval 40 --seed 0
+# The generator's arguments are a prerequisite too (data/weather/args): a checkout whose
+# data/weather was drawn with other ones (e.g. 300 conversations) is drawn again.
+WEATHER_ARGS := --train 600 --eval 40 --seed 0
+data/weather/args: FORCE
+	@mkdir -p $(@D); echo '$(WEATHER_ARGS)' | cmp -s - $@ || echo '$(WEATHER_ARGS)' > $@
+
+data/weather/train.jsonl: data_prep/weather.py data/weather/args | $(STAMP)
+	$(BIN)/python data_prep/weather.py --out data/weather $(WEATHER_ARGS)
 
 data: data/weather/train.jsonl
 
@@ -43,6 +49,8 @@ demo-vl: setup data/weather_vl/train.jsonl
 
 test: setup
 	$(BIN)/python -m pytest -q
+
+FORCE:
 
 clean-demo:
 	rm -rf outputs/smollm2_weather data/weather outputs/qwen3vl_tiny data/weather_vl
