@@ -23,7 +23,7 @@ float32 it is deterministic, so it compares with the peer's in peer_quality.json
 to benchmarks/results/recipe_ablation.json ({"rows": [{"name", "set", "accept_length": {tree: ...},
 "vs_peer": {tree: ...}}], "peer", "samples", ...}; --ablation-out for another store's table).
 
---seed N trains both with seed N (another --out per seed); --spread FILE ... then tabulates ours / peer
+--ttt-length N unrolls both N TTT steps (default: the run's); --seed N trains both with seed N (another --out per seed); --spread FILE ... then tabulates ours / peer
 per tree and seed with the mean over seeds (benchmarks/results/peer_quality_seeds.json).
 
     make peer-venv
@@ -78,6 +78,9 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=None,
                    help="the seed of BOTH trainers (sample order and initialisation; default: the run's), "
                         "for the spread over seeds; --out another file per seed")
+    p.add_argument("--ttt-length", type=int, default=None,
+                   help="TTT steps of BOTH trainers (default: the run's train.ttt_length); a tree deeper "
+                        "than it runs draft steps neither was trained for")
     p.add_argument("--spread", nargs="+", metavar="JSON",
                    help="no training: the spread over seeds of runs of this benchmark (their --out files, "
                         "same store and budget, one seed each) -> --spread-out")
@@ -196,6 +199,9 @@ def ablate(args, run_cfg, run_dir: Path, work: Path, eval_cfg) -> int:
     if baseline["epochs"] != args.epochs or baseline["prompts"] > args.num_prompts:
         raise SystemExit(f"{args.out}: measured at {baseline['epochs']} epochs on {baseline['prompts']} prompts; "
                          "an ablation row must use the same budget and prompts")
+    if baseline.get("ttt_length", run_cfg.train.ttt_length) != run_cfg.train.ttt_length:
+        raise SystemExit(f"{args.out}: both trained with TTT {baseline['ttt_length']}, ours would unroll "
+                         f"{run_cfg.train.ttt_length}: pass --ttt-length {baseline['ttt_length']}")
     if baseline.get("seed", 0) != run_cfg.seed:
         raise SystemExit(f"{args.out}: the peer was trained with seed {baseline.get('seed', 0)}, ours would be "
                          f"{run_cfg.seed}: pass that run's --seed, or its --out")
@@ -221,7 +227,8 @@ def ablate(args, run_cfg, run_dir: Path, work: Path, eval_cfg) -> int:
     return 0
 
 
-SAME_BUDGET = ("samples", "tokens", "steps", "epochs", "prompts", "max_new_tokens", "dtype", "ours_overrides")
+SAME_BUDGET = ("samples", "tokens", "steps", "epochs", "prompts", "max_new_tokens", "dtype", "ours_overrides",
+               "ttt_length")
 
 
 def seed_spread(results: dict[str, dict]) -> dict:
@@ -273,8 +280,12 @@ def main(argv=None) -> int:
 
     if any(kv.split("=", 1)[0].lstrip("+") == "seed" for kv in args.set):
         sys.exit("--set seed=...: would change our sample order but not the peer's; use --seed (both)")
+    if any(kv.split("=", 1)[0].lstrip("+") == "train.ttt_length" for kv in args.set):
+        sys.exit("--set train.ttt_length=...: would change our unroll but not the peer's; use --ttt-length (both)")
     if args.seed is not None:
         run_cfg = OmegaConf.merge(run_cfg, {"seed": args.seed})
+    if args.ttt_length is not None:
+        run_cfg = OmegaConf.merge(run_cfg, {"train": {"ttt_length": args.ttt_length}})
 
     eval_cfg = OmegaConf.merge(run_cfg.eval, {"engine": "embedded", "trees": args.trees, "suites": [],
                                               "num_prompts": args.num_prompts, "planner": False,
@@ -324,6 +335,7 @@ def main(argv=None) -> int:
               f"{row['speedup_peer']:.2f}x | {row['lossless_ours']:.2f} / {row['lossless_peer']:.2f} |", flush=True)
     result = {
         "rows": rows, "steps": len(plan["steps"]), "epochs": args.epochs, "seed": run_cfg.seed,
+        "ttt_length": run_cfg.train.ttt_length,
         "ours_overrides": args.set,
         "samples": len(store), "tokens": store.num_tokens, "prompts": results["meta"]["prompts"],
         "max_new_tokens": args.max_new_tokens, "dtype": results["meta"]["dtype"],

@@ -1,10 +1,11 @@
 """benchmarks/peer_quality.py --spread: ours / peer per seed and over seeds, from the runs' own
 result files (the training runs need the peer's virtualenv; the spread does not)."""
 import json
+import sys
 
 import pytest
 
-from tests.test_eval_profile import benchmark
+from tests.test_eval_profile import benchmark, tiny_run  # noqa: F401 - the fixture: a run dir
 
 
 def result(seed, ours, peer, **budget):
@@ -38,10 +39,19 @@ def test_spread_over_seeds(tmp_path, capsys):
 @pytest.mark.parametrize("other, message", [(result(1, (2.0, 2.0), (2.0, 2.0), steps=120), "steps differ"),
                                             (result(0, (2.0, 2.0), (2.0, 2.0)), "two different seeds"),
                                             (result(1, (2.0, 2.0), (2.0, 2.0), ours_overrides=["train.step_weight=1"]),
-                                             "ours_overrides differ")])
+                                             "ours_overrides differ"),
+                                            (result(1, (2.0, 2.0), (2.0, 2.0), ttt_length=7), "ttt_length differ")])
 def test_spread_refuses_runs_that_differ_in_more_than_the_seed(tmp_path, other, message):
     module = benchmark("peer_quality")
     files = [write(tmp_path, "s0.json", result(0, (2.2, 2.5), (2.0, 2.5))), write(tmp_path, "other.json", other)]
     with pytest.raises(SystemExit, match=message):
         module.main(["--spread", *files, "--spread-out", str(tmp_path / "seeds.json")])
     assert not (tmp_path / "seeds.json").exists()
+
+
+def test_a_ttt_length_for_ours_alone_is_refused(tiny_run, tmp_path):
+    """Both trainers unroll the same TTT steps: --ttt-length sets both, --set would change ours only."""
+    module = benchmark("peer_quality")
+    with pytest.raises(SystemExit, match="use --ttt-length"):
+        module.main(["--run", str(tiny_run), "--peer-python", sys.executable, "--work", str(tmp_path / "w"),
+                     "--set", "train.ttt_length=7"])
