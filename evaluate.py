@@ -4,6 +4,11 @@
 
 import sys
 
+if __name__ == "__main__":  # first: re-executes once with mimalloc (SPECFORGE_ALLOCATOR=system: glibc's)
+    from specforge.utils.allocator import preload_mimalloc
+
+    preload_mimalloc()
+
 import hydra
 
 from specforge.cli_args import quote_trees

@@ -9,8 +9,15 @@ bytes per token on disk.
 
     .venv/bin/python benchmarks/extract_bench.py            # SmolLM2-135M, ~1.5 min on 2 cores
     .venv/bin/python benchmarks/extract_bench.py --tiny     # tiny random Llama, seconds
+
+It runs on the allocator train.py runs with (mimalloc; SPECFORGE_ALLOCATOR=system: glibc's).
 """
 from __future__ import annotations
+
+if __name__ == "__main__":  # as train.py: re-executes once with mimalloc preloaded
+    from specforge.utils.allocator import preload_mimalloc
+
+    preload_mimalloc()
 
 import argparse
 import os
@@ -22,6 +29,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from specforge.utils.allocator import mimalloc_loaded
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct"
@@ -150,6 +159,7 @@ def main(argv=None) -> int:
         "tokens": sum(lengths),
         "length_min_median_max": [min(lengths), statistics.median(lengths), max(lengths)],
         "threads": args.threads,
+        "allocator": "mimalloc" if mimalloc_loaded() else "glibc",
         "torch": torch.__version__,
         "transformers": __import__("transformers").__version__,
         "cpu": platform.processor() or platform.machine(),

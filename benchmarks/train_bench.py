@@ -4,6 +4,7 @@ lengths, draft vocab sizes, sequence lengths and packing, on the target geometry
 
     python benchmarks/train_bench.py [--target .cache/models/SmolLM2-135M-Instruct]   # kernel grid
     make peer-venv && python benchmarks/train_bench.py --vs-peer                       # train_vs_peer.json
+    python benchmarks/train_bench.py --allocator-ab                                    # allocator.json
 
 Features are random, except that the target's final state points at the next token (as on
 regenerated data), so that every position is scored as on a real store. Each configuration runs
@@ -14,8 +15,16 @@ A step is one optimizer step on `rows x seq` tokens: TTT unroll, loss, backward,
 collation; its AdamW so that both take the same optimizer) on the same shapes: at 512 tokens four
 documents per step (ours: a batch of 4 sequences; the peer: 4 documents packed in a row, as its
 trainer batches), from 2,048 on one sequence per step.
+Both run with the allocator train.py runs with (mimalloc, specforge/utils/allocator.py; the peer's
+process gets the same library preloaded); `SPECFORGE_ALLOCATOR=system` times both on glibc's.
+--allocator-ab times our step on glibc's malloc and on mimalloc, each shape twice, alternating.
 """
 from __future__ import annotations
+
+if __name__ == "__main__":  # the allocator train.py runs with, in this process and each --one
+    from specforge.utils.allocator import preload_mimalloc
+
+    preload_mimalloc()
 
 import argparse
 import json
@@ -35,6 +44,7 @@ from specforge.targets.loader import default_aux_layer_ids
 from specforge.train.batches import collate
 from specforge.train.loop import autocast_for
 from specforge.train.ttt import Teacher, ttt_forward
+from specforge.utils.allocator import allocator_choice, mimalloc_loaded, mimalloc_path
 
 PEER_PYTHON = ".venv-peer/bin/python"
 PEER_WORKER = "benchmarks/peer_train_worker.py"
@@ -86,25 +96,35 @@ def time_config(target_config, attention, precision, ttt_length, draft_vocab, ba
             "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}
 
 
-def in_subprocess(argv: list[str]) -> dict:
+def allocator() -> str:
+    """What both sides run on: mimalloc where train.py would preload it, else glibc's malloc."""
+    return "mimalloc" if allocator_choice() == "mimalloc" and mimalloc_path() else "glibc"
+
+
+def in_subprocess(argv: list[str], env: dict | None = None) -> dict:
     """Run one configuration in a fresh process; its last stdout line is the JSON result."""
-    done = subprocess.run(argv, capture_output=True, text=True)
+    done = subprocess.run(argv, capture_output=True, text=True, env=env)
     if done.returncode:
         raise RuntimeError(f"{' '.join(argv)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def ours(args, attention, precision, ttt, vocab, batch, seq, packed=False) -> dict:
+def ours(args, attention, precision, ttt, vocab, batch, seq, packed=False, alloc=None) -> dict:
     one = {"attention": attention, "precision": precision, "ttt_length": ttt, "draft_vocab": vocab,
            "batch": batch, "seq": seq, "packed": packed}
+    env = None if alloc is None else {**os.environ, "SPECFORGE_ALLOCATOR": alloc}
     return in_subprocess([sys.executable, __file__, "--target", args.target, "--repeats", str(args.repeats),
-                          "--one", json.dumps(one)])
+                          "--one", json.dumps(one)], env)
 
 
 def peer(args, precision, ttt, vocab, docs, seq) -> dict:
+    env = dict(os.environ)
+    if allocator() == "mimalloc":  # the peer's process on the same allocator as ours
+        env["LD_PRELOAD"] = ":".join(filter(None, [mimalloc_path(), env.get("LD_PRELOAD")]))
+        env.setdefault("MIMALLOC_PURGE_DELAY", "-1")
     return in_subprocess([args.peer_python, PEER_WORKER, "--target", args.target, "--seq-len", str(seq),
                           "--docs", str(docs), "--dtype", precision, "--ttt", str(ttt),
-                          "--draft-vocab", str(vocab), "--repeats", str(args.repeats), "--optimizer", "adamw"])
+                          "--draft-vocab", str(vocab), "--repeats", str(args.repeats), "--optimizer", "adamw"], env)
 
 
 def kernel_grid(args):
@@ -118,7 +138,7 @@ def kernel_grid(args):
         rows.append(r)
         print(f"| {attention} | {precision} | {ttt} | {dv} | {r['step_s']} | {r['tokens_per_s']} | "
               f"{r['peak_rss_mb']} |", flush=True)
-    return {"target": args.target, "threads": os.cpu_count(), "results": rows}
+    return {"target": args.target, "threads": os.cpu_count(), "allocator": allocator(), "results": rows}
 
 
 def vs_peer(args):
@@ -143,8 +163,37 @@ def vs_peer(args):
     return {"rows": rows, "memory": {"seq_len": max(args.seq_lens), "ttt": args.ttt, "draft_vocab": 32000,
                                      "dtype": "bf16", "peak_rss_mb": memory["peak_rss_mb"],
                                      "tokens_per_s": memory["tokens_per_s"]},
-            "ttt": args.ttt, "draft_vocab": args.draft_vocab, "threads": os.cpu_count(),
+            "ttt": args.ttt, "draft_vocab": args.draft_vocab, "threads": os.cpu_count(), "allocator": allocator(),
             "peer": "speculators 0.9.0 (sdpa attention, eager loss, AdamW; benchmarks/peer_train_worker.py)",
+            "command": "python " + " ".join(sys.argv)}
+
+
+def allocator_ab(args):
+    """Our step on glibc's malloc and on mimalloc, same shapes; two rounds, alternating, so that a
+    slow stretch of a shared machine hits both sides; the better round of each counts."""
+    if mimalloc_path() is None:
+        sys.exit("cmeel-mimalloc is not installed: nothing to compare")
+    shapes = [("bf16", 8192, 4, 512), ("bf16", 8192, 1, 4096), ("fp32", 8192, 4, 512), ("fp32", 8192, 1, 4096),
+              ("bf16", 32000, 1, 4096)]
+    rows = []
+    print("| dtype | draft vocab | layout | glibc tok/s | mimalloc tok/s | mimalloc / glibc | glibc peak RSS MB | "
+          "mimalloc peak RSS MB |\n|---|---|---|---|---|---|---|---|")
+    for precision, vocab, batch, seq in shapes:
+        runs = {"system": [], "mimalloc": []}
+        for _ in range(2):
+            for choice in runs:
+                runs[choice].append(ours(args, "sdpa", precision, args.ttt, vocab, batch, seq, alloc=choice))
+        glibc, mim = (max(runs[c], key=lambda r: r["tokens_per_s"]) for c in ("system", "mimalloc"))
+        assert glibc["allocator"] == "glibc" and mim["allocator"] == "mimalloc", (glibc, mim)
+        row = {"dtype": precision, "draft_vocab": vocab, "layout": f"{batch} x {seq}",
+               "glibc_tok_s": glibc["tokens_per_s"], "mimalloc_tok_s": mim["tokens_per_s"],
+               "glibc_peak_rss_mb": glibc["peak_rss_mb"], "mimalloc_peak_rss_mb": mim["peak_rss_mb"],
+               "all_tok_s": {c: [r["tokens_per_s"] for r in runs[c]] for c in runs}}
+        rows.append(row)
+        print(f"| {precision} | {vocab} | {row['layout']} | {row['glibc_tok_s']} | {row['mimalloc_tok_s']} | "
+              f"{row['mimalloc_tok_s'] / row['glibc_tok_s']:.2f} | {row['glibc_peak_rss_mb']} | "
+              f"{row['mimalloc_peak_rss_mb']} |", flush=True)
+    return {"rows": rows, "ttt": args.ttt, "threads": os.cpu_count(), "repeats": args.repeats,
             "command": "python " + " ".join(sys.argv)}
 
 
@@ -155,6 +204,7 @@ def main():
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--vs-peer", action="store_true", help="ours vs speculators (needs make peer-venv)")
+    ap.add_argument("--allocator-ab", action="store_true", help="our step on glibc's malloc vs mimalloc")
     ap.add_argument("--seq-lens", type=lambda s: [int(x) for x in s.split(",")], default=[512, 2048, 4096])
     ap.add_argument("--dtypes", type=lambda s: s.split(","), default=["bf16", "fp32"])
     ap.add_argument("--tokens-per-step", type=int, default=2048, help="--vs-peer: documents of a step below it")
@@ -171,12 +221,19 @@ def main():
     if args.one:
         torch.set_num_threads(os.cpu_count())
         one = json.loads(args.one)
-        print(json.dumps(time_config(AutoConfig.from_pretrained(args.target), repeats=args.repeats, **one)))
+        result = time_config(AutoConfig.from_pretrained(args.target), repeats=args.repeats, **one)
+        result["allocator"] = "mimalloc" if mimalloc_loaded() else "glibc"  # what this process runs on
+        print(json.dumps(result))
         return
     if args.vs_peer and not Path(args.peer_python).exists():
         sys.exit(f"{args.peer_python} not found: run `make peer-venv` first (speculators in its own virtualenv)")
-    result = vs_peer(args) if args.vs_peer else kernel_grid(args)
-    out = Path(args.out or ("benchmarks/results/train_vs_peer.json" if args.vs_peer else "benchmarks/results/train.json"))
+    if args.allocator_ab:
+        result, default_out = allocator_ab(args), "benchmarks/results/allocator.json"
+    elif args.vs_peer:
+        result, default_out = vs_peer(args), "benchmarks/results/train_vs_peer.json"
+    else:
+        result, default_out = kernel_grid(args), "benchmarks/results/train.json"
+    out = Path(args.out or default_out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
