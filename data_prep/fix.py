@@ -23,7 +23,8 @@ def report_markdown(name: str, counts: dict) -> str:
     lines = [f"# Fix report: {name}", "",
              "input_rows = kept + fixed + quarantined", "", "| | rows |", "|---|---|"]
     lines += [f"| {k} | {counts[k]} |" for k in ("input_rows", "kept", "fixed", "quarantined")]
-    for title, key in (("Fixes applied (rows)", "by_fix"), ("Quarantined by reason", "by_reason")):
+    for title, key in (("Fixes applied (rows)", "by_fix"), ("Quarantined by reason", "by_reason"),
+                       ("Kept as written although no valid TOON (rows, among kept and fixed)", "by_kept_as_written")):
         if counts.get(key):
             lines += ["", f"## {title}", "", "| | rows |", "|---|---|"]
             lines += [f"| {k} | {v} |" for k, v in counts[key].items()]

@@ -209,3 +209,27 @@ def test_no_training_samples_left_is_an_error_with_a_report(tmp_path, tiny_targe
     report = read_json(tmp_path / "run" / "data" / "report.json")
     assert report["splits"]["train"]["quarantined"] == 2 and report["vocab"] is None
     assert len(list(read_jsonl(tmp_path / "run" / "data" / "quarantine.jsonl"))) == 2
+
+
+@pytest.mark.parametrize("num_proc", [0, 2])
+def test_answers_kept_as_written_are_counted_in_the_report(tmp_path, tiny_target_dir, num_proc):
+    """toon_prose=keep / toon_unrepairable=keep let such answers through: the report says how many
+    rows carry one (in-process and in datasets.map workers alike)."""
+    rows = generate(6, seed=0, split="train")
+    last_answer = [max(i for i, m in enumerate(r["messages"]) if m["role"] == "assistant") for r in rows]
+    rows[1]["messages"][last_answer[1]]["content"] = "It will be sunny all day in Paris."
+    rows[3]["messages"][last_answer[3]]["content"] = 'city: "Paris'
+    train = tmp_path / "raw" / "train.jsonl"
+    write_jsonl(train, rows)
+    cfg = make_cfg(tmp_path, tiny_target_dir, train, None, num_proc=num_proc,
+                   **{"fix.toon": True, "fix.toon_prose": "keep", "fix.toon_unrepairable": "keep"})
+    run_dir = tmp_path / "out" / "t"
+    counts = stage.run(cfg, run_dir)["train"]
+    assert counts["quarantined"] == 0 and counts["samples"] == 6
+    assert counts["by_kept_as_written"] == {"toon_prose": 1, "toon_unrepairable": 1}
+    assert_reconciles(counts)
+    convs = list(read_jsonl(run_dir / "data" / "train.conversations.jsonl"))
+    assert convs[3]["messages"][last_answer[3]]["content"] == 'city: "Paris'  # as written
+    md = (run_dir / "data" / "report.md").read_text()
+    assert "## Kept as written although no valid TOON" in md
+    assert "| toon_prose | 1 |" in md and "| toon_unrepairable | 1 |" in md

@@ -32,7 +32,8 @@ def _reconciles(counts: dict) -> bool:
 
 def test_clean_row_is_kept_as_is_with_its_provenance():
     kept, _ = _one(_raw([USER, ASSISTANT], line=7))
-    assert kept == {"id": "row7", "messages": [USER, ASSISTANT], "fixes": [], "file": "d.jsonl", "line": 7}
+    assert kept == {"id": "row7", "messages": [USER, ASSISTANT], "fixes": [], "kept_as_written": [],
+                    "file": "d.jsonl", "line": 7}
 
 
 def test_invalid_json_line_is_quarantined_with_file_and_line(tmp_path):
@@ -44,7 +45,7 @@ def test_invalid_json_line_is_quarantined_with_file_and_line(tmp_path):
     assert (q["file"], q["line"]) == (str(path), 2)
     assert q["reason"].startswith("invalid_json: ")
     assert result.counts == {"input_rows": 2, "kept": 1, "fixed": 0, "quarantined": 1,
-                             "by_fix": {}, "by_reason": {"invalid_json": 1}}
+                             "by_fix": {}, "by_reason": {"invalid_json": 1}, "by_kept_as_written": {}}
 
 
 def test_malformed_row_reason_names_the_field():
@@ -243,7 +244,7 @@ def test_every_row_is_accounted_for_and_fixes_count_rows():
     assert result.counts == {
         "input_rows": 5, "kept": 1, "fixed": 2, "quarantined": 2,
         "by_fix": {"merged_consecutive_user": 2, "normalized_role_names": 1},
-        "by_reason": {"invalid_json": 1, "no_assistant_turn": 1},
+        "by_reason": {"invalid_json": 1, "no_assistant_turn": 1}, "by_kept_as_written": {},
     }
     assert _reconciles(result.counts)
     assert result.quarantined[1]["row"] == "invalid JSON: Expecting value (column 1)"

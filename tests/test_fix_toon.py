@@ -197,6 +197,8 @@ def test_unrepairable_toon_keep_leaves_that_turn_as_written():
     assert answers == [broken, CANONICAL] and result.kept[0]["fixes"] == ["fixed_array_length"]
     assert result.kept[1]["messages"][1]["content"] == broken and result.kept[1]["fixes"] == []
     assert result.counts["input_rows"] == result.counts["kept"] + result.counts["fixed"] == 2
+    assert [k["kept_as_written"] for k in result.kept] == [["toon_unrepairable"], ["toon_unrepairable"]]
+    assert result.counts["by_kept_as_written"] == {"toon_unrepairable": 2}
     with pytest.raises(ValueError, match=r"data.fix.toon_unrepairable: 'drop' is not one of \['quarantine', 'keep'\]"):
         fix_dataset([row], FixConfig(toon=True, toon_unrepairable="drop"))
 
@@ -212,3 +214,13 @@ def test_fenced_mode_only_touches_blocks():
     result = fix_dataset([_row(answer)], FixConfig(toon=True, toon_where="fenced"))
     assert result.kept[0]["messages"][1]["content"] == f"It will rain.\n```toon\n{CANONICAL}\n```"
     assert result.kept[0]["fixes"] == ["fixed_array_length"]
+
+
+def test_prose_kept_is_recorded_and_prose_quarantined_is_not():
+    prose = "It will be sunny all day in Paris."
+    kept = fix_dataset([_row(prose, 1), _row(CANONICAL, 2)], FixConfig(toon=True, dedupe=False, toon_prose="keep"))
+    assert [k["messages"][1]["content"] for k in kept.kept] == [prose, CANONICAL]
+    assert [k["kept_as_written"] for k in kept.kept] == [["toon_prose"], []]
+    assert kept.counts["by_kept_as_written"] == {"toon_prose": 1}
+    strict = fix_dataset([_row(prose, 1), _row(CANONICAL, 2)], FixConfig(toon=True, dedupe=False))
+    assert strict.counts["by_reason"] == {"toon_not_a_document": 1} and strict.counts["by_kept_as_written"] == {}

@@ -72,7 +72,7 @@ def normalise_split(cfg, files: list[str], max_chars: int, tokenizer=None,
                 continue
             conv = json.loads(rec["conv"])
             convs.append({"id": conv["id"], "messages": conv["messages"], "fixes": rec["fixes"],
-                          "file": rec["file"], "line": rec["line"]})
+                          "kept_as_written": conv["kept_as_written"], "file": rec["file"], "line": rec["line"]})
             if render:
                 renders.append(_row_render(rec))
     return len(rows), convs, quarantine, renders if render else None

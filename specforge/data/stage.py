@@ -206,6 +206,7 @@ def _collect(split: str, convs: list[dict], renders: list, quarantine: list[dict
     the counts, which must reconcile with the `n_rows` input rows."""
     samples, conversations = [], []
     fixes: Counter = Counter()
+    as_written: Counter = Counter()  # rows with an answer that went through although no valid TOON
     kept = fixed = truncated = 0
     for conv, r in zip(convs, renders, strict=True):
         if r.reason is not None:
@@ -213,6 +214,7 @@ def _collect(split: str, convs: list[dict], renders: list, quarantine: list[dict
                                "row": {"id": conv["id"], "messages": conv["messages"]}})
             continue
         truncated += r.truncated
+        as_written.update(conv.get("kept_as_written") or ())
         if conv.get("fixes"):
             fixed += 1
             fixes.update(conv["fixes"])
@@ -229,6 +231,7 @@ def _collect(split: str, convs: list[dict], renders: list, quarantine: list[dict
         "skipped_max_samples": skipped,
         "by_reason": dict(sorted(Counter(reason_code(q["reason"]) for q in quarantine).items())),
         "by_fix": dict(sorted(fixes.items())),
+        "by_kept_as_written": dict(sorted(as_written.items())),
         "truncated": truncated,
         "samples": len(samples),
         "tokens": sum(lengths),
@@ -386,11 +389,16 @@ def report_markdown(summary: dict, vocab: dict | None) -> str:
              "(input_rows = kept + fixed + quarantined + skipped_max_samples).", "",
              "| | " + " | ".join(splits) + " |", "|---|" + "---|" * len(splits)]
     lines += [f"| {k} | " + " | ".join(str(summary[s][k]) for s in splits) + " |" for k in rows]
-    for title, key in (("Quarantined by reason", "by_reason"), ("Fixes applied", "by_fix")):
-        names = sorted({n for s in splits for n in summary[s][key]})
+    for title, key in (("Quarantined by reason", "by_reason"), ("Fixes applied", "by_fix"),
+                       ("Kept as written although no valid TOON (data.fix.toon_prose / toon_unrepairable=keep)",
+                        "by_kept_as_written")):
+        names = sorted({n for s in splits for n in summary[s].get(key, {})})
         if names:
             lines += ["", f"## {title}", "", "| | " + " | ".join(splits) + " |", "|---|" + "---|" * len(splits)]
-            lines += [f"| {n} | " + " | ".join(str(summary[s][key].get(n, 0)) for s in splits) + " |" for n in names]
+            lines += [f"| {n} | " + " | ".join(str(summary[s].get(key, {}).get(n, 0)) for s in splits) + " |"
+                      for n in names]
+            if key == "by_kept_as_written":
+                lines += ["", "Rows, counted among kept and fixed: these answers are trained on as written."]
     if vocab:
         requested = vocab.get("requested_draft_vocab_size", vocab["draft_vocab_size"])
         clamped = (f"; draft.draft_vocab_size={requested} clamped to the target vocab"

@@ -11,7 +11,8 @@ invalid JSON -> parse (to_conversation; row-level `images` become image parts th
 length (`max_chars`: checked before any repair or tokenization) -> role names -> images -> empty
 turns -> consecutive roles -> assistant present -> TOON answers (specforge.data.fix.toon; an
 answer that is prose, not a document, is quarantined unless `toon_prose="keep"`, one no repair makes
-valid unless `toon_unrepairable="keep"`: either is then left as written) -> duplicates
+valid unless `toon_unrepairable="keep"`: either is then left as written, and the row names it in
+`kept_as_written`, which the data report counts) -> duplicates
 (judged on the cleaned messages, so a copy that differs only by a fixable defect is still a copy).
 
 Images: every image part is checked once (missing, unreadable or outside `image_root` ->
@@ -60,7 +61,7 @@ class FixResult:
     """`kept` holds every surviving conversation (fixed ones included); in `counts`, "kept"
     is only those kept as is, so input_rows == kept + fixed + quarantined."""
 
-    kept: list[dict] = field(default_factory=list)  # {"id", "messages", "fixes", "file", "line"}
+    kept: list[dict] = field(default_factory=list)  # {"id", "messages", "fixes", "kept_as_written", "file", "line"}
     quarantined: list[dict] = field(default_factory=list)  # {"file", "line", "reason", "row"}
     counts: dict = field(default_factory=dict)
 
@@ -86,7 +87,7 @@ def fix_dataset(
             result.quarantined.append(quarantine_entry(raw, q.reason))
             continue
         result.kept.append({"id": conv["id"], "messages": conv["messages"], "fixes": fixes,
-                            "file": raw.file, "line": raw.line})
+                            "kept_as_written": conv["kept_as_written"], "file": raw.file, "line": raw.line})
     result.counts = _counts(n, result)
     return result
 
@@ -95,8 +96,8 @@ def fix_row(
     raw: RawRow, cfg: FixConfig, fmt: str = "auto", images: ImageChecker | None = None,
     max_chars: int | None = None,
 ) -> tuple[dict, list[str]]:
-    """(conversation, fixes) for one row, or raise Quarantine. Duplicates need the whole
-    dataset, so they are judged by fix_dataset, not here."""
+    """(conversation {"id", "messages", "kept_as_written"}, fixes) for one row, or raise Quarantine.
+    Duplicates need the whole dataset, so they are judged by fix_dataset, not here."""
     images = images or ImageChecker(None)
     if raw.error is not None:
         raise Quarantine(f"invalid_json: {raw.error}")
@@ -106,7 +107,7 @@ def fix_row(
         raise Quarantine(f"invalid_row: {e}") from None
     check_row_length(conv["messages"], max_chars)
     if not cfg.enabled:
-        return conv, []
+        return {"id": conv["id"], "messages": conv["messages"], "kept_as_written": []}, []
     fixes = role_name_fixes(raw.data, fmt)
     messages = conv["messages"]
     messages = images.resolve_images(messages, raw.file)  # not a fix: no name recorded
@@ -118,15 +119,16 @@ def fix_row(
         messages, merged = merge_consecutive(messages)
     require_assistant(messages, cfg.no_assistant)
     toon_fixes: list[str] = []
+    as_written: list[str] = []
     if cfg.toon:
         try:
-            messages, toon_fixes = repair_answers(messages, cfg.toon_where, cfg.toon_prose,
-                                                    cfg.toon_unrepairable)
+            messages, toon_fixes, as_written = repair_answers(messages, cfg.toon_where, cfg.toon_prose,
+                                                                cfg.toon_unrepairable)
         except ToonUnrepairable as e:
             raise Quarantine(f"toon_unrepairable: {e}") from None
         except ToonNotADocument as e:
             raise Quarantine(f"toon_not_a_document: {e}") from None
-    return {"id": conv["id"], "messages": messages}, fixes + dropped + merged + toon_fixes
+    return {"id": conv["id"], "messages": messages, "kept_as_written": as_written}, fixes + dropped + merged + toon_fixes
 
 
 def check_config(cfg: FixConfig) -> None:
@@ -162,6 +164,7 @@ def reason_code(reason: str) -> str:
 def _counts(n: int, result: FixResult) -> dict:
     by_fix: Counter = Counter(f for k in result.kept for f in k["fixes"])
     by_reason: Counter = Counter(reason_code(q["reason"]) for q in result.quarantined)
+    as_written: Counter = Counter(name for k in result.kept for name in k["kept_as_written"])
     fixed = sum(1 for k in result.kept if k["fixes"])
     return {
         "input_rows": n,
@@ -170,4 +173,5 @@ def _counts(n: int, result: FixResult) -> dict:
         "quarantined": len(result.quarantined),
         "by_fix": dict(sorted(by_fix.items())),
         "by_reason": dict(sorted(by_reason.items())),
+        "by_kept_as_written": dict(sorted(as_written.items())),  # rows, among kept and fixed
     }

@@ -14,7 +14,8 @@ than taught.
    a canonical input is kept byte-identical). A payload whose root is a single scalar (a line
    of prose, a number) is no TOON document: with `prose="quarantine"` (data.fix.toon_prose, the
    data stage's default) it raises `ToonNotADocument`, so a prose answer is not taught as TOON;
-   with `prose="keep"` it is left as written (the encoder would only quote it).
+   with `prose="keep"` it is left as written (the encoder would only quote it) and the turn's
+   row records "toon_prose" in `kept_as_written` (so the data report counts such rows).
 3. Otherwise the repairs below run in this fixed order, each on the result of the previous one,
    with a strict re-decode after each that changed the text. Each repair that changed the text
    is recorded; the first successful decode is re-encoded canonically (no extra
@@ -38,7 +39,9 @@ than taught.
    fixed_array_length            a declared `[N]` that disagrees with the items found is set to
                                  the count found (the rows are the data; the header is a claim)
 
-4. Anything still failing raises `ToonUnrepairable` with the decoder's last message.
+4. Anything still failing raises `ToonUnrepairable` with the decoder's last message
+   (`repair_answers` with `unrepairable="keep"`: the turn stays as written and the row records
+   "toon_unrepairable" in `kept_as_written`).
 
 Every repair keeps the line count, so decoder line numbers refer to the payload as given.
 """
@@ -78,9 +81,10 @@ def decode_strict(text: str) -> Any:
     return toon_format.decode(text, strict=True)
 
 
-def repair_toon(text: str, prose: str = "keep") -> tuple[str, list[str]]:
+def repair_toon(text: str, prose: str = "keep", kept: list[str] | None = None) -> tuple[str, list[str]]:
     """(canonical payload, fixes applied) for one TOON payload; raises ToonUnrepairable, or
-    ToonNotADocument for a root scalar when `prose` is "quarantine"."""
+    ToonNotADocument for a root scalar when `prose` is "quarantine" (when "keep", `kept` gets
+    "toon_prose")."""
     data = _json_container(text)
     if data is not None:
         return _from_json(text, data)
@@ -89,7 +93,7 @@ def repair_toon(text: str, prose: str = "keep") -> tuple[str, list[str]]:
     except ToonDecodeError as e:
         error = e
     else:
-        _check_document(value, prose)
+        _check_document(value, prose, kept)
         return _canonical(text, value, valid_as_given=True)
     fixes: list[str] = []
     for name, repair in REPAIRS:
@@ -103,13 +107,13 @@ def repair_toon(text: str, prose: str = "keep") -> tuple[str, list[str]]:
         except ToonDecodeError as e:
             error = e
             continue
-        _check_document(value, prose)
+        _check_document(value, prose, kept)
         canonical, _ = _canonical(text, value, valid_as_given=False)
         return canonical, fixes
     raise ToonUnrepairable(str(error))
 
 
-def repair_fenced(content: str, prose: str = "keep") -> tuple[str, list[str]]:
+def repair_fenced(content: str, prose: str = "keep", kept: list[str] | None = None) -> tuple[str, list[str]]:
     """Repair each ```toon fenced block of a message (text outside the blocks is free prose);
     raises ToonUnrepairable or ToonNotADocument naming the block."""
     fixes: list[str] = []
@@ -118,7 +122,7 @@ def repair_fenced(content: str, prose: str = "keep") -> tuple[str, list[str]]:
     for n, match in enumerate(FENCE.finditer(content), 1):
         payload = match.group(1)[:-1] if match.group(1).endswith("\n") else match.group(1)
         try:
-            canonical, block_fixes = repair_toon(payload, prose)
+            canonical, block_fixes = repair_toon(payload, prose, kept)
         except (ToonUnrepairable, ToonNotADocument) as e:
             raise type(e)(f"{e} (```toon block {n})") from None
         fixes.extend(f for f in block_fixes if f not in fixes)
@@ -129,10 +133,13 @@ def repair_fenced(content: str, prose: str = "keep") -> tuple[str, list[str]]:
 
 
 def repair_answers(messages: list[dict], where: str, prose: str = "keep",
-                   unrepairable: str = "quarantine") -> tuple[list[dict], list[str]]:
+                   unrepairable: str = "quarantine") -> tuple[list[dict], list[str], list[str]]:
     """Repair the TOON of every assistant turn (`where`: "message" or "fenced"; `prose`: what a
     payload that is a single scalar gets, "quarantine" or "keep"; `unrepairable`: what a turn no
     repair makes valid gets, "quarantine" or "keep" as written).
+
+    Returns (messages, fixes, kept_as_written): the last names what went through although it is
+    no valid TOON document, each at most once: "toon_prose", "toon_unrepairable".
 
     Raises ToonUnrepairable or ToonNotADocument naming the assistant turn (counted among
     assistant turns)."""
@@ -144,8 +151,10 @@ def repair_answers(messages: list[dict], where: str, prose: str = "keep",
         raise ValueError(f"data.fix.toon_unrepairable: {unrepairable!r} is not one of {list(PROSE_POLICIES)}")
     fn = repair_toon if where == "message" else repair_fenced
 
+    kept: list[str] = []
+
     def repair(text: str) -> tuple[str, list[str]]:
-        return fn(text, prose)
+        return fn(text, prose, kept)
     out, fixes, turn = [], [], 0
     for m in messages:
         if m["role"] != "assistant":
@@ -158,11 +167,13 @@ def repair_answers(messages: list[dict], where: str, prose: str = "keep",
             if unrepairable == "quarantine":
                 raise ToonUnrepairable(f"{e} (assistant turn {turn})") from None
             content, turn_fixes = m["content"], []  # kept as the target wrote it
+            if "toon_unrepairable" not in kept:
+                kept.append("toon_unrepairable")
         except ToonNotADocument as e:
             raise ToonNotADocument(f"{e} (assistant turn {turn})") from None
         out.append({**m, "content": content})
         fixes.extend(f for f in turn_fixes if f not in fixes)
-    return out, fixes
+    return out, fixes, kept
 
 
 def _repair_content(content: str | list, repair: Callable) -> tuple[str | list, list[str]]:
@@ -179,13 +190,18 @@ def _repair_content(content: str | list, repair: Callable) -> tuple[str | list, 
     return parts, fixes
 
 
-def _check_document(value: Any, prose: str) -> None:
+def _check_document(value: Any, prose: str, kept: list[str] | None = None) -> None:
     """TOON documents are objects or arrays; a root scalar is what prose decodes to."""
-    if prose == "quarantine" and not isinstance(value, (dict, list)):
-        kind = {str: "string", bool: "boolean", type(None): "null"}.get(type(value), "number")
-        shown = json.dumps(value, ensure_ascii=False)
-        shown = shown if len(shown) <= 60 else shown[:57] + "..."
-        raise ToonNotADocument(f"the answer decodes to a single {kind} ({shown}), not a TOON object or array")
+    if isinstance(value, (dict, list)):
+        return
+    if prose == "keep":
+        if kept is not None and "toon_prose" not in kept:
+            kept.append("toon_prose")
+        return
+    kind = {str: "string", bool: "boolean", type(None): "null"}.get(type(value), "number")
+    shown = json.dumps(value, ensure_ascii=False)
+    shown = shown if len(shown) <= 60 else shown[:57] + "..."
+    raise ToonNotADocument(f"the answer decodes to a single {kind} ({shown}), not a TOON object or array")
 
 
 def _canonical(text: str, value: Any, valid_as_given: bool) -> tuple[str, list[str]]:

@@ -209,7 +209,8 @@ def _assemble(conversations, keys, done, fix, image_root) -> _Assembled:
         conv = by_place[row["file"], row["line"]]
         fixes = list(conv.get("fixes") or [])
         fixes += [f for f in row["fixes"] if f not in fixes]
-        out.rows.append({**conv, "messages": row["messages"], "fixes": fixes})
+        out.rows.append({**conv, "messages": row["messages"], "fixes": fixes,
+                         "kept_as_written": row["kept_as_written"]})  # of the answers as regenerated
     for q in result.quarantined:
         out.quarantine.append({**q, "reason": f"{q['reason']} (after regeneration)"})
     return out
