@@ -12,9 +12,15 @@ prefills every prompt whole.
 
     .venv/bin/python benchmarks/demo_speedup.py --ckpt outputs/smollm2_weather/epoch_8
 
-Timings are only meaningful on a quiet machine: the 1-min load average is recorded.
+Timings are only meaningful on a quiet machine: the 1-min load average is recorded. It runs on
+the allocator evaluate.py runs with (mimalloc; SPECFORGE_ALLOCATOR=system: glibc's), recorded too.
 """
 from __future__ import annotations
+
+if __name__ == "__main__":  # as evaluate.py: re-executes once with mimalloc preloaded
+    from specforge.utils.allocator import preload_mimalloc
+
+    preload_mimalloc()
 
 import argparse
 import os
@@ -53,6 +59,7 @@ def main(argv=None) -> int:
     from specforge.config import EvalConfig
     from specforge.eval.engine_eval import eval_with_engine, find_checkpoints, load_run_config
     from specforge.eval.report import best_config
+    from specforge.utils.allocator import mimalloc_loaded
     from specforge.utils.io import write_json
 
     try:
@@ -90,6 +97,7 @@ def main(argv=None) -> int:
               "shared_prefix_tokens": results["meta"]["shared_prefix_tokens"].get("heldout", 0),
               "base_ms_per_step": base["ms_per_step"], "rows": rows,
               "cpu": platform.processor() or platform.machine(), "threads": results["meta"]["threads"],
+              "allocator": "mimalloc" if mimalloc_loaded() else "glibc",
               "load_avg_1m": [round(load_before, 2), round(load_after, 2)],
               "total_s": round(time.perf_counter() - t0, 1)}
     write_json(args.out, record)
