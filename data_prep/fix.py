@@ -40,17 +40,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--toon-where", choices=["message", "fenced"], default="message")
     p.add_argument("--toon-prose", choices=["quarantine", "keep"], default="quarantine",
                    help="an answer that is prose, not a TOON document (data.fix.toon_prose)")
+    p.add_argument("--toon-unrepairable", choices=["quarantine", "keep"], default="quarantine",
+                   help="an answer no repair makes valid TOON (data.fix.toon_unrepairable): keep = as written")
     p.add_argument("--image-root", default=None)
     args = p.parse_args(argv)
     src, out = Path(args.input), Path(args.out)
-    fix = FixConfig(toon=args.toon, toon_where=args.toon_where, toon_prose=args.toon_prose)
+    fix = FixConfig(toon=args.toon, toon_where=args.toon_where, toon_prose=args.toon_prose,
+                    toon_unrepairable=args.toon_unrepairable)
     try:
         result = fix_dataset(read_raw_rows(src), fix, args.format, args.image_root)
     except (OSError, ValueError) as e:  # DataFileError is a ValueError
         print(f"fix.py: error: {e}", file=sys.stderr)
         return 1
     name = src.name.split(".")[0]
-    write_jsonl(out / f"{name}.jsonl", ({k: r[k] for k in ("id", "messages", "fixes")} for r in result.kept))
+    write_jsonl(out / f"{name}.jsonl", ({k: r[k] for k in ("id", "messages", "fixes", "kept_as_written")}
+                                                    for r in result.kept))
     write_jsonl(out / f"{name}.quarantine.jsonl", result.quarantined)
     write_json(out / f"{name}.report.json", result.counts)
     write_text(out / f"{name}.report.md", report_markdown(name, result.counts))

@@ -26,6 +26,23 @@ def test_corrupted_weather_then_fix_reconciles_exactly(tmp_path):
     assert all({"file", "line", "reason"} <= set(json.loads(q)) for q in quarantined)
 
 
+def test_unrepairable_toon_kept_as_written_is_counted(tmp_path):
+    """--toon-unrepairable keep: the rows the corruption made unrepairable are kept, as written, and
+    the report names them instead of quarantining them."""
+    run("data_prep/weather.py", "--out", tmp_path / "raw", "--train", 300, "--eval", 2, "--corrupt", 0.02)
+    run("data_prep/fix.py", tmp_path / "raw" / "train.jsonl", "--out", tmp_path / "clean", "--toon",
+        "--toon-unrepairable", "keep")
+    expected = json.loads((tmp_path / "raw" / "train.jsonl.expected.json").read_text())
+    report = json.loads((tmp_path / "clean" / "train.report.json").read_text())
+    broken = expected["by_reason"]["toon_unrepairable"]
+    assert broken > 0 and "toon_unrepairable" not in report["by_reason"]
+    assert report["by_kept_as_written"] == {"toon_unrepairable": broken}
+    assert report["quarantined"] == expected["quarantined"] - broken
+    rows = [json.loads(line) for line in (tmp_path / "clean" / "train.jsonl").read_text().splitlines()]
+    assert sum(r["kept_as_written"] == ["toon_unrepairable"] for r in rows) == broken
+    assert "## Kept as written although no valid TOON" in (tmp_path / "clean" / "train.report.md").read_text()
+
+
 def test_weather_with_images_corrupted_then_fixed(tmp_path):
     """Image rows through both command lines: the missing-image breakage is counted like the others,
     and the fixed file (written elsewhere) names absolute paths of real PNGs."""
