@@ -1,10 +1,11 @@
 """mimalloc for the CPU stages, as torch's own CPU launcher preloads jemalloc or tcmalloc.
 
 glibc hands every large block back to the kernel when it is freed, so each training step maps its
-activations afresh and faults every page in again (~180 page faults per token and TTT step of 7 on
+activations afresh and faults every page in again (~180 page faults per token and step at TTT 7 on
 the SmolLM2 geometry, a sixth of the step's CPU time in the kernel). mimalloc with purging off
-(`MIMALLOC_PURGE_DELAY=-1`) keeps freed pages for the next step: +20-25% training tokens/s and
-+20% extraction forward on 2 CPU cores (docs/benchmarks.md, "The allocator").
+(`MIMALLOC_PURGE_DELAY=-1`) keeps freed pages for the next step: +13-22% training tokens/s at an
+8K draft vocab, +55% at 32K, the demo's train stage -19%, with a lower peak RSS, on 2 CPU cores
+(docs/benchmarks.md, "The allocator").
 
 An allocator is chosen when a process starts, so the entry points (train.py, evaluate.py) call
 `preload_mimalloc()` first: it re-executes the same command once with the library in
