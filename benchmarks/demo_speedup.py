@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     from specforge.config import EvalConfig
     from specforge.eval.engine_eval import eval_with_engine, find_checkpoints, load_run_config
     from specforge.eval.report import best_config
-    from specforge.utils.allocator import mimalloc_loaded
+    from specforge.utils.allocator import running_allocator
     from specforge.utils.io import write_json
 
     try:
@@ -97,7 +97,7 @@ def main(argv=None) -> int:
               "shared_prefix_tokens": results["meta"]["shared_prefix_tokens"].get("heldout", 0),
               "base_ms_per_step": base["ms_per_step"], "rows": rows,
               "cpu": platform.processor() or platform.machine(), "threads": results["meta"]["threads"],
-              "allocator": "mimalloc" if mimalloc_loaded() else "glibc",
+              "allocator": running_allocator(),
               "load_avg_1m": [round(load_before, 2), round(load_after, 2)],
               "total_s": round(time.perf_counter() - t0, 1)}
     write_json(args.out, record)

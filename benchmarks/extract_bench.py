@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from specforge.utils.allocator import mimalloc_loaded
+from specforge.utils.allocator import running_allocator
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct"
@@ -159,7 +159,7 @@ def main(argv=None) -> int:
         "tokens": sum(lengths),
         "length_min_median_max": [min(lengths), statistics.median(lengths), max(lengths)],
         "threads": args.threads,
-        "allocator": "mimalloc" if mimalloc_loaded() else "glibc",
+        "allocator": running_allocator(),
         "torch": torch.__version__,
         "transformers": __import__("transformers").__version__,
         "cpu": platform.processor() or platform.machine(),

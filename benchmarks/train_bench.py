@@ -44,7 +44,7 @@ from specforge.targets.loader import default_aux_layer_ids
 from specforge.train.batches import collate
 from specforge.train.loop import autocast_for
 from specforge.train.ttt import Teacher, ttt_forward
-from specforge.utils.allocator import allocator_choice, mimalloc_loaded, mimalloc_path
+from specforge.utils.allocator import allocator_choice, mimalloc_path, running_allocator, with_mimalloc
 
 PEER_PYTHON = ".venv-peer/bin/python"
 PEER_WORKER = "benchmarks/peer_train_worker.py"
@@ -118,10 +118,8 @@ def ours(args, attention, precision, ttt, vocab, batch, seq, packed=False, alloc
 
 
 def peer(args, precision, ttt, vocab, docs, seq) -> dict:
-    env = dict(os.environ)
-    if allocator() == "mimalloc":  # the peer's process on the same allocator as ours
-        env["LD_PRELOAD"] = ":".join(filter(None, [mimalloc_path(), env.get("LD_PRELOAD")]))
-        env.setdefault("MIMALLOC_PURGE_DELAY", "-1")
+    # the peer's process on the same allocator as ours
+    env = with_mimalloc(os.environ, mimalloc_path()) if allocator() == "mimalloc" else None
     return in_subprocess([args.peer_python, PEER_WORKER, "--target", args.target, "--seq-len", str(seq),
                           "--docs", str(docs), "--dtype", precision, "--ttt", str(ttt),
                           "--draft-vocab", str(vocab), "--repeats", str(args.repeats), "--optimizer", "adamw"], env)
@@ -222,7 +220,7 @@ def main():
         torch.set_num_threads(os.cpu_count())
         one = json.loads(args.one)
         result = time_config(AutoConfig.from_pretrained(args.target), repeats=args.repeats, **one)
-        result["allocator"] = "mimalloc" if mimalloc_loaded() else "glibc"  # what this process runs on
+        result["allocator"] = running_allocator()  # what this process runs on
         print(json.dumps(result))
         return
     if args.vs_peer and not Path(args.peer_python).exists():

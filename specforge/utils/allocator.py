@@ -43,6 +43,20 @@ def mimalloc_loaded() -> bool:
         return False
 
 
+def running_allocator() -> str:
+    """What this process runs on, for benchmark records: "mimalloc" or "glibc"."""
+    return "mimalloc" if mimalloc_loaded() else "glibc"
+
+
+def with_mimalloc(env: dict, library: str) -> dict:
+    """A copy of `env` whose programs start on `library`: first in LD_PRELOAD, purging off unless set."""
+    env = dict(env)
+    before = env.get("LD_PRELOAD", "")
+    env["LD_PRELOAD"] = f"{library}:{before}" if before else library
+    env.setdefault("MIMALLOC_PURGE_DELAY", "-1")  # keep freed pages: the point of the exercise
+    return env
+
+
 def allocator_choice() -> str:
     choice = os.environ.get(ENV, "mimalloc").strip().lower() or "mimalloc"
     if choice not in _CHOICES:
@@ -65,11 +79,8 @@ def preload_mimalloc() -> None:
     library = mimalloc_path()
     if library is None:
         return
-    env = dict(os.environ)
-    before = env.get("LD_PRELOAD", "")
-    env[_REEXEC] = before  # also stops a second re-exec should the loader refuse the library
-    env["LD_PRELOAD"] = f"{library}:{before}" if before else library
-    env.setdefault("MIMALLOC_PURGE_DELAY", "-1")  # keep freed pages: the point of the exercise
+    env = with_mimalloc(os.environ, library)
+    env[_REEXEC] = os.environ.get("LD_PRELOAD", "")  # also stops a second re-exec should the loader refuse it
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
