@@ -72,8 +72,8 @@ def bench_one(model, aux, samples, budget: int, shard_samples: int, meta: dict) 
     with tempfile.TemporaryDirectory() as d:
         t0, c0 = time.perf_counter(), time.process_time()
         with HiddenStateStoreWriter(d, meta, shard_samples=shard_samples) as w:
-            for s, a, last in ex.run(samples, chunk=shard_samples):
-                w.add(s["id"], s["input_ids"], s["loss_mask"], a, last)
+            for s, states in ex.run(samples, chunk=shard_samples):  # as the extract stage writes
+                w.add(s["id"], s["input_ids"], s["loss_mask"], **states)
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         store = HiddenStateStore(d)
         bpt, tokens, shards = store.bytes_per_token, store.num_tokens, len(store.shards)
