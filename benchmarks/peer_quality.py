@@ -30,11 +30,19 @@ per tree and seed with the mean over seeds (benchmarks/results/peer_quality_seed
     .venv/bin/python benchmarks/peer_quality.py --run outputs/smollm2_weather --epochs 3
     .venv/bin/python benchmarks/peer_quality.py --ablate step_weight_1 --set train.step_weight=1.0 \
         --work outputs/ablation/step_weight_1 --fresh
+Both train on the allocator train.py runs with (mimalloc, specforge/utils/allocator.py: ours in this
+process, the peer's worker through LD_PRELOAD); the result records it.
 """
 from __future__ import annotations
 
+if __name__ == "__main__":  # the allocator train.py runs with: ours trains in this process
+    from specforge.utils.allocator import preload_mimalloc
+
+    preload_mimalloc()
+
 import argparse
 import json
+import os
 import shlex
 import shutil
 import subprocess
@@ -59,6 +67,7 @@ from specforge.speculators_format import from_speculators, options_of, to_specul
 from specforge.targets.loader import resolve_target_path  # noqa: E402
 from specforge.train.batches import global_batches, steps_per_epoch  # noqa: E402
 from specforge.train.loop import cosine_with_warmup  # noqa: E402
+from specforge.utils.allocator import mimalloc_path, running_allocator, with_mimalloc  # noqa: E402
 from specforge.utils.io import write_json  # noqa: E402
 
 PEER_PYTHON = ".venv-peer/bin/python"
@@ -312,8 +321,9 @@ def main(argv=None) -> int:
     if not (raw / "check.safetensors").exists():
         export(store, load_file(layout.vocab), plan, peer_work / "export")
         t0 = time.perf_counter()
+        env = with_mimalloc(os.environ, mimalloc_path()) if running_allocator() == "mimalloc" else None
         subprocess.run([args.peer_python, PEER_WORKER, "--export", str(peer_work / "export"), "--out", str(raw),
-                        "--target", str(resolve_target_path(run_cfg.target))], check=True)
+                        "--target", str(resolve_target_path(run_cfg.target))], check=True, env=env)
         seconds["peer"] = round(time.perf_counter() - t0, 1)
     conversion = convert_peer(raw, ours_ckpt, store, peer_ckpt)
     conversion["train_seconds"] = seconds
@@ -339,7 +349,7 @@ def main(argv=None) -> int:
         "ours_overrides": args.set,
         "samples": len(store), "tokens": store.num_tokens, "prompts": results["meta"]["prompts"],
         "max_new_tokens": args.max_new_tokens, "dtype": results["meta"]["dtype"],
-        "threads": results["meta"]["threads"], "conversion": conversion,
+        "threads": results["meta"]["threads"], "conversion": conversion, "allocator": running_allocator(),
         "peer": "speculators 0.9.0 (benchmarks/peer_quality_worker.py: its model, kl_div loss, AdamW; sdpa, "
                 "eager loss on CPU)",
         "command": "python " + shlex.join(["benchmarks/peer_quality.py", *(argv if argv is not None else sys.argv[1:])]),
