@@ -41,11 +41,6 @@ class LayerInit(_Choice):
     identity = "identity"  # fc passes the highest captured target state through; o_proj, down_proj start at 0
 
 
-class NormInit(_Choice):
-    ones = "ones"  # RMSNorm's initialisation
-    target = "target"  # the target's final norm weights: with the head from the target, its own output map
-
-
 class EvalEngine(_Choice):
     embedded = "embedded"  # the embedded speculative engine (specforge/engine)
     server = "server"  # serving benchmark of running servers (eval.url, eval.baseline_url)
@@ -146,7 +141,6 @@ class DraftConfig:
     init_from: Optional[str] = None  # fine-tune an existing draft checkpoint (keeps its vocab map)
     lm_head_init: HeadInit = HeadInit.random  # a fresh draft's lm_head: random | target (its rows of the draft vocab)
     layer_init: LayerInit = LayerInit.random  # a fresh draft's fc and layer: random | identity (see LayerInit)
-    norm_init: NormInit = NormInit.ones  # a fresh draft's final norm (before lm_head): ones | target
     # Vision-language targets: the draft's token embedding at image positions. "merged": the
     # target's merged input embeddings (vision features there), as SGLang feeds them (docs/contract.md §2);
     # "token": the draft's own embedding of the image placeholder token.

@@ -30,33 +30,6 @@ def test_lm_head_starts_as_the_targets_rows_of_the_draft_vocab():
         compose_cfg("draft.lm_head_init=embedding")
 
 
-def test_norm_init_target_starts_the_final_norm_as_the_targets():
-    """With the head and the norm from the target, the draft maps a state to logits as the target
-    does: its lm_head over its final norm (a logit lens)."""
-    embed, head, norm = torch.randn(50, 24), torch.randn(50, 24), 1.0 + torch.rand(24)
-    vocab = tiny_vocab()
-    cfg = compose_cfg("draft.lm_head_init=target", "draft.norm_init=target")
-    draft = build_draft(cfg, tiny_target_config(), [0, 1, 2], vocab, embed, head, final_norm=norm)
-    assert torch.equal(draft.norm.weight, norm) and draft.norm.weight.requires_grad
-    state = torch.randn(3, 24)
-    target_logits = (norm * state * torch.rsqrt(state.pow(2).mean(-1, keepdim=True) + draft.norm.eps)) @ head.T
-    torch.testing.assert_close(draft.lm_head(draft.norm(state)), target_logits[:, vocab["t2d"]])
-    fresh = build_draft(compose_cfg(), tiny_target_config(), [0, 1, 2], vocab, embed, head, final_norm=norm)
-    assert torch.equal(fresh.norm.weight, torch.ones(24)) and DraftConfig().norm_init == "ones"
-    with pytest.raises(ValueError, match="draft.norm_init=target: the target's final norm is None"):
-        build_draft(cfg, tiny_target_config(), [0, 1, 2], vocab, embed, head)
-
-
-def test_target_head_hands_over_the_final_norm_only_when_asked(tiny_target_dir):
-    from specforge.train.loop import target_head
-    from specforge.targets.loader import decoder_of, load_target
-
-    model = load_target(compose_cfg(f"target.path={tiny_target_dir}").target)
-    _, _, norm, _ = target_head(compose_cfg(f"target.path={tiny_target_dir}", "draft.norm_init=target"))
-    assert torch.equal(norm, decoder_of(model).norm.weight.float())
-    assert target_head(compose_cfg(f"target.path={tiny_target_dir}"))[2] is None
-
-
 def test_hard_label_weight_mixes_the_target_distribution_with_its_argmax():
     draft = tiny_draft()
     weight, last = torch.randn(50, 24), torch.randn(2, 6, 24)

@@ -21,7 +21,18 @@ import torch
 
 from specforge.extract.batching import Extractor
 from specforge.targets.layers import check_aux_layer_ids
-from specforge.targets.loader import decoder_of, untied_last_hidden_state
+from specforge.targets.loader import untied_last_hidden_state
+
+
+def decoder_of(model):
+    """The decoder stack (embeddings, layers, final norm) of a causal LM, without its lm_head."""
+    base = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    if base is None or not hasattr(base, "layers") or not hasattr(base, "norm"):
+        raise TypeError(
+            f"{type(model).__name__}: cannot find the decoder stack (expected .get_decoder() with "
+            ".layers and .norm, as Llama-like causal LMs have)"
+        )
+    return base
 
 
 class EmbeddedExtractor(Extractor):

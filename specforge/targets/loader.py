@@ -225,13 +225,3 @@ def target_fingerprint(path: str | Path) -> str:
             h.update(p.read_bytes())
     return h.hexdigest()[:16]
 
-
-def decoder_of(model):
-    """The decoder stack (embeddings, layers, final norm) of a causal LM, without its lm_head."""
-    base = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
-    if base is None or not hasattr(base, "layers") or not hasattr(base, "norm"):
-        raise TypeError(
-            f"{type(model).__name__}: cannot find the decoder stack (expected .get_decoder() with "
-            ".layers and .norm, as Llama-like causal LMs have)"
-        )
-    return base

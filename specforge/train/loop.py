@@ -22,7 +22,7 @@ from specforge.distributed.preemption import StopRequests, TrainingInterrupted
 from specforge.distributed.strategy import make_strategy
 from specforge.extract.store import HiddenStateStore
 from specforge.models.draft import EAGLE31_OPTIONS, Eagle3Config, Eagle3Draft
-from specforge.targets.loader import compute_dtype, decoder_of, load_target, torch_dtype
+from specforge.targets.loader import compute_dtype, load_target, torch_dtype
 from specforge.train.batches import collate, epoch_batches, eval_batches, global_batches, steps_per_epoch
 from specforge.run_layout import RunLayout
 from specforge.train.state import StateManager, TrainState
@@ -57,10 +57,9 @@ def autocast_for(precision: str, device: torch.device):
 
 
 def build_draft(cfg, target_config, aux_layer_ids, vocab: dict, embed: torch.Tensor,
-                head: torch.Tensor | None = None, final_norm: torch.Tensor | None = None) -> Eagle3Draft:
+                head: torch.Tensor | None = None) -> Eagle3Draft:
     """A fresh draft (or `draft.init_from`, keeping ITS vocab map) with the target's embedding;
-    `head`: the target's lm_head, for draft.lm_head_init=target; `final_norm`: the weights of its
-    last norm, for draft.norm_init=target."""
+    `head`: the target's lm_head, for draft.lm_head_init=target."""
     if cfg.draft.init_from:
         ckpt_cfg, tensors = read_checkpoint(cfg.draft.init_from)
         if ckpt_cfg.aux_layer_ids != list(aux_layer_ids):
@@ -86,13 +85,6 @@ def build_draft(cfg, target_config, aux_layer_ids, vocab: dict, embed: torch.Ten
             init_head_from_target(draft, head)
         if str(cfg.draft.layer_init) == "identity":
             init_layer_as_identity(draft)
-        if str(cfg.draft.norm_init) == "target":
-            if final_norm is None or final_norm.shape != draft.norm.weight.shape:
-                raise ValueError(f"draft.norm_init=target: the target's final norm is "
-                                 f"{None if final_norm is None else tuple(final_norm.shape)}, the draft's "
-                                 f"{tuple(draft.norm.weight.shape)}; it needs draft.hidden_size equal to the target's")
-            with torch.no_grad():
-                draft.norm.weight.copy_(final_norm.float())
     draft.embed_tokens.weight.data.copy_(embed)
     draft.embed_tokens.requires_grad_(False)
     if cfg.train.freeze_lm_head:  # as speculators trains its head: the target's rows, never updated
@@ -130,9 +122,8 @@ def init_layer_as_identity(draft: Eagle3Draft) -> None:
         draft.midlayer.mlp.down_proj.weight.zero_()
 
 
-def target_head(cfg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, object]:
-    """The target's input embedding (fp32), output head (its dtype) and, for draft.norm_init=target,
-    its final norm weights (fp32; else None), on CPU, with its config.
+def target_head(cfg) -> tuple[torch.Tensor, torch.Tensor, object]:
+    """The target's input embedding (fp32) and output head (its dtype), on CPU, with its config.
     Rank 0 loads the target and sends the two matrices to the other ranks: a large target is not
     loaded once per GPU for them."""
     env = dist.current()
@@ -141,17 +132,14 @@ def target_head(cfg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, object]:
         target = load_target(cfg.target)
         embed = target.get_input_embeddings().weight.detach().float().cpu()
         head = target.get_output_embeddings().weight.detach().cpu()
-        norm = decoder_of(target).norm.weight.detach().float().cpu() if str(cfg.draft.norm_init) == "target" else None
         config = target.config
         del target
     if not env.distributed:
-        return embed, head, norm, config
-    shapes = dist.broadcast_object((embed.shape, head.shape, head.dtype, None if norm is None else norm.shape, config)
-                                   if env.is_main else None)
+        return embed, head, config
+    shapes = dist.broadcast_object((embed.shape, head.shape, head.dtype, config) if env.is_main else None)
     embed = dist.broadcast_tensor(embed, shapes[0], torch.float32)
     head = dist.broadcast_tensor(head, shapes[1], shapes[2])
-    norm = None if shapes[3] is None else dist.broadcast_tensor(norm, shapes[3], torch.float32)
-    return embed, head, norm, shapes[4]
+    return embed, head, shapes[3]
 
 
 def noisy_features(aux: torch.Tensor, scale: float) -> torch.Tensor:
@@ -330,13 +318,12 @@ def train(cfg, run_dir: Path, fingerprint: str) -> dict:
                          "lower train.batch_size or train.grad_accum, or use fewer processes")
 
     image_token_id = override_token(cfg, train_store)
-    embed, teacher_weight, final_norm, target_config = target_head(cfg)
+    embed, teacher_weight, target_config = target_head(cfg)
     # the target's dtype, or float32 on a CPU without native bf16 (loading on the CPU may have widened it)
     teacher_weight = teacher_weight.to(device, compute_dtype(torch_dtype(cfg.target.dtype), device))
 
     # -- the draft, spread over the processes by the strategy ---------------------------------------
-    draft = build_draft(cfg, target_config, train_store.meta["aux_layer_ids"], vocab, embed, teacher_weight,
-                        final_norm).to(device)
+    draft = build_draft(cfg, target_config, train_store.meta["aux_layer_ids"], vocab, embed, teacher_weight).to(device)
     if train_store.vl:  # the engine feeds image positions the way the draft was trained (docs/design.md)
         draft.config.extra["image_embeddings"] = cfg.draft.image_embeddings
     meta = train_store.meta  # which target: evaluation and serving refuse a draft of another one
