@@ -189,8 +189,6 @@ class TrainConfig:
     # loss weight of positions predicting a prompt token (system and user text; the store keeps the target's
     # states there too) against an answer token's 1 (0: answers only)
     prompt_weight: float = 0.0
-    # + this x smooth-L1 of the draft's normed output against the target's final state at the teacher's position
-    feature_weight: float = 0.0
     freeze_lm_head: bool = False  # the lm_head keeps its start (with draft.lm_head_init=target: the target's rows)
     feature_noise: float = 0.0  # uniform noise on the target states, this x their RMS per token (training only)
     attention: str = "sdpa"  # sdpa | eager | flex
@@ -337,8 +335,6 @@ def check_config(cfg) -> None:
     for key in ("hard_label_weight", "reach_weight", "prompt_weight"):  # shares of the loss: [0, 1]
         if not 0.0 <= cfg.train[key] <= 1.0:
             raise ValueError(f"train.{key}: {cfg.train[key]} is not in [0, 1]")
-    if cfg.train.feature_weight < 0:
-        raise ValueError(f"train.feature_weight: {cfg.train.feature_weight} is negative")
     if cfg.train.prompt_weight and cfg.extract.dtype == "fp8" and "train" in cfg.stages:
         raise ValueError(f"train.prompt_weight={cfg.train.prompt_weight} with extract.dtype=fp8: an fp8 store keeps "
                          "the target's final states at answer positions only, so prompts have no teacher")

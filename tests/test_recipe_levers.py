@@ -91,14 +91,6 @@ def test_loss_shares_outside_0_1_fail_before_any_stage_runs(tmp_path, override):
     assert not any(tmp_path.iterdir())  # nothing ran, nothing was written
 
 
-def test_negative_feature_weight_fails_before_any_stage_runs(tmp_path):
-    from specforge.pipeline import run_pipeline
-
-    with pytest.raises(ValueError, match="train.feature_weight: -0.5 is negative"):
-        run_pipeline(compose_cfg("train.feature_weight=-0.5", f"output_dir={tmp_path}"))
-    assert not any(tmp_path.iterdir())
-
-
 def test_prompt_weight_on_an_fp8_store_fails_before_any_stage_runs(tmp_path):
     from specforge.pipeline import run_pipeline
 

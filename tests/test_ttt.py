@@ -177,36 +177,3 @@ def test_prompt_weight_adds_the_prompt_positions_loss_at_its_weight():
     assert torch.equal(same_loss, plain_loss)
     with pytest.raises(ValueError, match="train.prompt_weight"):
         ttt_forward(draft, answers_only, teacher, 3, 0.8, prompt_weight=2.0)
-
-
-def test_feature_weight_adds_the_smooth_l1_to_the_targets_final_state():
-    """feature_weight w: + w x step_weight^k x mean over scored rows of smooth-L1(norm(out) at t,
-    target state at t+1+k) (mean over the hidden size); the StepStats do not change."""
-    draft = tiny_draft(hidden=24)
-    batch = random_batch(draft, seq=9)
-    teacher = Teacher(torch.randn(draft.config.vocab_size, draft.config.target_hidden_size), draft.t2d)
-    normed, original = [], draft.step
-
-    def spy(*args, **kwargs):
-        out = original(*args, **kwargs)
-        normed.append(out[1].detach())
-        return out
-
-    draft.step = spy
-    plain_loss, plain = ttt_forward(draft, batch, teacher, 3, 0.8)
-    draft.step = original
-    loss, stats = ttt_forward(draft, batch, teacher, 3, 0.8, feature_weight=0.7)
-    _, _, in_vocab = teacher(batch["last"])
-    expected = plain_loss.detach().clone()
-    for k in range(3):
-        valid = shift(batch["loss_mask"], 2 + k, False) & shift(in_vocab, 1 + k, False)
-        rows, pos = valid.nonzero(as_tuple=True)
-        err = torch.nn.functional.smooth_l1_loss(normed[k][rows, pos], batch["last"][rows, pos + 1 + k],
-                                                 reduction="none").mean(-1)
-        expected += 0.7 * 0.8**k * err.sum() / len(rows)
-    torch.testing.assert_close(loss.detach(), expected)
-    assert [int(s.correct) for s in stats] == [int(s.correct) for s in plain]
-    loss.backward()  # the regression reaches the layer's weights
-    assert draft.midlayer.mlp.down_proj.weight.grad.abs().sum() > 0
-    with pytest.raises(ValueError, match="train.feature_weight"):
-        ttt_forward(draft, batch, teacher, 3, 0.8, feature_weight=-1.0)

@@ -71,8 +71,7 @@ def shift(x: torch.Tensor, by: int, fill=0) -> torch.Tensor:
 
 
 def ttt_forward(draft, batch: dict, teacher: Teacher, ttt_length: int, step_weight: float,
-                loss_chunk: int | None = None, reach_weight: float = 0.0, prompt_weight: float = 0.0,
-                feature_weight: float = 0.0):
+                loss_chunk: int | None = None, reach_weight: float = 0.0, prompt_weight: float = 0.0):
     """Returns the weighted loss (a scalar to backprop) and per-step StepStats.
 
     batch: input_ids [B,S] long, loss_mask [B,S] bool (False on padding), aux [B,S,3H], last [B,S,H],
@@ -87,15 +86,10 @@ def ttt_forward(draft, batch: dict, teacher: Teacher, ttt_length: int, step_weig
     padding: batch["token_mask"] [B,S] bool, else the loss mask) are scored too, each weighing w
     against an answer position's 1. The loss stays normalised by the answer positions, and the
     StepStats' positions and hits count answers only (their loss_sum holds the prompt rows' share).
-    feature_weight w: adds w x the smooth-L1 distance (mean over the hidden size) between the draft's
-    normed output and the target's final state whose head gives the teacher (EAGLE-1's regression
-    loss): a dense signal next to the distribution. Not part of the StepStats' loss_sum.
     """
     for name, w in (("reach_weight", reach_weight), ("prompt_weight", prompt_weight)):
         if not 0.0 <= w <= 1.0:
             raise ValueError(f"train.{name}: {w} is not in [0, 1]")
-    if feature_weight < 0:
-        raise ValueError(f"train.feature_weight: {feature_weight} is negative")
     ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
     tokens = batch.get("token_mask", loss_mask).bool() if prompt_weight else loss_mask
     doc_ids = batch.get("doc_ids")
@@ -137,11 +131,6 @@ def ttt_forward(draft, batch: dict, teacher: Teacher, ttt_length: int, step_weig
             normed[rows, positions], TeacherRows(probs, rows, positions + 1 + k, loss_chunk, weight))
         n = (valid & answer).sum()
         total = total + (step_weight**k) * loss_sum / n.clamp(min=1)
-        if feature_weight:
-            err = torch.nn.functional.smooth_l1_loss(
-                normed[rows, positions].float(), batch["last"][rows, positions + 1 + k].float(), reduction="none").mean(-1)
-            err = err if weight is None else err * weight
-            total = total + feature_weight * (step_weight**k) * err.sum() / n.clamp(min=1)
         with torch.no_grad():
             correct = torch.zeros_like(valid)
             correct[rows, positions] = predicted == teacher_top[rows, positions + 1 + k]
