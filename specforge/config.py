@@ -186,9 +186,6 @@ class TrainConfig:
     # loss weight of a position at TTT step k > 0: 1 - w + w x [the draft's greedy chain there was right at
     # steps 0..k-1], i.e. how much the steps greedy verification never reaches still count (0: all count)
     reach_weight: float = 0.0
-    # loss weight of positions predicting a prompt token (system and user text; the store keeps the target's
-    # states there too) against an answer token's 1 (0: answers only)
-    prompt_weight: float = 0.0
     freeze_lm_head: bool = False  # the lm_head keeps its start (with draft.lm_head_init=target: the target's rows)
     feature_noise: float = 0.0  # uniform noise on the target states, this x their RMS per token (training only)
     attention: str = "sdpa"  # sdpa | eager | flex
@@ -332,12 +329,9 @@ def check_config(cfg) -> None:
     check_eagle31_options({key: cfg.draft[key] for key in EAGLE31_OPTIONS}, prefix="draft.")
     if cfg.train.pack_tokens < 0:
         raise ValueError(f"train.pack_tokens: {cfg.train.pack_tokens} is negative; 0 turns packing off")
-    for key in ("hard_label_weight", "reach_weight", "prompt_weight"):  # shares of the loss: [0, 1]
+    for key in ("hard_label_weight", "reach_weight"):  # shares of the loss: [0, 1]
         if not 0.0 <= cfg.train[key] <= 1.0:
             raise ValueError(f"train.{key}: {cfg.train[key]} is not in [0, 1]")
-    if cfg.train.prompt_weight and cfg.extract.dtype == "fp8" and "train" in cfg.stages:
-        raise ValueError(f"train.prompt_weight={cfg.train.prompt_weight} with extract.dtype=fp8: an fp8 store keeps "
-                         "the target's final states at answer positions only, so prompts have no teacher")
 
 
 def register_configs() -> None:

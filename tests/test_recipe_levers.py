@@ -81,22 +81,13 @@ def test_freeze_lm_head_keeps_the_targets_rows_through_a_training_step():
     assert not torch.equal(draft.fc.weight, fc)  # the rest trains
 
 
-@pytest.mark.parametrize("override", ["train.reach_weight=1.5", "train.hard_label_weight=-0.1",
-                                      "train.prompt_weight=1.5"])
+@pytest.mark.parametrize("override", ["train.reach_weight=1.5", "train.hard_label_weight=-0.1"])
 def test_loss_shares_outside_0_1_fail_before_any_stage_runs(tmp_path, override):
     from specforge.pipeline import run_pipeline
 
     with pytest.raises(ValueError, match=f"{override.split('=')[0]}: .* is not in \\[0, 1\\]"):
         run_pipeline(compose_cfg(override, f"output_dir={tmp_path}"))
     assert not any(tmp_path.iterdir())  # nothing ran, nothing was written
-
-
-def test_prompt_weight_on_an_fp8_store_fails_before_any_stage_runs(tmp_path):
-    from specforge.pipeline import run_pipeline
-
-    with pytest.raises(ValueError, match="train.prompt_weight=0.3 with extract.dtype=fp8"):
-        run_pipeline(compose_cfg("train.prompt_weight=0.3", "extract.dtype=fp8", f"output_dir={tmp_path}"))
-    assert not any(tmp_path.iterdir())
 
 
 def test_layer_init_identity_starts_as_the_highest_target_state():

@@ -149,31 +149,3 @@ def test_reach_weight_drops_the_steps_after_the_greedy_chain_missed():
     torch.testing.assert_close(half_stats[1].loss_sum, 0.5 * plain[1].loss_sum)
     with pytest.raises(ValueError, match="train.reach_weight"):
         ttt_forward(draft, batch, teacher, 3, 0.8, reach_weight=1.5)
-
-
-def test_prompt_weight_adds_the_prompt_positions_loss_at_its_weight():
-    """prompt_weight w: the loss is (answer loss + w x prompt loss) / answer positions per step, and
-    the stats count the answer positions alone; padding (token_mask False) never counts."""
-    draft = tiny_draft()
-    batch = random_batch(draft, seq=12)
-    teacher = Teacher(torch.randn(draft.config.vocab_size, draft.config.target_hidden_size), draft.t2d)
-    tokens = torch.ones(2, 12, dtype=torch.bool)
-    tokens[1, 9:] = False  # row 1 is padded
-    answer = torch.zeros(2, 12, dtype=torch.bool)
-    answer[:, 5:] = True
-    answer &= tokens
-    batch["token_mask"] = tokens
-    answers_only = {**batch, "loss_mask": answer}
-    prompts_only = {**batch, "loss_mask": tokens & ~answer}
-    plain_loss, plain = ttt_forward(draft, answers_only, teacher, 3, 0.8)
-    _, prompt = ttt_forward(draft, prompts_only, teacher, 3, 0.8)
-    loss, stats = ttt_forward(draft, answers_only, teacher, 3, 0.8, prompt_weight=0.3)
-    expected = sum(0.8**k * (a.loss_sum + 0.3 * p.loss_sum) / a.positions for k, (a, p) in enumerate(zip(plain, prompt)))
-    torch.testing.assert_close(loss, expected)
-    for s, a in zip(stats, plain):
-        assert (int(s.positions), int(s.correct), int(s.chain_prev)) == (int(a.positions), int(a.correct), int(a.chain_prev))
-    assert int(prompt[0].positions) > 0
-    same_loss, _ = ttt_forward(draft, answers_only, teacher, 3, 0.8, prompt_weight=0.0)
-    assert torch.equal(same_loss, plain_loss)
-    with pytest.raises(ValueError, match="train.prompt_weight"):
-        ttt_forward(draft, answers_only, teacher, 3, 0.8, prompt_weight=2.0)

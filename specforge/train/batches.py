@@ -115,7 +115,6 @@ def collate(samples: list[dict], dtype=torch.float32, image_token_id: int | None
     batch = {
         "input_ids": torch.zeros(b, n, dtype=torch.long),
         "loss_mask": torch.zeros(b, n, dtype=torch.bool),
-        "token_mask": torch.zeros(b, n, dtype=torch.bool),  # False on padding only
         "aux": torch.zeros(b, n, h3, dtype=dtype),
         "last": torch.zeros(b, n, h, dtype=dtype),
     }
@@ -123,7 +122,6 @@ def collate(samples: list[dict], dtype=torch.float32, image_token_id: int | None
         m = len(s["input_ids"])
         batch["input_ids"][i, :m] = s["input_ids"]
         batch["loss_mask"][i, :m] = s["loss_mask"].bool()
-        batch["token_mask"][i, :m] = True
         batch["aux"][i, :m] = s["aux"].to(dtype)
         batch["last"][i, :m] = s["last"].to(dtype)
     if "doc_ids" in samples[0]:

@@ -155,20 +155,19 @@ class TTTModule(torch.nn.Module):
     """What a strategy wraps: forward(batch) is the TTT unroll of the draft -> (loss, stats)."""
 
     def __init__(self, draft: Eagle3Draft, teacher: Teacher, ttt_length: int, step_weight: float,
-                 feature_noise: float = 0.0, reach_weight: float = 0.0, prompt_weight: float = 0.0):
+                 feature_noise: float = 0.0, reach_weight: float = 0.0):
         super().__init__()
         self.draft = draft
         self.teacher = teacher  # frozen target head: not a parameter, not in any state dict
         self.ttt_length, self.step_weight = ttt_length, step_weight
         self.feature_noise = feature_noise
-        self.reach_weight, self.prompt_weight = reach_weight, prompt_weight
+        self.reach_weight = reach_weight
 
     def forward(self, batch: dict):
         if self.training and self.feature_noise:
             batch = {**batch, "aux": noisy_features(batch["aux"], self.feature_noise)}
         return ttt_forward(self.draft, batch, self.teacher, self.ttt_length, self.step_weight,
-                           reach_weight=self.reach_weight if self.training else 0.0,  # eval loss: unweighted,
-                           prompt_weight=self.prompt_weight if self.training else 0.0)  # answers only
+                           reach_weight=self.reach_weight if self.training else 0.0)  # eval loss: unweighted
 
     def shard_units(self) -> list[torch.nn.Module]:
         """Submodules FSDP shards as units of their own (the root takes the rest)."""
@@ -297,10 +296,6 @@ def train(cfg, run_dir: Path, fingerprint: str) -> dict:
     train_store = HiddenStateStore(layout.store("train"))
     eval_dir = layout.store("eval")
     eval_store = HiddenStateStore(eval_dir) if (eval_dir / "manifest.json").exists() else None
-    if tc.prompt_weight and train_store.scored_last:
-        raise ValueError(f"train.prompt_weight={tc.prompt_weight}: the store {layout.store('train')} keeps the "
-                         "target's final states at answer positions only (extract.dtype=fp8), so prompt "
-                         "positions have no teacher; extract in bf16 or set train.prompt_weight=0")
     vocab = load_file(layout.vocab)
     # packed rows differ per epoch (and so may their number): every epoch takes as many steps as the
     # shortest; unpacked, every epoch has the same number of micro-batches
@@ -329,7 +324,7 @@ def train(cfg, run_dir: Path, fingerprint: str) -> dict:
                                       "num_hidden_layers": meta["num_layers"]}
     draft_config = draft.config
     module = TTTModule(draft, Teacher(teacher_weight, draft.t2d, hard_weight=tc.hard_label_weight),
-                       tc.ttt_length, tc.step_weight, tc.feature_noise, tc.reach_weight, tc.prompt_weight)
+                       tc.ttt_length, tc.step_weight, tc.feature_noise, tc.reach_weight)
     strategy = make_strategy(module, tc, env, device)
     del draft, module
 

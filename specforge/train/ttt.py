@@ -71,7 +71,7 @@ def shift(x: torch.Tensor, by: int, fill=0) -> torch.Tensor:
 
 
 def ttt_forward(draft, batch: dict, teacher: Teacher, ttt_length: int, step_weight: float,
-                loss_chunk: int | None = None, reach_weight: float = 0.0, prompt_weight: float = 0.0):
+                loss_chunk: int | None = None, reach_weight: float = 0.0):
     """Returns the weighted loss (a scalar to backprop) and per-step StepStats.
 
     batch: input_ids [B,S] long, loss_mask [B,S] bool (False on padding), aux [B,S,3H], last [B,S,H],
@@ -82,16 +82,10 @@ def ttt_forward(draft, batch: dict, teacher: Teacher, ttt_length: int, step_weig
     document, so a packed row gives its documents' losses and gradients as unpacked.
     reach_weight w: at step k a position's loss weighs 1 - w + w x [the draft's greedy chain was
     right there at steps 0..k-1] (greedy verification never uses a draft after its first miss).
-    prompt_weight w: positions predicting a token outside the loss mask (prompts, system text; not
-    padding: batch["token_mask"] [B,S] bool, else the loss mask) are scored too, each weighing w
-    against an answer position's 1. The loss stays normalised by the answer positions, and the
-    StepStats' positions and hits count answers only (their loss_sum holds the prompt rows' share).
     """
-    for name, w in (("reach_weight", reach_weight), ("prompt_weight", prompt_weight)):
-        if not 0.0 <= w <= 1.0:
-            raise ValueError(f"train.{name}: {w} is not in [0, 1]")
+    if not 0.0 <= reach_weight <= 1.0:
+        raise ValueError(f"train.reach_weight: {reach_weight} is not in [0, 1]")
     ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
-    tokens = batch.get("token_mask", loss_mask).bool() if prompt_weight else loss_mask
     doc_ids = batch.get("doc_ids")
     probs, argmax, in_vocab = teacher(batch["last"])
     teacher_top = probs.argmax(-1)  # the teacher's choice within the draft vocab
@@ -107,8 +101,7 @@ def ttt_forward(draft, batch: dict, teacher: Teacher, ttt_length: int, step_weig
     stats, chain = [], torch.ones_like(loss_mask)
     for k in range(ttt_length):
         step_ids = shift(ids, 1 + k)
-        answer = shift(loss_mask, 2 + k, False)
-        valid = shift(tokens, 2 + k, False) & shift(in_vocab, 1 + k, False)
+        valid = shift(loss_mask, 2 + k, False) & shift(in_vocab, 1 + k, False)
         if doc_ids is not None:  # the token predicted must be of the same document
             valid &= shift(doc_ids, 2 + k, -1) == doc_ids
         out, normed, (new_k, new_v) = draft.step(
@@ -124,20 +117,16 @@ def ttt_forward(draft, batch: dict, teacher: Teacher, ttt_length: int, step_weig
         weight = None
         if reach_weight and k:
             weight = 1.0 - reach_weight + reach_weight * chain[rows, positions].float()
-        if prompt_weight:
-            in_prompt = torch.where(answer[rows, positions], 1.0, prompt_weight)
-            weight = in_prompt if weight is None else weight * in_prompt
         loss_sum, predicted = draft.lm_head(
             normed[rows, positions], TeacherRows(probs, rows, positions + 1 + k, loss_chunk, weight))
-        n = (valid & answer).sum()
+        n = valid.sum()
         total = total + (step_weight**k) * loss_sum / n.clamp(min=1)
         with torch.no_grad():
             correct = torch.zeros_like(valid)
             correct[rows, positions] = predicted == teacher_top[rows, positions + 1 + k]
             prev = chain & valid
             chain = prev & correct
-            stats.append(StepStats(loss_sum.detach(), n, (correct & answer).sum(), (chain & answer).sum(),
-                                   (prev & answer).sum()))
+            stats.append(StepStats(loss_sum.detach(), n, correct.sum(), chain.sum(), prev.sum()))
         feat = out  # the next step's feature: the pre-norm output (norm(out) with norm_output, EAGLE 3.1)
     return total, stats
 
