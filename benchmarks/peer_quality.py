@@ -42,7 +42,6 @@ if __name__ == "__main__":  # the allocator train.py runs with: ours trains in t
 
 import argparse
 import json
-import os
 import shlex
 import shutil
 import subprocess
@@ -67,7 +66,7 @@ from specforge.speculators_format import from_speculators, options_of, to_specul
 from specforge.targets.loader import resolve_target_path  # noqa: E402
 from specforge.train.batches import global_batches, steps_per_epoch  # noqa: E402
 from specforge.train.loop import cosine_with_warmup  # noqa: E402
-from specforge.utils.allocator import mimalloc_path, running_allocator, with_mimalloc  # noqa: E402
+from specforge.utils.allocator import mimalloc_env, running_allocator  # noqa: E402
 from specforge.utils.io import write_json  # noqa: E402
 
 PEER_PYTHON = ".venv-peer/bin/python"
@@ -321,7 +320,7 @@ def main(argv=None) -> int:
     if not (raw / "check.safetensors").exists():
         export(store, load_file(layout.vocab), plan, peer_work / "export")
         t0 = time.perf_counter()
-        env = with_mimalloc(os.environ, mimalloc_path()) if running_allocator() == "mimalloc" else None
+        env = mimalloc_env()  # the peer's worker on the same allocator as ours
         subprocess.run([args.peer_python, PEER_WORKER, "--export", str(peer_work / "export"), "--out", str(raw),
                         "--target", str(resolve_target_path(run_cfg.target))], check=True, env=env)
         seconds["peer"] = round(time.perf_counter() - t0, 1)

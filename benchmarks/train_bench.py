@@ -44,7 +44,7 @@ from specforge.targets.loader import default_aux_layer_ids
 from specforge.train.batches import collate
 from specforge.train.loop import autocast_for
 from specforge.train.ttt import Teacher, ttt_forward
-from specforge.utils.allocator import allocator_choice, mimalloc_path, running_allocator, with_mimalloc
+from specforge.utils.allocator import allocator_choice, mimalloc_env, mimalloc_path, running_allocator
 
 PEER_PYTHON = ".venv-peer/bin/python"
 PEER_WORKER = "benchmarks/peer_train_worker.py"
@@ -118,8 +118,7 @@ def ours(args, attention, precision, ttt, vocab, batch, seq, packed=False, alloc
 
 
 def peer(args, precision, ttt, vocab, docs, seq) -> dict:
-    # the peer's process on the same allocator as ours
-    env = with_mimalloc(os.environ, mimalloc_path()) if allocator() == "mimalloc" else None
+    env = mimalloc_env()  # the peer's process on the same allocator as ours
     return in_subprocess([args.peer_python, PEER_WORKER, "--target", args.target, "--seq-len", str(seq),
                           "--docs", str(docs), "--dtype", precision, "--ttt", str(ttt),
                           "--draft-vocab", str(vocab), "--repeats", str(args.repeats), "--optimizer", "adamw"], env)

@@ -69,3 +69,16 @@ def test_a_refused_library_does_not_loop(tmp_path):
     assert done.returncode == 0, done.stderr
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     assert seen["loaded"] is False and seen["preload"] is None
+
+
+def test_mimalloc_env_starts_a_child_program_on_mimalloc_unless_the_system_one_is_chosen(monkeypatch):
+    from specforge.utils.allocator import mimalloc_env
+
+    monkeypatch.delenv("SPECFORGE_ALLOCATOR", raising=False)
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    env = mimalloc_env()
+    child = subprocess.run([sys.executable, "-c", "from specforge.utils.allocator import mimalloc_loaded as m; print(m())"],
+                           capture_output=True, text=True, env=env, timeout=60)
+    assert child.stdout.strip() == "True" and env["MIMALLOC_PURGE_DELAY"] == "-1"
+    monkeypatch.setenv("SPECFORGE_ALLOCATOR", "system")
+    assert mimalloc_env() is None

@@ -57,6 +57,13 @@ def with_mimalloc(env: dict, library: str) -> dict:
     return env
 
 
+def mimalloc_env() -> dict | None:
+    """The environment that starts another program (a peer trainer in a benchmark) on mimalloc
+    wherever the entry points would preload it; None where they would not (inherit as is)."""
+    library = mimalloc_path() if allocator_choice() == "mimalloc" else None
+    return with_mimalloc(os.environ, library) if library else None
+
+
 def allocator_choice() -> str:
     choice = os.environ.get(ENV, "mimalloc").strip().lower() or "mimalloc"
     if choice not in _CHOICES:
