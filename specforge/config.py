@@ -176,6 +176,8 @@ class TrainConfig:
     batch_size: int = 4  # samples per device per micro-step
     grad_accum: int = 1
     lr: float = 1e-4
+    # adamw | muon (hidden matrices by Muon at AdamW's update RMS, the rest AdamW; single/ddp only)
+    optimizer: str = "adamw"
     min_lr_ratio: float = 0.0
     warmup_ratio: float = 0.015
     weight_decay: float = 0.0
@@ -329,6 +331,11 @@ def check_config(cfg) -> None:
     check_eagle31_options({key: cfg.draft[key] for key in EAGLE31_OPTIONS}, prefix="draft.")
     if cfg.train.pack_tokens < 0:
         raise ValueError(f"train.pack_tokens: {cfg.train.pack_tokens} is negative; 0 turns packing off")
+    if cfg.train.optimizer not in ("adamw", "muon"):
+        raise ValueError(f"train.optimizer: {cfg.train.optimizer!r} is not adamw or muon")
+    if cfg.train.optimizer == "muon" and cfg.train.strategy in ("fsdp", "deepspeed"):
+        raise ValueError(f"train.optimizer=muon orthogonalises each matrix's update whole, but "
+                         f"train.strategy={cfg.train.strategy} shards them; use strategy single or ddp")
     for key in ("hard_label_weight", "reach_weight"):  # shares of the loss: [0, 1]
         if not 0.0 <= cfg.train[key] <= 1.0:
             raise ValueError(f"train.{key}: {cfg.train[key]} is not in [0, 1]")

@@ -33,14 +33,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from specforge.train.optimizer import build_optimizer
+
 STRATEGIES = ("single", "ddp", "fsdp", "deepspeed")
 TORCH_STATE = "model_optim.pt"
 DEEPSPEED_DIR = "deepspeed"
 DEEPSPEED_TAG = "state"
 
 
-def _optimizer(params, tc):
-    return torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay)
+def _optimizer(module, tc):
+    return build_optimizer([(n, p) for n, p in module.named_parameters() if p.requires_grad], tc)
 
 
 def _trainable(module) -> list[torch.nn.Parameter]:
@@ -57,7 +59,7 @@ class Strategy:
         self.tc, self.env, self.device = tc, env, device
         self.inner = module.to(device)  # the unwrapped module: forward(batch) -> (loss, stats)
         self.model = self.wrap(self.inner)
-        self.optimizer = _optimizer(_trainable(self.inner), tc)
+        self.optimizer = _optimizer(self.inner, tc)
 
     def wrap(self, module):
         return module
@@ -213,7 +215,7 @@ class DeepSpeedStrategy(Strategy):
             "zero_allow_untested_optimizer": True,  # a plain torch AdamW: no compiled optimizer op
             "steps_per_print": 1 << 30,
         }
-        engine, _, _, _ = deepspeed.initialize(model=module, optimizer=_optimizer(params, tc),
+        engine, _, _, _ = deepspeed.initialize(model=module, optimizer=_optimizer(module, tc),
                                                model_parameters=params, config=config)
         self.engine = self.model = engine
         self.inner = engine.module
