@@ -335,7 +335,8 @@ def check_config(cfg) -> None:
         raise ValueError(f"train.optimizer: {cfg.train.optimizer!r} is not adamw or muon")
     if cfg.train.optimizer == "muon" and cfg.train.strategy in ("fsdp", "deepspeed"):
         raise ValueError(f"train.optimizer=muon orthogonalises each matrix's update whole, but "
-                         f"train.strategy={cfg.train.strategy} shards them; use strategy single or ddp")
+                         f"train.strategy={cfg.train.strategy} shards them; use train.strategy=single or ddp, "
+                         "or train.optimizer=adamw")
     for key in ("hard_label_weight", "reach_weight"):  # shares of the loss: [0, 1]
         if not 0.0 <= cfg.train[key] <= 1.0:
             raise ValueError(f"train.{key}: {cfg.train[key]} is not in [0, 1]")

@@ -83,6 +83,13 @@ def test_ddp_matches_one_process(prep):
     assert_same_training(ref, run, master_weights(ref), master_weights(run))
 
 
+def test_ddp_with_muon_matches_one_process_with_muon(prep):
+    """Every rank orthogonalises the same all-reduced gradient: the same update as one process."""
+    ref = reference_run(prep, "single_accum2_muon", 1, "train.grad_accum=2", "train.optimizer=muon")
+    run = reference_run(prep, "ddp_muon", 2, "train.strategy=ddp", "train.optimizer=muon")
+    assert_same_training(ref, run, master_weights(ref), master_weights(run))
+
+
 def test_two_ranks_run_the_whole_pipeline_like_one_process(prep):
     """torchrun, 2 processes, data -> extract -> train with FSDP2: rank 0 alone writes the data, the
     ranks extract alternate shards into their own stores merged by one manifest, and everything
