@@ -9,7 +9,7 @@ import torch
 from specforge.config import check_config
 from specforge.distributed.env import DistEnv
 from specforge.distributed.strategy import Strategy
-from specforge.train.optimizer import MuonWithAdamW, build_optimizer
+from specforge.distributed.optimizer import MuonWithAdamW, build_optimizer
 from tests.test_eagle31 import compose_cfg
 from tests.test_ttt import random_batch, tiny_draft
 

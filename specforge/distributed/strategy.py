@@ -19,7 +19,8 @@ model + optimizer part of a training state (`save_state` / `load_state`).
   optimizer op); DeepSpeed accumulates, clips and steps.
 
 Every strategy trains fp32 master weights under the same torch autocast (train.precision), and the
-same AdamW, so their loss curves agree with one process to float round-off.
+same optimizer (train.optimizer, optimizer.py: AdamW everywhere, Muon for single and ddp), so their
+loss curves agree with one process to float round-off.
 
 The model/optimizer part of a training state is one `model_optim.pt` of FULL state dicts keyed by
 parameter names for single/ddp/fsdp (resumable with any of the three and any world size), and
@@ -33,7 +34,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from specforge.train.optimizer import build_optimizer
+from specforge.distributed.optimizer import build_optimizer
 
 STRATEGIES = ("single", "ddp", "fsdp", "deepspeed")
 TORCH_STATE = "model_optim.pt"
