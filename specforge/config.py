@@ -301,6 +301,9 @@ class EvaluateConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
 
+# The values of train.optimizer (specforge/distributed/optimizer.py builds them)
+OPTIMIZERS = ("adamw", "muon")
+
 # The EAGLE 3.1 options of DraftConfig, also config.json keys of a checkpoint (specforge/models/draft.py)
 EAGLE31_OPTIONS = ("fc_norm", "norm_output", "norm_before_fc")
 
@@ -331,8 +334,8 @@ def check_config(cfg) -> None:
     check_eagle31_options({key: cfg.draft[key] for key in EAGLE31_OPTIONS}, prefix="draft.")
     if cfg.train.pack_tokens < 0:
         raise ValueError(f"train.pack_tokens: {cfg.train.pack_tokens} is negative; 0 turns packing off")
-    if cfg.train.optimizer not in ("adamw", "muon"):
-        raise ValueError(f"train.optimizer: {cfg.train.optimizer!r} is not adamw or muon")
+    if cfg.train.optimizer not in OPTIMIZERS:
+        raise ValueError(f"train.optimizer: {cfg.train.optimizer!r} is not {' or '.join(OPTIMIZERS)}")
     if cfg.train.optimizer == "muon" and cfg.train.strategy in ("fsdp", "deepspeed"):
         raise ValueError(f"train.optimizer=muon orthogonalises each matrix's update whole, but "
                          f"train.strategy={cfg.train.strategy} shards them; use train.strategy=single or ddp, "

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-OPTIMIZERS = ("adamw", "muon")
+from specforge.config import OPTIMIZERS
 # AdamW even when 2-D: the output head (a classifier, not a hidden map) and embeddings
 NOT_MUON = ("lm_head", "embed")
 
