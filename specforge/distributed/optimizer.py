@@ -21,6 +21,9 @@ class MuonWithAdamW(torch.optim.Optimizer):
     checkpoints) over a Muon and an AdamW that share its groups and state."""
 
     def __init__(self, muon_params, adamw_params, lr: float, weight_decay: float):
+        if not hasattr(torch.optim, "Muon"):  # pyproject allows torch >= 2.6; Muon came with 2.9
+            raise ImportError(f"train.optimizer=muon needs torch >= 2.9 (torch.optim.Muon); this is torch "
+                              f"{torch.__version__}: upgrade torch or set train.optimizer=adamw")
         self.muon = torch.optim.Muon(muon_params, lr=lr, weight_decay=weight_decay,
                                      adjust_lr_fn="match_rms_adamw")
         self.adamw = torch.optim.AdamW(adamw_params, lr=lr, weight_decay=weight_decay)
