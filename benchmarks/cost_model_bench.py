@@ -11,7 +11,7 @@ out), so the error is against the engine's `decode_speedup`; the e2e speed-up is
 --exact-share then runs the engine on every tree of the grid (untimed) and records `exact_share`:
 the share of (tree, request) pairs the planner replays exactly.
 
-    .venv/bin/python benchmarks/cost_model_bench.py --ckpt outputs/smollm2_weather/epoch_8 \\
+    .venv/bin/python benchmarks/cost_model_bench.py --ckpt outputs/smollm2_weather/epoch_6 \\
         --dtype float32 --num-prompts 16 --max-new-tokens 128 [--exact-share]
     .venv/bin/python benchmarks/cost_model_bench.py --tiny   # smoke run: tiny random target and draft
 

@@ -10,7 +10,7 @@ measured speed-up is from it. Both models find the system prompt that every held
 with cached (eval.shared_prefix, as SGLang's radix cache serves them); `--no-shared-prefix`
 prefills every prompt whole.
 
-    .venv/bin/python benchmarks/demo_speedup.py --ckpt outputs/smollm2_weather/epoch_8
+    .venv/bin/python benchmarks/demo_speedup.py --ckpt outputs/smollm2_weather/epoch_6
 
 Timings are only meaningful on a quiet machine: the 1-min load average is recorded. It runs on
 the allocator evaluate.py runs with (mimalloc; SPECFORGE_ALLOCATOR=system: glibc's), recorded too.

@@ -8,13 +8,13 @@ the engine's default (`timed`: the fastest per row count on this machine, `choos
 turn, --repeats times, and prints per run the base decode step and each tree's speed-up, accept
 length and lossless share. Timings are meaningful only on a quiet machine.
 
-    .venv/bin/python benchmarks/few_rows_bench.py --ckpt outputs/smollm2_weather/epoch_8
+    .venv/bin/python benchmarks/few_rows_bench.py --ckpt outputs/smollm2_weather/epoch_6
 
 `--linears` times the target's matmuls alone instead (every linear of the model and its fp32
 output head, one pass over all of them per kernel and row count, fastest of --passes after a
 warm-up, `few_rows.pass_seconds` without pruning): the table `choose_kernels` decides on, in ms per pass, written to benchmarks/results/few_rows_linears.json.
 
-    .venv/bin/python benchmarks/few_rows_bench.py --linears --ckpt outputs/smollm2_weather/epoch_8
+    .venv/bin/python benchmarks/few_rows_bench.py --linears --ckpt outputs/smollm2_weather/epoch_6
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ tree's engine evaluation on the same prompts (issue #13 asks for a 20-tree grid 
 Also checks the planner against that engine run: the share of requests whose per-round accepted
 drafts are identical (1.0 expected at fp32; bf16 rounding can move a near-tie).
 
-    .venv/bin/python benchmarks/planner_bench.py --ckpt outputs/smollm2_weather/epoch_8 \\
+    .venv/bin/python benchmarks/planner_bench.py --ckpt outputs/smollm2_weather/epoch_6 \\
         --num-prompts 16 --max-new-tokens 128 --engine-tree 5_1_6
     .venv/bin/python benchmarks/planner_bench.py --tiny   # smoke run: tiny random target and draft
 
