@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--url", action="append", default=[], help="server URL (repeat for several; openai backend)")
     p.add_argument("--model", help="model name sent to the server (default: the first it serves)")
     p.add_argument("--concurrency", type=int, default=d.concurrency, help="requests in flight (openai backend)")
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="prompts per generate call (embedded)")
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences decoded at once (embedded)")
     p.add_argument("--temperature", type=float, default=d.temperature, help="0: greedy")
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
     p.add_argument("--thinking", action="store_true", help="enable_thinking=True in the chat template")

@@ -89,7 +89,7 @@ class RegenerateConfig:
     urls: List[str] = field(default_factory=list)
     model: Optional[str] = None  # model name sent to an OpenAI-compatible server
     concurrency: int = 8
-    batch_size: int = 8
+    batch_size: int = 8  # embedded: sequences decoded at once (a finished one makes room for the next prompt)
     temperature: float = 0.0
     max_new_tokens: int = 256
     thinking: bool = False

@@ -226,6 +226,83 @@ def test_resume_after_kill_matches_uninterrupted_run(target, tmp_path):
     assert len(records) == len({r["key"] for r in records}) == 16
 
 
+def test_refill_decoder_answers_as_generate_does_one_at_a_time(target):
+    """Rows leave and join the batch (follow-ups first, longer prompts that grow the cache in
+    front, free rows compacted away at the end): each answer is what `generate` says for that
+    prompt alone, in fp32, and a repetition penalty in the target's generation_config applies."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specforge.data.regen.decode import RefillDecoder, Request
+
+    tok = AutoTokenizer.from_pretrained(target.path)
+    model = AutoModelForCausalLM.from_pretrained(target.path, dtype=torch.float32).to(DEVICE).eval()
+    convs = dataset(12, follow_up_every=3)
+    firsts = [tok.apply_chat_template(c["messages"][: next(i for i, m in enumerate(c["messages"])
+                                                           if m["role"] == "assistant")],
+                                      add_generation_prompt=True, return_dict=False) for c in convs]
+    firsts = [f["input_ids"] if isinstance(f, dict) else f for f in firsts]
+    firsts[5] = firsts[5] + firsts[2]  # one prompt longer than any cache it joins
+    stop = {tok.eos_token_id}
+
+    def alone(ids: list[int], max_new: int) -> list[int]:
+        out = model.generate(torch.tensor([ids], device=DEVICE), attention_mask=torch.ones(1, len(ids), device=DEVICE),
+                             max_new_tokens=max_new, do_sample=False, eos_token_id=sorted(stop),
+                             pad_token_id=tok.pad_token_id)[0, len(ids):].tolist()
+        return out[: next((i for i, t in enumerate(out) if t in stop), len(out))]
+
+    for penalty in (None, 1.3):
+        model.generation_config.repetition_penalty = penalty
+        answers, follow_ups = {}, {}
+
+        def done(request, tokens, truncated):
+            answers[request.tag] = (tokens, truncated)
+            if isinstance(request.tag, int) and request.tag % 3 == 0:  # a follow-up turn, asked next
+                ids = request.ids + tokens + [tok.eos_token_id] + firsts[request.tag][-6:]
+                follow_ups[("again", request.tag)] = ids
+                return [Request(ids, tag=("again", request.tag))]
+            return []
+
+        decoder = RefillDecoder(model, batch_size=4, max_new_tokens=24, stop_ids=stop, pad_id=tok.pad_token_id)
+        decoder.run([Request(ids, tag=i) for i, ids in enumerate(firsts)], done)
+        assert set(answers) == set(range(12)) | set(follow_ups)
+        for tag, (tokens, truncated) in answers.items():
+            ids = follow_ups[tag] if tag in follow_ups else firsts[tag]
+            expected = alone(ids, 24)
+            assert tokens == expected, (penalty, tag)
+            assert truncated == (len(expected) == 24)  # no end of turn within max_new_tokens
+        assert any(tokens for tokens, _ in answers.values())
+    model.generation_config.repetition_penalty = None
+
+
+def test_refill_decoder_samples_per_request(target):
+    """Sampling draws from each request's own seed: the same answers whatever shares the batch,
+    and the global RNG is not touched."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specforge.data.regen.decode import RefillDecoder, Request
+
+    tok = AutoTokenizer.from_pretrained(target.path)
+    model = AutoModelForCausalLM.from_pretrained(target.path, dtype=torch.float32).to(DEVICE).eval()
+    prompts = [tok.apply_chat_template(chat(c, 0, False)[:1], add_generation_prompt=True, return_dict=False)
+               for c in CITIES[:6]]
+    prompts = [p["input_ids"] if isinstance(p, dict) else p for p in prompts]
+
+    def sample(batch_size: int, seeds: list[int]) -> dict:
+        answers = {}
+        decoder = RefillDecoder(model, batch_size=batch_size, max_new_tokens=12, stop_ids={tok.eos_token_id},
+                                pad_id=tok.pad_token_id, temperature=3.0)
+        decoder.run([Request(p, tag=i, seed=s) for i, (p, s) in enumerate(zip(prompts, seeds))],
+                    lambda r, tokens, truncated: answers.__setitem__(r.tag, tokens) or [])
+        return answers
+
+    state = torch.get_rng_state()
+    first = sample(6, list(range(6)))
+    assert torch.equal(torch.get_rng_state(), state)
+    assert sample(2, list(range(6))) == first
+    other = sample(6, list(range(6, 12)))
+    assert other != first and len(set(map(tuple, first.values()))) > 1
+
+
 # --------------------------------------------------------------------------- openai backend
 
 

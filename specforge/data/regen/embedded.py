@@ -1,9 +1,9 @@
 """Regeneration with the target loaded in-process through transformers.
 
-Conversations are taken `batch_size` at a time; within a group, round k asks every conversation
-its k-th assistant turn in one left-padded `generate` call (multi-turn replay needs the previous
-answer first). Groups are cut by position in the full input, not among the pending ones, so a
-resumed run batches exactly like an uninterrupted one and gives the same answers.
+Conversations are taken in groups of GROUP_BATCHES x `batch_size`; a group's turns are decoded
+by a RefillDecoder with `batch_size` rows in flight, a conversation's next turn asked as soon as
+its previous answer ends. Groups are cut by position in the full input, not among the pending
+ones, so a resumed run batches exactly like an uninterrupted one and gives the same answers.
 """
 from __future__ import annotations
 
@@ -14,8 +14,14 @@ from typing import Iterator
 import jinja2
 import torch
 
+from specforge.data.regen.decode import RefillDecoder, Request
 from specforge.data.regen.replay import Answer, RegenFailure, Replay
 from specforge.utils.io import fingerprint
+
+
+# Conversations per resume unit, in batches: enough queued prompts to keep the batch full
+# until the group's last answers.
+GROUP_BATCHES = 4
 
 
 class EmbeddedBackend:
@@ -54,28 +60,38 @@ class EmbeddedBackend:
 
     def run(self, replays: list[Replay]) -> Iterator[Replay]:
         """Yield each conversation once all its turns are answered (or it failed)."""
-        bs = max(1, int(self.cfg.batch_size))
-        for _, group in itertools.groupby(replays, key=lambda r: r.index // bs):
-            group = list(group)
-            self._run_group(group)
-            yield from group
+        group = GROUP_BATCHES * max(1, int(self.cfg.batch_size))
+        for _, members in itertools.groupby(replays, key=lambda r: r.index // group):
+            members = list(members)
+            self._run_group(members)
+            yield from members
 
     def _run_group(self, group: list[Replay]) -> None:
-        for round_ in itertools.count():
-            live, prompts = [], []
-            for r in group:
-                messages = r.prompt()
-                if messages is None:
-                    continue
-                try:
-                    prompts.append(self._prompt_ids(messages))
-                    live.append(r)
-                except RegenFailure as e:
-                    r.fail(e)
-            if not live:
-                return
-            for r, answer in zip(live, self._generate(prompts, [r.key for r in live], round_)):
-                r.answer(answer)
+        decoder = RefillDecoder(self.model, batch_size=self.cfg.batch_size, max_new_tokens=self.cfg.max_new_tokens,
+                                stop_ids=self.stop_ids, pad_id=self.tokenizer.pad_token_id,
+                                temperature=self.cfg.temperature)
+
+        def ask(replay: Replay) -> list[Request]:
+            """The replay's next turn as a request, or nothing when it is finished (or failed)."""
+            messages = replay.prompt()
+            if messages is None:
+                return []
+            try:
+                ids = self._prompt_ids(messages)
+            except RegenFailure as e:
+                replay.fail(e)
+                return []
+            # One seed per (conversation, turn): the same samples whatever shares the batch.
+            seed = int(fingerprint(self.seed, replay.key, replay.turns), 16) % (2**63)
+            return [Request(ids, tag=replay, seed=seed)]
+
+        def done(request: Request, tokens: list[int], truncated: bool) -> list[Request]:
+            replay = request.tag
+            replay.answer(Answer(text=self.tokenizer.decode(tokens, skip_special_tokens=True),
+                                 tokens=len(tokens) + (0 if truncated else 1), truncated=truncated))
+            return ask(replay)
+
+        decoder.run([q for r in group for q in ask(r)], done)
 
     def _prompt_ids(self, messages: list[dict]) -> list[int]:
         try:
@@ -88,33 +104,3 @@ class EmbeddedBackend:
             raise RegenFailure("regen_prompt_too_long", f"{len(ids)} prompt tokens + max_new_tokens "
                                f"{self.cfg.max_new_tokens} > the model's {self.max_positions} positions")
         return ids
-
-    @torch.inference_mode()
-    def _generate(self, prompts: list[list[int]], keys: list[str], round_: int) -> list[Answer]:
-        enc = self.tokenizer.pad({"input_ids": prompts}, padding=True, return_tensors="pt").to(self.device)
-        if self.cfg.temperature > 0:  # the target's own top_p/top_k (generation_config) still apply
-            sampling = {"do_sample": True, "temperature": float(self.cfg.temperature)}
-        else:
-            sampling = {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
-        # One seed per (group, round): the same samples whatever ran before in this process, and
-        # the caller's RNG state left as it was.
-        dev = self.model.device
-        cuda = [dev.index if dev.index is not None else torch.cuda.current_device()] if dev.type == "cuda" else []
-        with torch.random.fork_rng(devices=cuda):
-            torch.manual_seed(int(fingerprint(self.seed, keys, round_), 16) % (2**63))
-            out = self.model.generate(
-                **enc, **sampling,
-                max_new_tokens=self.cfg.max_new_tokens,
-                pad_token_id=self.tokenizer.pad_token_id,
-                eos_token_id=sorted(self.stop_ids),
-            )
-        answers = []
-        for row in out[:, enc["input_ids"].shape[1]:].tolist():
-            end = next((i for i, t in enumerate(row) if t in self.stop_ids), None)
-            content = row if end is None else row[:end]
-            answers.append(Answer(
-                text=self.tokenizer.decode(content, skip_special_tokens=True),
-                tokens=len(row) if end is None else end + 1,
-                truncated=end is None,
-            ))
-        return answers
