@@ -21,7 +21,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from specforge.engine.few_rows import choose_kernels, few_rows_linear, few_rows_linears, plain_linears
 from specforge.targets.layers import check_aux_layer_ids
-from specforge.targets.loader import text_config, untied_last_hidden_state
+from specforge.targets.loader import last_position, text_config, untied_last_hidden_state
 from specforge.targets.vl import capture_input_embeds, is_vl_config, mm_token_type_ids, rope_positions, vl_info
 
 
@@ -212,7 +212,7 @@ class TargetRunner:
             if images:
                 raise ValueError("prefill: images given, but the target is not a vision-language model")
             pos = torch.arange(self.length, self.length + ids.shape[1], device=self.device)[None]
-            logits, aux = self._run(ids, pos, None, logits_to_keep=1, need_aux=need_aux)
+            logits, aux = self._run(ids, pos, None, logits_to_keep=last_position(ids), need_aux=need_aux)
             return logits[-1], aux
         if self.length:
             raise ValueError("prefill: a vision-language prompt must start an empty cache")
@@ -224,7 +224,7 @@ class TargetRunner:
             inputs = {"pixel_values": images["pixel_values"].to(self.device, self.model.dtype),
                       "image_grid_thw": grid, "mm_token_type_ids": mm_token_type_ids(ids, self.vl)}
         with capture_input_embeds(self.model) as captured:
-            logits, aux = self._run(ids, pos, None, logits_to_keep=1, need_aux=need_aux, **inputs)
+            logits, aux = self._run(ids, pos, None, logits_to_keep=last_position(ids), need_aux=need_aux, **inputs)
         self.prompt_positions, self.prompt_embeds = pos[:, 0], captured.embeds[0]
         return logits[-1], aux
 

@@ -39,6 +39,7 @@ from specforge.engine.tree import build_tree, first_level, lane_attention_mask, 
 from specforge.engine.tree_spec import TreeSpec
 from specforge.engine.verify import greedy_walk
 from specforge.eval.engine_eval import aggregate
+from specforge.targets.loader import last_position
 
 
 @dataclass
@@ -138,7 +139,7 @@ def batched_trajectories(runner: TargetRunner, prompts: list[torch.Tensor], max_
     square = torch.ones((width, width), dtype=torch.bool, device=device).tril()
     mask = (keys[:, None, None, :width] & square) | torch.eye(width, dtype=torch.bool, device=device)
     pos = (torch.arange(width, device=device)[None] - pad[:, None]).clamp(min=0)
-    logits, aux = runner.rows(ids, pos, mask, logits_to_keep=1)
+    logits, aux = runner.rows(ids, pos, mask, logits_to_keep=last_position(ids))
     feats = [[aux[i, int(pad[i]):]] for i in range(b)]
     tokens = [logits[:, -1].argmax(-1)]
     reqs = [_Request(int(n), max_new_tokens, eos_token_id, 0, device) for n in lens]

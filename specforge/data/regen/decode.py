@@ -28,6 +28,8 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from specforge.targets.loader import last_position
+
 
 @dataclass
 class Request:
@@ -140,8 +142,8 @@ class RefillDecoder:
             shared = shared if shared >= MIN_SHARED_PREFIX else 0
         cache = DynamicCache()
         if shared:
-            self.model(input_ids=torch.tensor([joiners[0].ids[:shared]], device=self.device),
-                       past_key_values=cache, use_cache=True, logits_to_keep=1)
+            prefix = torch.tensor([joiners[0].ids[:shared]], device=self.device)
+            self.model(input_ids=prefix, past_key_values=cache, use_cache=True, logits_to_keep=last_position(prefix))
             cache = DynamicCache([(k.expand(len(joiners), -1, -1, -1), v.expand(len(joiners), -1, -1, -1))
                                   for k, v, _ in cache])
         width = max(len(r.ids) for r in joiners) - shared
@@ -153,12 +155,8 @@ class RefillDecoder:
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = shared + (mask.cumsum(-1) - 1).clamp(min=0)
         mask = torch.cat([mask.new_ones(len(joiners), shared), mask], dim=1)
-        # The last column by index, not `logits_to_keep=1`: its strided [rows, 1, hidden] slice
-        # sends torch's CPU matmul to a bmm that copies the lm_head weight once per row when the
-        # weight does not require grad (load_target's) - 2.5x this prefill's time on SmolLM2.
-        last = torch.tensor([ids.shape[1] - 1], device=self.device)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                         use_cache=True, logits_to_keep=last)
+                         use_cache=True, logits_to_keep=last_position(ids))
         return cache, mask, out.logits[:, -1]
 
     def _join(self, joiners: list[Request]) -> tuple[list[int], torch.Tensor]:
