@@ -2,8 +2,8 @@
 
 `transformers`' `generate` decodes a batch until its longest answer ends, so every row that
 stopped early, and every follow-up turn asked in a later, smaller batch, costs a full decode
-step for nothing; its continuous-batching API (`generate_batch`) ran 5x slower than `generate`
-on a 2-core CPU (paged eager attention). Here the batch changes between steps instead: waiting
+step for nothing; its continuous-batching API (`generate_batch`) ran at less than half of
+`generate`'s speed on a 2-core CPU (paged eager attention). Here the batch changes between steps instead: waiting
 prompts are prefilled together into the rows of finished answers, their keys right-aligned at
 the end of the shared cache, and a 2D attention mask per row and per-row positions say which
 cache columns are whose (as the left padding of `generate`'s batch does). A prefix the joining
