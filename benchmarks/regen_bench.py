@@ -82,8 +82,8 @@ def generate_in_rounds(backend, todo, batch_size: int) -> None:
                                 tokens=len(row) if end is None else end + 1, truncated=end is None))
 
 
-def measure(name: str, batch_size: int, conversations, run) -> tuple[dict, list]:
-    todo = replays(conversations, run.max_new_tokens)
+def measure(name: str, batch_size: int, conversations, max_new_tokens: int, run) -> tuple[dict, list]:
+    todo = replays(conversations, max_new_tokens)
     t0 = time.perf_counter()
     run(todo)
     seconds = time.perf_counter() - t0
@@ -115,21 +115,14 @@ def main(argv=None) -> int:
     backend = EmbeddedBackend(cfg, target, device="cpu")
     print(f"{len(conversations)} conversations, {torch.get_num_threads()} threads, target {args.target} (bfloat16)")
 
-    def baseline(todo):
-        generate_in_rounds(backend, todo, args.baseline_batch_size)
-    baseline.max_new_tokens = args.max_new_tokens
-    rows, reference = [], None
-    row, reference = measure("generate", args.baseline_batch_size, conversations, baseline)
-    rows.append(row)
+    row, reference = measure("generate", args.baseline_batch_size, conversations, args.max_new_tokens,
+                             lambda todo: generate_in_rounds(backend, todo, args.baseline_batch_size))
+    rows = [row]
     for bs in args.batch_sizes:
         backend.cfg = RegenerateConfig(enabled=True, batch_size=bs, max_new_tokens=args.max_new_tokens,
                                        keep_truncated=True)
-
-        def refill(todo):
-            for _ in backend.run(todo):
-                pass
-        refill.max_new_tokens = args.max_new_tokens
-        row, messages = measure("refill", bs, conversations, refill)
+        row, messages = measure("refill", bs, conversations, args.max_new_tokens,
+                                lambda todo: list(backend.run(todo)))
         row["same_answers"] = round(sum(a == b for a, b in zip(messages, reference)) / len(reference), 3)
         row["speedup"] = round(rows[0]["seconds"] / row["seconds"], 2)
         rows.append(row)

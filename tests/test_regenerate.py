@@ -226,6 +226,12 @@ def test_resume_after_kill_matches_uninterrupted_run(target, tmp_path):
     assert len(records) == len({r["key"] for r in records}) == 16
 
 
+def prompt_ids(tok, messages: list[dict]) -> list[int]:
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+    assert isinstance(ids, list) and all(isinstance(t, int) for t in ids)
+    return ids
+
+
 def test_refill_decoder_answers_as_generate_does_one_at_a_time(target):
     """Rows leave and join the batch (follow-ups first, longer prompts that grow the cache in
     front, free rows compacted away at the end): each answer is what `generate` says for that
@@ -237,10 +243,8 @@ def test_refill_decoder_answers_as_generate_does_one_at_a_time(target):
     tok = AutoTokenizer.from_pretrained(target.path)
     model = AutoModelForCausalLM.from_pretrained(target.path, dtype=torch.float32).to(DEVICE).eval()
     convs = dataset(12, follow_up_every=3)
-    firsts = [tok.apply_chat_template(c["messages"][: next(i for i, m in enumerate(c["messages"])
-                                                           if m["role"] == "assistant")],
-                                      add_generation_prompt=True, return_dict=False) for c in convs]
-    firsts = [f["input_ids"] if isinstance(f, dict) else f for f in firsts]
+    firsts = [prompt_ids(tok, c["messages"][: next(i for i, m in enumerate(c["messages"]) if m["role"] == "assistant")])
+              for c in convs]
     firsts[5] = firsts[5] + firsts[2]  # one prompt longer than any cache it joins
     stop = {tok.eos_token_id}
 
@@ -283,9 +287,7 @@ def test_refill_decoder_samples_per_request(target):
 
     tok = AutoTokenizer.from_pretrained(target.path)
     model = AutoModelForCausalLM.from_pretrained(target.path, dtype=torch.float32).to(DEVICE).eval()
-    prompts = [tok.apply_chat_template(chat(c, 0, False)[:1], add_generation_prompt=True, return_dict=False)
-               for c in CITIES[:6]]
-    prompts = [p["input_ids"] if isinstance(p, dict) else p for p in prompts]
+    prompts = [prompt_ids(tok, chat(c, 0, False)[:1]) for c in CITIES[:6]]
 
     def sample(batch_size: int, seeds: list[int]) -> dict:
         answers = {}
