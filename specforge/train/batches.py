@@ -86,7 +86,8 @@ def eval_batches(lengths: list[int], batch_size: int, rank: int = 0,
 def pack(samples: list[dict]) -> dict:
     """One row of documents: tensors concatenated, positions restarting at 0 per document (M-RoPE
     positions as stored), `doc_ids` numbering the documents."""
-    row = {key: torch.cat([s[key] for s in samples]) for key in ("input_ids", "loss_mask", "aux", "last")}
+    keys = ("input_ids", "loss_mask", "aux", "last") + (("in_vocab",) if "in_vocab" in samples[0] else ())
+    row = {key: torch.cat([s[key] for s in samples]) for key in keys}
     if "position_ids" in samples[0]:
         row["position_ids"] = torch.cat([s["position_ids"] for s in samples], dim=-1)
     else:
@@ -124,6 +125,10 @@ def collate(samples: list[dict], dtype=torch.float32, image_token_id: int | None
         batch["loss_mask"][i, :m] = s["loss_mask"].bool()
         batch["aux"][i, :m] = s["aux"].to(dtype)
         batch["last"][i, :m] = s["last"].to(dtype)
+    if "in_vocab" in samples[0]:  # TeacherMemo's: whether the target's argmax is a draft token
+        batch["in_vocab"] = torch.zeros(b, n, dtype=torch.bool)
+        for i, s in enumerate(samples):
+            batch["in_vocab"][i, : len(s["input_ids"])] = s["in_vocab"]
     if "doc_ids" in samples[0]:
         batch["doc_ids"] = torch.full((b, n), -1, dtype=torch.long)
         for i, s in enumerate(samples):

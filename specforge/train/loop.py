@@ -26,7 +26,7 @@ from specforge.targets.loader import compute_dtype, load_target, torch_dtype
 from specforge.train.batches import collate, epoch_batches, eval_batches, global_batches, steps_per_epoch
 from specforge.run_layout import RunLayout
 from specforge.train.state import StateManager, TrainState
-from specforge.train.ttt import StepStats, Teacher, add_stats, summarize, ttt_forward
+from specforge.train.ttt import StepStats, Teacher, TeacherMemo, add_stats, summarize, ttt_forward
 from specforge.utils.metrics_log import MetricsLogger
 from specforge.utils.progress import progress_bar
 
@@ -240,11 +240,11 @@ def override_token(cfg, store: HiddenStateStore) -> int | None:
     return int(store.meta["image_token_id"]) if store.vl and mode == "merged" else None
 
 
-def optimizer_step(strategy, micro_batches: list[list[int]], store: HiddenStateStore, device, amp,
+def optimizer_step(strategy, micro_batches: list[list[int]], store: TeacherMemo, device, amp,
                    meter: Meter, image_token_id: int | None = None, pack_tokens: int = 0) -> float:
     """One optimizer step over this rank's micro-batches; returns the gradient norm."""
     for j, idx in enumerate(micro_batches):
-        samples = [store[i] for i in idx]
+        samples = store.samples(idx)
         batch = {k: v.to(device) for k, v in collate(samples, image_token_id=image_token_id,
                                                      pack_tokens=pack_tokens).items()}
         with strategy.grad_sync(last=j == len(micro_batches) - 1):
@@ -263,14 +263,14 @@ def train_row(tc, epoch: int, step: int, lr: float, grad_norm: float, meter: Met
 
 
 @torch.no_grad()
-def heldout_metrics(strategy, store: HiddenStateStore, cfg, device, amp) -> dict:
+def heldout_metrics(strategy, store: TeacherMemo, cfg, device, amp) -> dict:
     """Held-out TTT metrics, each rank on its share of the batches, summed over ranks."""
     env = dist.current()
     strategy.train(False)
     meter = Meter(cfg.train.ttt_length)
-    image_token_id = override_token(cfg, store)
-    for idx, counted in eval_batches(store.lengths, cfg.train.batch_size, env.rank, env.world_size):
-        batch = {k: v.to(device) for k, v in collate([store[i] for i in idx], image_token_id=image_token_id).items()}
+    image_token_id = override_token(cfg, store.store)
+    for idx, counted in eval_batches(store.store.lengths, cfg.train.batch_size, env.rank, env.world_size):
+        batch = {k: v.to(device) for k, v in collate(store.samples(idx), image_token_id=image_token_id).items()}
         with amp:
             _, stats = strategy.model(batch)
         if counted:
@@ -323,8 +323,10 @@ def train(cfg, run_dir: Path, fingerprint: str) -> dict:
     draft.config.extra[TARGET_KEY] = {"fingerprint": meta["target_fingerprint"], "name": Path(str(cfg.target.path)).name,
                                       "num_hidden_layers": meta["num_layers"]}
     draft_config = draft.config
-    module = TTTModule(draft, Teacher(teacher_weight, draft.t2d, hard_weight=tc.hard_label_weight),
-                       tc.ttt_length, tc.step_weight, tc.feature_noise, tc.reach_weight)
+    teacher = Teacher(teacher_weight, draft.t2d, hard_weight=tc.hard_label_weight)
+    train_samples = TeacherMemo(train_store, teacher, device)
+    eval_samples = None if eval_store is None else TeacherMemo(eval_store, teacher, device)
+    module = TTTModule(draft, teacher, tc.ttt_length, tc.step_weight, tc.feature_noise, tc.reach_weight)
     strategy = make_strategy(module, tc, env, device)
     del draft, module
 
@@ -355,7 +357,7 @@ def train(cfg, run_dir: Path, fingerprint: str) -> dict:
                 task = bar.add_task(f"train epoch {epoch}", total=per_epoch, completed=start, info="")
                 for s in range(start, per_epoch):
                     micro = mine[s * tc.grad_accum : (s + 1) * tc.grad_accum]
-                    grad_norm = optimizer_step(strategy, micro, train_store, device, amp, meter, image_token_id,
+                    grad_norm = optimizer_step(strategy, micro, train_samples, device, amp, meter, image_token_id,
                                                tc.pack_tokens)
                     scheduler.step()
                     position.step += 1
@@ -380,8 +382,8 @@ def train(cfg, run_dir: Path, fingerprint: str) -> dict:
                         states.save(state, f"step_{position.step:08d}", "periodic")
 
                 epoch_row = {"split": "eval", "epoch": epoch, "step": position.step}
-                if eval_store is not None:
-                    epoch_row.update(heldout_metrics(strategy, eval_store, cfg, device, amp))
+                if eval_samples is not None:
+                    epoch_row.update(heldout_metrics(strategy, eval_samples, cfg, device, amp))
                     if main:
                         logger.log(epoch_row)
                         print(f"[train] epoch {epoch}: held-out sim accept length "

@@ -19,12 +19,18 @@ from specforge.models.head_loss import TeacherRows
 
 
 class Teacher:
-    """The target's own head over its final post-norm states, restricted to the draft vocab."""
+    """The target's own head over its final post-norm states, restricted to the draft vocab.
+
+    The loss reads the head's draft-vocab rows only; which positions count needs the target's
+    argmax over its whole vocab (24x the draft's 2,048 columns on SmolLM2). That part depends on
+    the stored states alone, so the training loop computes it once per sample (`in_vocab`, kept
+    by TeacherMemo) and hands it in with the batch: later epochs never read the full head."""
 
     def __init__(self, lm_head_weight: torch.Tensor, t2d: torch.Tensor, chunk: int = 2048,
                  hard_weight: float = 0.0):
         self.weight = lm_head_weight  # [V, H_target], frozen
         self.draft_ids = torch.nonzero(t2d, as_tuple=False).squeeze(-1)  # sorted target ids
+        self.draft_weight = lm_head_weight[self.draft_ids.to(lm_head_weight.device)]  # [Vd, H_target]
         self.t2d = t2d
         self.chunk = chunk
         if not 0.0 <= hard_weight <= 1.0:
@@ -32,23 +38,49 @@ class Teacher:
         self.hard_weight = hard_weight  # the loss target: (1 - w) * distribution + w * one-hot of its argmax
 
     @torch.no_grad()
-    def __call__(self, last: torch.Tensor):
-        """last [B, S, H] -> (probs over the draft vocab [B, S, Vd] fp32, target argmax [B, S],
-        whether that argmax is in the draft vocab [B, S])."""
+    def in_vocab(self, last: torch.Tensor) -> torch.Tensor:
+        """last [..., H] -> whether the target's argmax over its whole vocab is a draft token [...]."""
         flat = last.reshape(-1, last.shape[-1]).to(self.weight.dtype)
-        probs, argmax = [], []
-        for i in range(0, flat.shape[0], self.chunk):  # bounded memory: V can be 150K wide
-            logits = flat[i : i + self.chunk] @ self.weight.T
-            argmax.append(logits.max(-1).indices)  # argmax (first of ties too); 6x faster in bf16 on CPU
-            p = logits[:, self.draft_ids].float().softmax(-1)
+        argmax = [(flat[i : i + self.chunk] @ self.weight.T).max(-1).indices  # 6x faster in bf16 on CPU
+                  for i in range(0, flat.shape[0], self.chunk)]  # bounded memory: V can be 150K wide
+        argmax = torch.cat(argmax) if argmax else flat.new_zeros(0, dtype=torch.long)
+        return self.t2d.to(argmax.device)[argmax].view(last.shape[:-1])
+
+    @torch.no_grad()
+    def __call__(self, last: torch.Tensor, in_vocab: torch.Tensor | None = None):
+        """last [B, S, H] -> (probs over the draft vocab [B, S, Vd] fp32, in_vocab [B, S] bool);
+        `in_vocab` given (from TeacherMemo) is returned as is, else computed here."""
+        flat = last.reshape(-1, last.shape[-1]).to(self.weight.dtype)
+        probs = []
+        for i in range(0, flat.shape[0], self.chunk):
+            p = (flat[i : i + self.chunk] @ self.draft_weight.T).float().softmax(-1)
             if self.hard_weight:  # greedy verification accepts the argmax alone: weigh it up
                 top = p.argmax(-1, keepdim=True)
                 p = (1 - self.hard_weight) * p
                 p.scatter_add_(-1, top, torch.full_like(top, self.hard_weight, dtype=p.dtype))
             probs.append(p)
-        shape = last.shape[:-1]
-        argmax = torch.cat(argmax).view(shape)
-        return torch.cat(probs).view(*shape, -1), argmax, self.t2d[argmax]
+        if in_vocab is None:
+            in_vocab = self.in_vocab(last)
+        return torch.cat(probs).view(*last.shape[:-1], -1), in_vocab.bool()
+
+
+class TeacherMemo:
+    """Samples of a store with their `in_vocab` attached, computed the first time a sample is read
+    and kept (one bool per token, on the CPU): the full-vocab product runs once per sample, not
+    once per epoch. Each rank keeps the samples it reads."""
+
+    def __init__(self, store, teacher: Teacher, device):
+        self.store, self.teacher, self.device = store, teacher, device
+        self.known: dict[int, torch.Tensor] = {}
+
+    def samples(self, indices) -> list[dict]:
+        out = []
+        for i in indices:
+            sample = self.store[i]
+            if i not in self.known:
+                self.known[i] = self.teacher.in_vocab(sample["last"].to(self.device)).cpu()
+            out.append({**sample, "in_vocab": self.known[i]})
+        return out
 
 
 @dataclass
@@ -79,7 +111,8 @@ def ttt_forward(draft, batch: dict, teacher: Teacher, ttt_length: int, step_weig
     embed_override [B,S,H] + embed_override_mask [B,S] bool: where the mask is set, the draft's
     token embedding of that position is the override (the target's merged input embedding);
     optionally doc_ids [B,S] (packed rows, see batches.py): attention and scoring stay within a
-    document, so a packed row gives its documents' losses and gradients as unpacked.
+    document, so a packed row gives its documents' losses and gradients as unpacked; optionally
+    in_vocab [B,S] bool (TeacherMemo): whether the target's argmax is a draft token, else computed.
     reach_weight w: at step k a position's loss weighs 1 - w + w x [the draft's greedy chain was
     right there at steps 0..k-1] (greedy verification never uses a draft after its first miss).
     """
@@ -87,7 +120,7 @@ def ttt_forward(draft, batch: dict, teacher: Teacher, ttt_length: int, step_weig
         raise ValueError(f"train.reach_weight: {reach_weight} is not in [0, 1]")
     ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
     doc_ids = batch.get("doc_ids")
-    probs, argmax, in_vocab = teacher(batch["last"])
+    probs, in_vocab = teacher(batch["last"], batch.get("in_vocab"))
     teacher_top = probs.argmax(-1)  # the teacher's choice within the draft vocab
     seq_len = ids.shape[1]
     feat = draft.project(batch["aux"].to(draft.fc.weight.dtype))
