@@ -256,10 +256,11 @@ def test_refill_decoder_answers_as_generate_does_one_at_a_time(target):
 
     for penalty in (None, 1.3):
         model.generation_config.repetition_penalty = penalty
-        answers, follow_ups = {}, {}
+        answers, follow_ups, widths = {}, {}, []
 
         def done(request, tokens, truncated):
             answers[request.tag] = (tokens, truncated)
+            widths.append(decoder.mask.shape[1])
             if isinstance(request.tag, int) and request.tag % 3 == 0:  # a follow-up turn, asked next
                 ids = request.ids + tokens + [tok.eos_token_id] + firsts[request.tag][-6:]
                 follow_ups[("again", request.tag)] = ids
@@ -275,6 +276,8 @@ def test_refill_decoder_answers_as_generate_does_one_at_a_time(target):
             assert tokens == expected, (penalty, tag)
             assert truncated == (len(expected) == 24)  # no end of turn within max_new_tokens
         assert any(tokens for tokens, _ in answers.values())
+        # the cache spans the live rows only (columns of finished rows dropped), not every step since the start
+        assert max(widths) <= max(len(ids) for ids in [*firsts, *follow_ups.values()]) + 24
     model.generation_config.repetition_penalty = None
 
 

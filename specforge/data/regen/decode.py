@@ -121,6 +121,7 @@ class RefillDecoder:
                 queue.extendleft(reversed(list(follow)))
 
     def _step(self, last: torch.Tensor) -> torch.Tensor:
+        self._trim()
         positions = torch.tensor([[r.position if r else 0] for r in self.slots], device=self.device)
         self.mask = torch.cat([self.mask, self.mask.new_ones(len(self.slots), 1)], dim=1)
         out = self.model(input_ids=last, attention_mask=self.mask, position_ids=positions,
@@ -198,6 +199,21 @@ class RefillDecoder:
                     x[slots, :, length - width:] = getattr(new, name)
                     setattr(layer, name, x)
         return slots
+
+    def _trim(self) -> None:
+        """Drop the cache's leading columns that no live row attends to any more. Every step
+        appends a column for all rows and joiners are placed at the end, so without this the
+        cache spans every step since the start: each step would copy it whole (DynamicLayer's
+        torch.cat) and attend over it. A view, no copy: the next step's cat makes it contiguous."""
+        live = [i for i, r in enumerate(self.slots) if r is not None]
+        if not live:
+            return
+        trim = int(self.mask[live].any(0).long().argmax())  # the first column a live row attends to
+        if trim == 0:
+            return
+        self.mask = self.mask[:, trim:]  # a finished row keeps at least the columns of its last steps
+        for layer in self.cache.layers:
+            layer.keys, layer.values = layer.keys[:, :, trim:], layer.values[:, :, trim:]
 
     def _compact(self, last: torch.Tensor) -> torch.Tensor:
         """Drop the free rows, and the cache columns no remaining row attends to."""
