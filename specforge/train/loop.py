@@ -240,12 +240,11 @@ def override_token(cfg, store: HiddenStateStore) -> int | None:
     return int(store.meta["image_token_id"]) if store.vl and mode == "merged" else None
 
 
-def optimizer_step(strategy, micro_batches: list[list[int]], store: TeacherMemo, device, amp,
+def optimizer_step(strategy, micro_batches: list[list[int]], samples: TeacherMemo, device, amp,
                    meter: Meter, image_token_id: int | None = None, pack_tokens: int = 0) -> float:
     """One optimizer step over this rank's micro-batches; returns the gradient norm."""
     for j, idx in enumerate(micro_batches):
-        samples = store.samples(idx)
-        batch = {k: v.to(device) for k, v in collate(samples, image_token_id=image_token_id,
+        batch = {k: v.to(device) for k, v in collate(samples.samples(idx), image_token_id=image_token_id,
                                                      pack_tokens=pack_tokens).items()}
         with strategy.grad_sync(last=j == len(micro_batches) - 1):
             with amp:
@@ -263,14 +262,14 @@ def train_row(tc, epoch: int, step: int, lr: float, grad_norm: float, meter: Met
 
 
 @torch.no_grad()
-def heldout_metrics(strategy, store: TeacherMemo, cfg, device, amp) -> dict:
+def heldout_metrics(strategy, samples: TeacherMemo, cfg, device, amp) -> dict:
     """Held-out TTT metrics, each rank on its share of the batches, summed over ranks."""
     env = dist.current()
     strategy.train(False)
     meter = Meter(cfg.train.ttt_length)
-    image_token_id = override_token(cfg, store.store)
-    for idx, counted in eval_batches(store.store.lengths, cfg.train.batch_size, env.rank, env.world_size):
-        batch = {k: v.to(device) for k, v in collate(store.samples(idx), image_token_id=image_token_id).items()}
+    image_token_id = override_token(cfg, samples.store)
+    for idx, counted in eval_batches(samples.store.lengths, cfg.train.batch_size, env.rank, env.world_size):
+        batch = {k: v.to(device) for k, v in collate(samples.samples(idx), image_token_id=image_token_id).items()}
         with amp:
             _, stats = strategy.model(batch)
         if counted:
