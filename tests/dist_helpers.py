@@ -49,6 +49,8 @@ def base_overrides(root: Path, target_dir: Path) -> list[str]:
         # every strategy (FSDP and ZeRO shard the matrices Muon needs whole) on one optimizer;
         # the exp's Muon is tested with ddp on its own (test_distributed.py)
         "train.optimizer=adamw",
+        # the learning rate the strategies' tolerances below were set at, whatever the demo exp's
+        "train.lr=1e-3",
     ]
 
 
