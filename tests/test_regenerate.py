@@ -518,3 +518,29 @@ def test_embedded_regeneration_refuses_vision_language_targets(tiny_vl_dir):
     target = TargetConfig(name="vl", path=str(tiny_vl_dir), kind="qwen3_vl", dtype="float32")
     with pytest.raises(ValueError, match="text targets only .*backend=openai"):
         EmbeddedBackend(RegenerateConfig(enabled=True), target)
+
+
+def test_embedded_regeneration_refuses_logit_shaping_it_would_not_apply(target, tmp_path):
+    """A generation_config asking for shaping the refill decoder does not apply (no_repeat_ngram_size,
+    min_p when sampling, ...) is refused naming the target and the fields, before any conversation
+    is asked; neutral values and what it applies (repetition_penalty) pass."""
+    import shutil
+
+    from specforge.data.regen.embedded import EmbeddedBackend
+
+    copy = tmp_path / "target"
+    shutil.copytree(target.path, copy)
+    config_file = copy / "generation_config.json"
+    base = json.loads(config_file.read_text())
+    shaped = TargetConfig(name="shaped", path=str(copy), dtype="float32")
+
+    def backend(temperature: float = 0.0, **fields):
+        config_file.write_text(json.dumps({**base, **fields}))
+        return EmbeddedBackend(cfg(temperature=temperature), shaped, device=DEVICE)
+
+    backend(no_repeat_ngram_size=0, typical_p=1.0, repetition_penalty=1.2, min_p=0.05)  # neutral, applied, greedy
+    with pytest.raises(ValueError, match=f"{copy}: its generation_config sets no_repeat_ngram_size=3, "
+                                         "bad_words_ids=.*backend=openai"):
+        backend(no_repeat_ngram_size=3, bad_words_ids=[[5]])
+    with pytest.raises(ValueError, match="sets min_p=0.05, which the embedded regeneration does not apply"):
+        backend(temperature=0.7, min_p=0.05)

@@ -46,9 +46,39 @@ class _Row:
     generator: torch.Generator | None = None
 
 
-def logits_processors(generation_config, temperature: float) -> LogitsProcessorList:
+# generation_config fields `generate` would turn into logit shaping that the decoder does not
+# apply, with their neutral values; a field set otherwise is refused, not silently dropped.
+UNAPPLIED = {"no_repeat_ngram_size": 0, "encoder_no_repeat_ngram_size": 0, "min_length": 0, "min_new_tokens": 0,
+             "bad_words_ids": None, "suppress_tokens": None, "begin_suppress_tokens": None, "sequence_bias": None,
+             "forced_bos_token_id": None, "forced_eos_token_id": None, "exponential_decay_length_penalty": None,
+             "encoder_repetition_penalty": 1.0, "guidance_scale": 1.0, "num_beams": 1}
+UNAPPLIED_WHEN_SAMPLING = {"min_p": 0.0, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "top_h": None}
+
+
+def unapplied_settings(generation_config, temperature: float) -> dict:
+    """The fields of UNAPPLIED (and, when sampling, UNAPPLIED_WHEN_SAMPLING) set to a value that
+    would change what `generate` says."""
+    fields = {**UNAPPLIED, **(UNAPPLIED_WHEN_SAMPLING if temperature > 0 else {})}
+    found = {}
+    for name, neutral in fields.items():
+        value = getattr(generation_config, name, None)
+        if value is None or value == neutral or (isinstance(value, (list, dict)) and not value):
+            continue
+        found[name] = value
+    return found
+
+
+def logits_processors(generation_config, temperature: float, source: str = "the target") -> LogitsProcessorList:
     """The target's own logit shaping, as `generate` applies it: a repetition penalty always,
-    temperature/top-k/top-p only when sampling (temperature > 0)."""
+    temperature/top-k/top-p only when sampling (temperature > 0). Any other shaping the
+    generation_config asks for is refused with the fields named (`source`: where it was read)."""
+    unapplied = unapplied_settings(generation_config, temperature)
+    if unapplied:
+        listed = ", ".join(f"{k}={v!r}" for k, v in unapplied.items())
+        raise ValueError(f"{source}: its generation_config sets {listed}, which the embedded regeneration does "
+                         "not apply (it applies repetition_penalty, and temperature/top_k/top_p when sampling); "
+                         "regenerate through a server that applies them (data.regenerate.backend=openai, e.g. "
+                         "SGLang) or remove them from the target's generation_config.json")
     procs = LogitsProcessorList()
     penalty = getattr(generation_config, "repetition_penalty", None)
     if penalty not in (None, 1.0):

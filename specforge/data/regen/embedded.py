@@ -14,7 +14,7 @@ from typing import Iterator
 import jinja2
 import torch
 
-from specforge.data.regen.decode import RefillDecoder, Request
+from specforge.data.regen.decode import RefillDecoder, Request, logits_processors
 from specforge.data.regen.replay import Answer, RegenFailure, Replay
 from specforge.utils.io import fingerprint
 
@@ -53,6 +53,8 @@ class EmbeddedBackend:
             warnings.warn(f"data.regenerate.thinking=true but the chat template of {path} has no "
                           "enable_thinking switch; rendering without it", stacklevel=2)
         self.model = load_target(target_cfg, self.device)
+        # logit shaping the decoder cannot apply is refused here, before any conversation is asked
+        logits_processors(self.model.generation_config, cfg.temperature, source=str(path))
         self.max_positions = getattr(text_config(self.model.config), "max_position_embeddings", None)
         eos = self.model.generation_config.eos_token_id
         eos = eos if isinstance(eos, list) else [eos]
