@@ -246,15 +246,13 @@ class RefillDecoder:
             layer.keys, layer.values = layer.keys[:, :, trim:], layer.values[:, :, trim:]
 
     def _compact(self, last: torch.Tensor) -> torch.Tensor:
-        """Drop the free rows, and the cache columns no remaining row attends to."""
+        """Drop the free rows (the next step's `_trim` drops the columns none of the rest attends to)."""
         keep = [i for i, r in enumerate(self.slots) if r is not None]
         self.slots = [self.slots[i] for i in keep]
         index = torch.tensor(keep, dtype=torch.long, device=self.device)
         self.mask = self.mask[index]
-        trim = int(self.mask.any(0).long().argmax())  # the first column a row attends to
-        self.mask = self.mask[:, trim:]
         for layer in self.cache.layers:
-            layer.keys, layer.values = layer.keys[index, :, trim:], layer.values[index, :, trim:]
+            layer.keys, layer.values = layer.keys[index], layer.values[index]
         return last[index]
 
     def _generator(self, request: Request) -> torch.Generator | None:
