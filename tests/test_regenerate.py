@@ -232,6 +232,27 @@ def prompt_ids(tok, messages: list[dict]) -> list[int]:
     return ids
 
 
+def test_the_kv_cache_goes_under_the_name_the_forward_takes(tiny_target_dir):
+    """transformers 5.19 (the sglang extra's pin) takes `past_key_values`; later releases take
+    `cache` and drop the old name in 5.40: the decoder and the engine ask the signature."""
+    import inspect
+
+    from transformers import AutoModelForCausalLM
+
+    from specforge.targets.loader import with_cache
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_target_dir), dtype=torch.float32)
+    (name,) = with_cache(model, None)
+    assert name in inspect.signature(model.forward).parameters
+
+    class OldForward(torch.nn.Module):
+        def forward(self, input_ids, past_key_values=None, use_cache=None):
+            return past_key_values
+
+    assert with_cache(OldForward(), "kv") == {"past_key_values": "kv"}
+    assert OldForward()(None, **with_cache(OldForward(), "kv")) == "kv"
+
+
 def test_refill_decoder_answers_as_generate_does_one_at_a_time(target):
     """Rows leave and join the batch (follow-ups first, longer prompts that grow the cache in
     front, free rows compacted away at the end): each answer is what `generate` says for that

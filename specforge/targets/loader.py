@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -159,6 +160,17 @@ def last_position(input_ids: torch.Tensor) -> torch.Tensor:
     bmm over a per-row copy of the lm_head weight: 102 ms instead of 8 for one SmolLM2 row in
     bf16, 2.5x a 32-prompt prefill. Indexing copies the [B, 1, H] rows instead (docs/benchmarks.md)."""
     return torch.tensor([input_ids.shape[1] - 1], device=input_ids.device)
+
+
+def with_cache(model, cache) -> dict:
+    """The forward kwarg that hands `model` its KV cache: transformers renamed `past_key_values` to
+    `cache` after 5.19 (the sglang extra's pin) and drops the old name in 5.40; ask the signature."""
+    return {_cache_kwarg(type(model)): cache}
+
+
+@functools.cache
+def _cache_kwarg(model_class) -> str:
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
 @contextmanager

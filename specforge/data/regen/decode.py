@@ -28,7 +28,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from specforge.targets.loader import last_position
+from specforge.targets.loader import last_position, with_cache
 
 
 @dataclass
@@ -155,7 +155,7 @@ class RefillDecoder:
         positions = torch.tensor([[r.position if r else 0] for r in self.slots], device=self.device)
         self.mask = torch.cat([self.mask, self.mask.new_ones(len(self.slots), 1)], dim=1)
         out = self.model(input_ids=last, attention_mask=self.mask, position_ids=positions,
-                         past_key_values=self.cache, use_cache=True)
+                         **with_cache(self.model, self.cache), use_cache=True)
         for row in self.slots:
             if row is not None:
                 row.position += 1
@@ -174,7 +174,7 @@ class RefillDecoder:
         cache = DynamicCache()
         if shared:
             prefix = torch.tensor([joiners[0].ids[:shared]], device=self.device)
-            self.model(input_ids=prefix, past_key_values=cache, use_cache=True, logits_to_keep=last_position(prefix))
+            self.model(input_ids=prefix, **with_cache(self.model, cache), use_cache=True, logits_to_keep=last_position(prefix))
             cache = DynamicCache([(k.expand(len(joiners), -1, -1, -1), v.expand(len(joiners), -1, -1, -1))
                                   for k, v, _ in cache])
         width = max(len(r.ids) for r in joiners) - shared
@@ -186,7 +186,7 @@ class RefillDecoder:
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = shared + (mask.cumsum(-1) - 1).clamp(min=0)
         mask = torch.cat([mask.new_ones(len(joiners), shared), mask], dim=1)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, **with_cache(self.model, cache),
                          use_cache=True, logits_to_keep=last_position(ids))
         return cache, mask, out.logits[:, -1]
 
