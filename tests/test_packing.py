@@ -101,7 +101,8 @@ def test_the_memo_reads_the_whole_head_once_per_sample_and_changes_no_loss_or_gr
         assert stats == ref_stats
         for name, grad in ref_grads.items():
             torch.testing.assert_close(grads[name], grad, atol=0, rtol=0, msg=name)
-    assert [len(memo.known[i]) for i in range(4)] == [9, 14, 6, 11]
+    assert [tuple(memo.known[i][1]) for i in range(4)] == [(9,), (14,), (6,), (11,)]
+    assert [memo.known[i][0].nbytes for i in range(4)] == [2, 2, 1, 2]  # one bit per token
 
 
 def test_packed_vision_language_rows_keep_each_documents_mrope_positions():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specforge.models.attention import TTTMask
@@ -66,20 +67,23 @@ class Teacher:
 
 class TeacherMemo:
     """Samples of a store with their `in_vocab` attached, computed the first time a sample is read
-    and kept (one bool per token, on the CPU): the full-vocab product runs once per sample, not
-    once per epoch. Each rank keeps the samples it reads."""
+    and kept (one bit per token, on the CPU: 125 MB per billion tokens a rank reads): the
+    full-vocab product runs once per sample, not once per epoch. Each rank keeps what it reads."""
 
     def __init__(self, store, teacher: Teacher, device):
         self.store, self.teacher, self.device = store, teacher, device
-        self.known: dict[int, torch.Tensor] = {}
+        self.known: dict[int, tuple[np.ndarray, torch.Size]] = {}
 
     def samples(self, indices) -> list[dict]:
         out = []
         for i in indices:
             sample = self.store[i]
             if i not in self.known:
-                self.known[i] = self.teacher.in_vocab(sample["last"].to(self.device)).cpu()
-            out.append({**sample, "in_vocab": self.known[i]})
+                in_vocab = self.teacher.in_vocab(sample["last"].to(self.device)).cpu()
+                self.known[i] = np.packbits(in_vocab.numpy()), in_vocab.shape
+            bits, shape = self.known[i]
+            in_vocab = torch.from_numpy(np.unpackbits(bits, count=shape.numel()).astype(bool)).view(shape)
+            out.append({**sample, "in_vocab": in_vocab})
         return out
 
 
