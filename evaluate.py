@@ -20,11 +20,10 @@ sys.argv = quote_trees(sys.argv)  # T_K_N trees stay text (see cli_args)
 
 @hydra.main(version_base=None, config_path="conf", config_name="evaluate")
 def main(cfg) -> None:
-    from specforge.config import check_eval_trees
     from specforge.eval.engine_eval import find_checkpoints, load_run_config
-    from specforge.eval.stage import run_evaluation
+    from specforge.eval.stage import check_eval, run_evaluation
 
-    check_eval_trees(cfg.eval)  # before anything is read or loaded
+    check_eval(cfg.eval)  # before anything is read or loaded
     run_dir, _ = find_checkpoints(cfg.ckpt)
     run_evaluation(load_run_config(run_dir), cfg.ckpt, cfg.eval, cfg.out_dir)
 

@@ -5,8 +5,10 @@ what an experiment changes.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import Enum
+from pathlib import Path
 from typing import List, Optional
 
 from hydra.core.config_store import ConfigStore
@@ -301,11 +303,136 @@ class EvaluateConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
 
-# The values of train.optimizer (specforge/distributed/optimizer.py builds them)
-OPTIMIZERS = ("adamw", "muon")
+# The values of string settings that stages after the first act on; refused before any stage runs
+# (the modules that act on them take these tuples from here).
+TARGET_KINDS = ("causal_lm", "qwen3_vl", "qwen2_5_vl")  # specforge/targets/loader.py
+TARGET_DTYPES = ("bfloat16", "float16", "float32")  # specforge/targets/loader.py
+OPTIMIZERS = ("adamw", "muon")  # specforge/distributed/optimizer.py
+STRATEGIES = ("single", "ddp", "fsdp", "deepspeed")  # specforge/distributed/strategy.py
+PRECISIONS = ("bf16", "fp32")  # specforge/train/loop.py
+ATTENTIONS = ("sdpa", "eager", "flex", "dense")  # specforge/models/attention.py (dense: the reference)
+IMAGE_EMBEDDINGS = ("merged", "token")  # specforge/train/loop.py
+STORE_DTYPES = ("bfloat16", "float16", "float32", "fp8")  # specforge/extract/store.py
 
 # The EAGLE 3.1 options of DraftConfig, also config.json keys of a checkpoint (specforge/models/draft.py)
 EAGLE31_OPTIONS = ("fc_norm", "norm_output", "norm_before_fc")
+
+
+def _at_least(low):
+    return lambda v: v >= low, f"be >= {low:g}"
+
+
+def _within(low, high):
+    return lambda v: low <= v <= high, f"lie in [{low:g}, {high:g}]"
+
+
+_POSITIVE = (lambda v: v > 0 and math.isfinite(v), "be > 0")
+
+
+def _none_or(rule):
+    test, text = rule
+    return lambda v: v is None or test(v), f"{text} (or null)"
+
+
+def _one_of(values):
+    return lambda v: v in values, f"be one of {', '.join(map(str, values))}"
+
+
+# Per stage, the settings it reads and the values that can work: a value outside them would fail
+# (or train nonsense) only when that stage starts, after the stages before it spent their hours.
+RANGES = {
+    "target": {  # every stage reads the target
+        "target.kind": _one_of(TARGET_KINDS),
+        "target.dtype": _one_of(TARGET_DTYPES),
+    },
+    "data": {
+        "data.max_length": _at_least(2),
+        "data.max_samples": _none_or(_at_least(1)),
+        "data.max_chars_per_row": _none_or(_at_least(1)),
+        "data.max_quarantined_share": _within(0.0, 1.0),
+        "data.num_proc": (lambda v: v >= 0, "be >= 0 (0: no worker processes)"),
+        "data.image_min_pixels": _none_or(_at_least(1)),
+        "data.image_max_pixels": _none_or(_at_least(1)),
+    },
+    "extract": {
+        "extract.batch_tokens": _at_least(1),
+        "extract.shard_samples": _at_least(1),
+        "extract.dtype": _one_of(STORE_DTYPES),
+        "extract.request_timeout_s": _POSITIVE,
+        "extract.decode_workers": _at_least(1),
+        "extract.mem_fraction_static": (lambda v: 0 < v <= 1, "lie in (0, 1]"),
+        "extract.server_startup_timeout_s": _POSITIVE,
+    },
+    "train": {
+        "train.epochs": _at_least(1),
+        "train.batch_size": _at_least(1),
+        "train.grad_accum": _at_least(1),
+        "train.lr": _POSITIVE,
+        "train.min_lr_ratio": _within(0.0, 1.0),
+        "train.warmup_ratio": _within(0.0, 1.0),
+        "train.weight_decay": _at_least(0.0),
+        "train.grad_clip": (lambda v: v >= 0, "be >= 0 (0: no clipping)"),
+        "train.ttt_length": _at_least(1),
+        "train.step_weight": _POSITIVE,
+        "train.hard_label_weight": _within(0.0, 1.0),
+        "train.reach_weight": _within(0.0, 1.0),
+        "train.feature_noise": _at_least(0.0),
+        "train.pack_tokens": (lambda v: v >= 0, "be >= 0 (0: no packing)"),
+        "train.attention": _one_of(ATTENTIONS),
+        "train.precision": _one_of(PRECISIONS),
+        "train.optimizer": _one_of(OPTIMIZERS),
+        "train.strategy": _one_of(STRATEGIES),
+        "train.zero_stage": _one_of((1, 2, 3)),
+        "train.log_every": _at_least(1),
+        "train.save_state_every": (lambda v: v >= 0, "be >= 0 (0: only at epoch ends)"),
+        "train.num_threads": _none_or(_at_least(1)),
+        "train.resume": (lambda v: v in ("never", "auto") or Path(v).is_dir(),
+                         "be never, auto or an existing state directory"),
+        "draft.draft_vocab_size": _at_least(1),
+        "draft.hidden_size": _none_or(_at_least(1)),
+        "draft.intermediate_size": _none_or(_at_least(1)),
+        "draft.num_attention_heads": _none_or(_at_least(1)),
+        "draft.num_key_value_heads": _none_or(_at_least(1)),
+        "draft.head_dim": _none_or(_at_least(1)),
+        "draft.max_position_embeddings": _none_or(_at_least(1)),
+        "draft.image_embeddings": _one_of(IMAGE_EMBEDDINGS),
+        "draft.init_from": (lambda v: v is None or Path(v).is_dir(), "be an existing checkpoint directory (or null)"),
+    },
+    "eval": {
+        "eval.num_prompts": _at_least(1),
+        "eval.max_new_tokens": _at_least(1),
+        "eval.temperature": _at_least(0.0),
+        "eval.timing_repeats": _at_least(1),
+        "eval.planner_confirm": _at_least(0),
+        "eval.epochs": (lambda v: v is None or (len(v) > 0 and all(e >= 1 for e in v)), "be epochs >= 1 (or null: all)"),
+        "eval.prompts": _one_of(("conversations", "random")),
+        "eval.bench_backend": _one_of(("sglang", "openai")),
+        "eval.bench_num_prompts": _none_or(_at_least(1)),
+        "eval.bench_input_len": _none_or(_at_least(1)),
+        "eval.bench_output_len": _none_or(_at_least(1)),
+        "eval.bench_request_rate": (lambda v: v is None or v > 0, "be > 0 (inf: all at once; or null)"),
+        "eval.bench_max_concurrency": _none_or(_at_least(1)),
+        "eval.server_startup_timeout_s": _POSITIVE,
+    },
+}
+
+
+def check_ranges(cfg, stages) -> None:
+    """Refuse, naming the key, a setting of `stages` that cannot work; all of them at once."""
+    bad = []
+    for stage in stages:
+        for key, (test, must) in RANGES.get(stage, {}).items():
+            section, name = key.split(".")
+            value = cfg[section][name]
+            if not test(value):
+                bad.append(f"{key}: must {must}, got {value!r}")
+    data = cfg["data"] if "data" in stages else None
+    if data is not None and None not in (data.image_min_pixels, data.image_max_pixels) \
+            and data.image_min_pixels > data.image_max_pixels:
+        bad.append(f"data.image_min_pixels: {data.image_min_pixels} is above data.image_max_pixels "
+                   f"{data.image_max_pixels}")
+    if bad:
+        raise ValueError("invalid settings, refused before anything runs:\n  " + "\n  ".join(bad))
 
 
 def check_eagle31_options(options, prefix: str = "") -> None:
@@ -328,21 +455,14 @@ def check_eval_trees(eval_cfg) -> None:
 
 
 def check_config(cfg) -> None:
-    """What the key and type checks cannot see, refused before any stage runs."""
-    if "eval" in cfg.stages:
-        check_eval_trees(cfg.eval)
+    """What the key and type checks cannot see, refused before any stage runs (the pipeline then
+    runs each stage's own `check`, e.g. the eval stage's trees and prompt suites)."""
     check_eagle31_options({key: cfg.draft[key] for key in EAGLE31_OPTIONS}, prefix="draft.")
-    if cfg.train.pack_tokens < 0:
-        raise ValueError(f"train.pack_tokens: {cfg.train.pack_tokens} is negative; 0 turns packing off")
-    if cfg.train.optimizer not in OPTIMIZERS:
-        raise ValueError(f"train.optimizer: {cfg.train.optimizer!r} is not {' or '.join(OPTIMIZERS)}")
+    check_ranges(cfg, ["target", *cfg.stages])
     if cfg.train.optimizer == "muon" and cfg.train.strategy in ("fsdp", "deepspeed"):
         raise ValueError(f"train.optimizer=muon orthogonalises each matrix's update whole, but "
                          f"train.strategy={cfg.train.strategy} shards them; use train.strategy=single or ddp, "
                          "or train.optimizer=adamw")
-    for key in ("hard_label_weight", "reach_weight"):  # shares of the loss: [0, 1]
-        if not 0.0 <= cfg.train[key] <= 1.0:
-            raise ValueError(f"train.{key}: {cfg.train[key]} is not in [0, 1]")
 
 
 def register_configs() -> None:

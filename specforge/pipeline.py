@@ -86,6 +86,10 @@ def run_pipeline(cfg) -> dict[str, dict]:
     if unknown:
         raise ValueError(f"stages: unknown stage(s) {unknown}; known: {list(STAGES)}")
     check_config(cfg)
+    for name in cfg.stages:  # each stage's own refusals, before the first one spends anything
+        check = STAGES[name].entry("check")
+        if check is not None:
+            check(cfg)
     joined_here = not dist.current().distributed
     env = dist.init_distributed(OmegaConf.select(cfg, "launch.dist_timeout_minutes", default=120.0))
     try:

@@ -91,7 +91,7 @@ def test_a_training_state_resumes_to_the_uninterrupted_weights(tmp_path, optimiz
 
 
 def test_unknown_optimizer_and_muon_with_a_sharding_strategy_are_refused():
-    with pytest.raises(ValueError, match="train.optimizer: 'sgd' is not adamw or muon"):
+    with pytest.raises(ValueError, match="train.optimizer: must be one of adamw, muon, got 'sgd'"):
         check_config(compose_cfg("train.optimizer=sgd"))
     for strategy in ("fsdp", "deepspeed"):
         with pytest.raises(ValueError, match=f"train.strategy={strategy} shards them"):

@@ -133,6 +133,34 @@ def test_empty_tree_list_is_refused_before_anything_runs(weather_files, tiny_tar
     assert not (weather_files / "outputs").exists()  # not even the data stage ran
 
 
+@pytest.mark.parametrize("overrides, refusals", [
+    (["train.epochs=0", "train.lr=-1e-3", "train.ttt_length=0", "draft.draft_vocab_size=0", "train.step_weight=-0.5"],
+     ["train.epochs: must be >= 1, got 0", "train.lr: must be > 0, got -0.001", "train.ttt_length: must be >= 1, got 0",
+      "draft.draft_vocab_size: must be >= 1, got 0", "train.step_weight: must be > 0, got -0.5"]),
+    (["train.precision=fp16", "train.attention=flash", "extract.dtype=int8", "train.resume=no/such/state"],
+     ["train.precision: must be one of bf16, fp32, got 'fp16'", "train.attention: must be one of sdpa, eager",
+      "extract.dtype: must be one of bfloat16, float16, float32, fp8, got 'int8'",
+      "train.resume: must be never, auto or an existing state directory, got 'no/such/state'"]),
+    (["extract.batch_tokens=0", "data.max_quarantined_share=2", "target.dtype=fp16"],
+     ["extract.batch_tokens: must be >= 1, got 0", "data.max_quarantined_share: must lie in [0, 1], got 2.0",
+      "target.dtype: must be one of bfloat16, float16, float32, got 'fp16'"]),
+    (["eval.trees=['3_2_4','3_0_4']"], ["eval.trees: tree 3_0_4: topk must be a positive integer"]),
+    (["eval.suites=[no_such_suite.jsonl]"], ["eval.suites: 'no_such_suite.jsonl' is neither a built-in suite"]),
+    (["eval.num_prompts=0", "eval.temperature=-1"],
+     ["eval.num_prompts: must be >= 1, got 0", "eval.temperature: must be >= 0, got -1.0"]),
+])
+def test_settings_of_later_stages_that_cannot_work_are_refused_before_the_first_stage(
+        weather_files, tiny_target_dir, overrides, refusals):
+    """A bad train, extract or eval setting used to surface only when its stage started: after the
+    data stage's regeneration and the extraction had spent their time. Every bad key at once."""
+    cfg = compose_cfg(weather_files, tiny_target_dir, "stages=[data,extract,train,eval]", *overrides)
+    with pytest.raises(ValueError) as refused:
+        run_pipeline(cfg)
+    for refusal in refusals:
+        assert refusal in str(refused.value)
+    assert not (weather_files / "outputs").exists()  # not even the data stage ran
+
+
 def test_evaluate_py_refuses_an_empty_tree_list(tmp_path):
     import subprocess
     import sys

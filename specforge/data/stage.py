@@ -10,7 +10,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from specforge.config import FixConfig
+from specforge.config import FixConfig, check_ranges
 from specforge.data.fix import fix_dataset, quarantine_entry, reason_code
 from specforge.data.fix.conversations import ImageChecker, Quarantine
 from specforge.data.formats import RawRow, read_raw_rows
@@ -92,21 +92,18 @@ def max_chars_per_row(data_cfg) -> int:
     """data.max_chars_per_row, or by default 16 characters per token of max_length (at least 65536):
     far more than truncation keeps, small enough that one row cannot blow up the tokenizer."""
     limit = data_cfg.max_chars_per_row
-    if limit is None:
-        return max(16 * data_cfg.max_length, 1 << 16)
-    if limit <= 0:
-        raise ValueError(f"data.max_chars_per_row: must be positive, got {limit}")
-    return limit
+    return max(16 * data_cfg.max_length, 1 << 16) if limit is None else limit
 
 
-def check_limits(data_cfg) -> None:
-    """Fail on a bad limit before any file is read, not after minutes of work."""
-    max_chars_per_row(data_cfg)
-    share = data_cfg.max_quarantined_share
-    if not 0.0 <= share <= 1.0:
-        raise ValueError(f"data.max_quarantined_share: must lie in [0, 1], got {share}")
-    if data_cfg.num_proc < 0:
-        raise ValueError(f"data.num_proc: must be >= 0 (0: no worker processes), got {data_cfg.num_proc}")
+def check(cfg) -> None:
+    """Fail on a setting that cannot work before any file is read, not after minutes of work."""
+    from specforge.data.fix import check_config as check_fix
+    from specforge.data.regen.run import check_config as check_regen
+
+    check_ranges(cfg, ["data"])
+    check_fix(cfg.data.fix)
+    if cfg.data.regenerate.enabled:
+        check_regen(cfg.data.regenerate)
 
 
 def _parse_only(rows: list[RawRow], fmt: str, image_root: str | None = None,
@@ -266,7 +263,7 @@ def run(cfg, run_dir, fingerprint: str | None = None) -> dict:
     from specforge.targets.vl import is_vl, load_image_processor, vl_info
     from transformers import AutoConfig
 
-    check_limits(cfg.data)
+    check(cfg)
     layout = RunLayout(run_dir)
     splits = split_files(cfg)
     for files in splits.values():

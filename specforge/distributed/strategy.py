@@ -34,9 +34,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from specforge.config import STRATEGIES
 from specforge.distributed.optimizer import build_optimizer
 
-STRATEGIES = ("single", "ddp", "fsdp", "deepspeed")
 TORCH_STATE = "model_optim.pt"
 DEEPSPEED_DIR = "deepspeed"
 DEEPSPEED_TAG = "state"

@@ -8,20 +8,41 @@ from specforge.utils.io import write_json
 PARTIAL_NAME = "results.partial.json"  # the configurations finished so far, while an evaluation runs
 
 
-def run_evaluation(run_cfg, ckpt: str | Path, eval_cfg, out_dir: str | Path | None = None) -> dict:
-    from specforge.config import check_eval_trees
-    from specforge.eval.report import best_config, write_results
-    from specforge.eval.engine_eval import eval_with_engine, find_checkpoints
-    from specforge.eval.prompts import check_suites
-    from specforge.run_layout import RunLayout
-    from specforge.run_report import write_run_report
+def check(cfg) -> None:
+    """The pipeline's check before its first stage, so that training hours are not spent on an
+    evaluation that cannot run."""
+    check_eval(cfg.eval)
 
-    check_eval_trees(eval_cfg)  # before anything loads
+
+def check_eval(eval_cfg) -> None:
+    """Everything about `eval` that can be refused before anything loads: evaluate.py and this
+    stage call it first."""
+    from specforge.config import check_eval_trees, check_ranges
+    from specforge.engine.tree_spec import TreeSpec
+    from specforge.eval.prompts import check_suites
+
+    check_eval_trees(eval_cfg)
+    if str(eval_cfg.engine) != "server":  # a server serves its own tree
+        for tree in eval_cfg.trees:
+            try:
+                TreeSpec.parse(tree)
+            except ValueError as e:
+                raise ValueError(f"eval.trees: {e}") from None
+    check_ranges({"eval": eval_cfg}, ["eval"])
     if getattr(eval_cfg, "planner", False):
         from specforge.eval.planner_eval import check_planner
 
         check_planner(eval_cfg)  # its grid, its engine, temperature 0
     check_suites(eval_cfg)  # an unknown suite, a missing file, suites for a server engine
+
+
+def run_evaluation(run_cfg, ckpt: str | Path, eval_cfg, out_dir: str | Path | None = None) -> dict:
+    from specforge.eval.report import best_config, write_results
+    from specforge.eval.engine_eval import eval_with_engine, find_checkpoints
+    from specforge.run_layout import RunLayout
+    from specforge.run_report import write_run_report
+
+    check_eval(eval_cfg)  # before anything loads
     run_dir, ckpts = find_checkpoints(ckpt, getattr(eval_cfg, "epochs", None))
     check_checkpoints(ckpts, run_cfg.target, bool(getattr(eval_cfg, "allow_other_target", False)))
     if eval_cfg.engine in ("server", "sglang"):  # a serving benchmark over HTTP (server_eval.py)

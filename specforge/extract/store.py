@@ -38,6 +38,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from specforge.config import STORE_DTYPES
 from specforge.utils.io import atomic_path, read_json, write_json
 
 FORMAT = "specforge-hidden-states"
@@ -45,7 +46,7 @@ VERSION = 1
 MANIFEST = "manifest.json"
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
-STORAGE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "fp8": FP8}
+STORAGE_DTYPES = dict(zip(STORE_DTYPES, (torch.bfloat16, torch.float16, torch.float32, FP8)))
 LAST_ROWS = ("all", "scored")
 HIDDEN_TENSORS = ("aux", "aux_scale", "last")  # what `hidden_bytes_per_token` counts
 # States an fp8 store keeps in bf16: the teacher reads `last` through the target's head, whose argmax

@@ -29,6 +29,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from specforge.config import ATTENTIONS
+
 
 @dataclass(frozen=True)
 class TTTMask:
@@ -236,8 +238,8 @@ def flex_attention(q, k, v, mask: TTTMask) -> torch.Tensor:
 def attend(q, k, v, mask, impl: str = "sdpa") -> torch.Tensor:
     """Dispatch on `impl`; `mask` is a bool tensor [B|1, n, L] (inference) or a TTTMask (training),
     whose keys and values come per step (lists) or concatenated along the sequence."""
-    if impl not in ("sdpa", "eager", "flex", "dense"):
-        raise ValueError(f"train.attention: {impl!r} is not one of sdpa, eager, flex")
+    if impl not in ATTENTIONS:
+        raise ValueError(f"train.attention: {impl!r} is not one of {', '.join(ATTENTIONS)}")
     if isinstance(mask, TTTMask):
         if impl in ("flex", "dense"):
             k, v = (torch.cat(_steps(k, v, mask)[i], dim=2) for i in (0, 1))

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import torch
 
+from specforge.config import TARGET_DTYPES, TARGET_KINDS
 from specforge.targets.layers import check_aux_layer_ids
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DTYPES = dict(zip(TARGET_DTYPES, (torch.bfloat16, torch.float16, torch.float32)))
 
 
 def resolve_target_path(target_cfg) -> Path:
@@ -98,9 +99,6 @@ def compute_dtype(dtype: torch.dtype, device: str | torch.device = "cpu") -> tor
 def _warn_once(dtype: torch.dtype) -> None:
     print(f"[cpu] this CPU has no native {dtype_name(dtype)} matmul (torch would take its reference "
           f"GEMM, 50x or more slower than float32): computing in float32", flush=True)
-
-
-TARGET_KINDS = ("causal_lm", "qwen3_vl", "qwen2_5_vl")
 
 
 def target_kind(target_cfg) -> str:

@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from specforge import distributed as dist
 from specforge.checkpoint import TARGET_KEY, read_checkpoint, save_checkpoint
+from specforge.config import IMAGE_EMBEDDINGS, PRECISIONS
 from specforge.distributed.preemption import StopRequests, TrainingInterrupted
 from specforge.distributed.strategy import make_strategy
 from specforge.extract.store import HiddenStateStore
@@ -48,7 +49,7 @@ def autocast_for(precision: str, device: torch.device):
     if precision == "fp32":
         return contextlib.nullcontext()
     if precision != "bf16":
-        raise ValueError(f"train.precision: {precision!r} is not one of bf16, fp32")
+        raise ValueError(f"train.precision: {precision!r} is not one of {', '.join(PRECISIONS)}")
     if device.type == "cuda" and not torch.cuda.is_bf16_supported():
         return contextlib.nullcontext()
     if compute_dtype(torch.bfloat16, device) != torch.bfloat16:  # a CPU without native bf16 matmul
@@ -226,9 +227,6 @@ class Meter:
             w = state["window"]
             self.window = None if w is None else [StepStats(*w[k]) for k in range(w.shape[0])]
             self.tokens = int(state["tokens"])
-
-
-IMAGE_EMBEDDINGS = ("merged", "token")
 
 
 def override_token(cfg, store: HiddenStateStore) -> int | None:
