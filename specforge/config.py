@@ -313,6 +313,7 @@ PRECISIONS = ("bf16", "fp32")  # specforge/train/loop.py
 ATTENTIONS = ("sdpa", "eager", "flex", "dense")  # specforge/models/attention.py (dense: the reference)
 IMAGE_EMBEDDINGS = ("merged", "token")  # specforge/train/loop.py
 STORE_DTYPES = ("bfloat16", "float16", "float32", "fp8")  # specforge/extract/store.py
+WANDB_MODES = ("online", "offline", "shared", "disabled")  # wandb.init's modes (specforge/utils/metrics_log.py)
 
 # The EAGLE 3.1 options of DraftConfig, also config.json keys of a checkpoint (specforge/models/draft.py)
 EAGLE31_OPTIONS = ("fc_norm", "norm_output", "norm_before_fc")
@@ -346,6 +347,7 @@ RANGES = {
         "target.dtype": _one_of(TARGET_DTYPES),
     },
     "data": {
+        "data.train_files": (lambda v: len(v) > 0, "name at least one file"),
         "data.max_length": _at_least(2),
         "data.max_samples": _none_or(_at_least(1)),
         "data.max_chars_per_row": _none_or(_at_least(1)),
@@ -386,6 +388,7 @@ RANGES = {
         "train.log_every": _at_least(1),
         "train.save_state_every": (lambda v: v >= 0, "be >= 0 (0: only at epoch ends)"),
         "train.num_threads": _none_or(_at_least(1)),
+        "logging.wandb_mode": _one_of(WANDB_MODES),
         "train.resume": (lambda v: v in ("never", "auto") or Path(v).is_dir(),
                          "be never, auto or an existing state directory"),
         "draft.draft_vocab_size": _at_least(1),

@@ -82,6 +82,8 @@ def run_pipeline(cfg) -> dict[str, dict]:
     """Run `cfg.stages` in the canonical order; returns each stage's summary.
 
     Joins the process group when launched as several processes (and leaves it at the end)."""
+    if not cfg.stages:
+        raise ValueError(f"stages is empty: nothing to run; name some of {list(STAGES)}, e.g. stages=[data,extract]")
     unknown = [s for s in cfg.stages if s not in STAGES]
     if unknown:
         raise ValueError(f"stages: unknown stage(s) {unknown}; known: {list(STAGES)}")

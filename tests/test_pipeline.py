@@ -148,6 +148,10 @@ def test_empty_tree_list_is_refused_before_anything_runs(weather_files, tiny_tar
     (["eval.suites=[no_such_suite.jsonl]"], ["eval.suites: 'no_such_suite.jsonl' is neither a built-in suite"]),
     (["eval.num_prompts=0", "eval.temperature=-1"],
      ["eval.num_prompts: must be >= 1, got 0", "eval.temperature: must be >= 0, got -1.0"]),
+    (["data.train_files=[]", "logging.wandb=true", "logging.wandb_mode=bogus"],
+     ["data.train_files: must name at least one file, got []",
+      "logging.wandb_mode: must be one of online, offline, shared, disabled, got 'bogus'"]),
+    (["stages=[]"], ["stages is empty: nothing to run"]),
 ])
 def test_settings_of_later_stages_that_cannot_work_are_refused_before_the_first_stage(
         weather_files, tiny_target_dir, overrides, refusals):
