@@ -346,6 +346,16 @@ RANGES = {
         "target.kind": _one_of(TARGET_KINDS),
         "target.dtype": _one_of(TARGET_DTYPES),
     },
+    "launch": {  # every process of a run (conf/hydra/launcher/slurm.yaml, the process group)
+        "launch.nodes": _at_least(1),
+        "launch.gpus_per_node": _at_least(1),
+        "launch.cpus_per_gpu": _at_least(1),
+        "launch.mem_gb": _none_or(_at_least(1)),
+        "launch.time_minutes": _at_least(1),
+        "launch.signal_delay_s": _at_least(0),
+        "launch.max_requeues": _at_least(0),
+        "launch.dist_timeout_minutes": _POSITIVE,
+    },
     "data": {
         "data.train_files": (lambda v: len(v) > 0, "name at least one file"),
         "data.max_length": _at_least(2),
@@ -461,7 +471,7 @@ def check_config(cfg) -> None:
     """What the key and type checks cannot see, refused before any stage runs (the pipeline then
     runs each stage's own `check`, e.g. the eval stage's trees and prompt suites)."""
     check_eagle31_options({key: cfg.draft[key] for key in EAGLE31_OPTIONS}, prefix="draft.")
-    check_ranges(cfg, ["target", *cfg.stages])
+    check_ranges(cfg, ["target", "launch", *cfg.stages])
     if cfg.train.optimizer == "muon" and cfg.train.strategy in ("fsdp", "deepspeed"):
         raise ValueError(f"train.optimizer=muon orthogonalises each matrix's update whole, but "
                          f"train.strategy={cfg.train.strategy} shards them; use train.strategy=single or ddp, "

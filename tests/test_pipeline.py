@@ -152,6 +152,8 @@ def test_empty_tree_list_is_refused_before_anything_runs(weather_files, tiny_tar
      ["data.train_files: must name at least one file, got []",
       "logging.wandb_mode: must be one of online, offline, shared, disabled, got 'bogus'"]),
     (["stages=[]"], ["stages is empty: nothing to run"]),
+    (["launch.nodes=0", "launch.dist_timeout_minutes=0"],
+     ["launch.nodes: must be >= 1, got 0", "launch.dist_timeout_minutes: must be > 0, got 0.0"]),
 ])
 def test_settings_of_later_stages_that_cannot_work_are_refused_before_the_first_stage(
         weather_files, tiny_target_dir, overrides, refusals):
