@@ -232,3 +232,17 @@ def test_conversation_requests_send_images_as_sglang_image_data(tmp_path, tiny_v
     assert isinstance(with_images[1].prompt, list) and with_images[1].images == []
     with pytest.raises(ValueError, match="need the SGLang /generate endpoint"):
         asyncio.run(request_openai(None, "http://127.0.0.1:1", with_images[0], 0.0, True, None))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--num-prompts", "0"], "bench: scenario chat: num_prompts must be >= 1, got 0"),
+    (["--scenario", "bogus"], "bench: unknown scenario 'bogus'; known: ['chat', 'code', 'completion']"),
+])
+def test_bench_command_refuses_bad_values_with_the_message_not_a_traceback(args, message):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "specforge.cli", "bench", "--url", "http://127.0.0.1:9",
+                           "--vocab-size", "100", *args], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == message  # no request was sent: the refusal comes first

@@ -431,9 +431,12 @@ def add_bench_args(p) -> None:
 def bench(args) -> dict:
     from specforge.eval.scenarios import get_scenario
 
-    scenario = get_scenario(args.scenario).scaled(
-        num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
-        request_rate=args.request_rate, max_concurrency=args.max_concurrency)
+    try:
+        scenario = get_scenario(args.scenario).scaled(
+            num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
+            request_rate=args.request_rate, max_concurrency=args.max_concurrency)
+    except ValueError as e:  # an unknown scenario or a value it cannot run: the message, not a traceback
+        raise SystemExit(f"bench: {e}") from None
     tokenizer = None
     if args.tokenizer:
         from transformers import AutoTokenizer
