@@ -18,7 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-from specforge.config import FixConfig, RegenerateConfig, TargetConfig
+from specforge.config import TARGET_DTYPES, FixConfig, RegenerateConfig, TargetConfig
 from specforge.data.fix import fix_dataset
 from specforge.data.formats import FORMATS, read_raw_rows
 from specforge.data.regen import regenerate_conversations
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="regenerated JSONL to write ({'id', 'messages'} rows)")
     p.add_argument("--work-dir", help="resume log, failures, skipped rows and report (default: --out's folder)")
     p.add_argument("--target", help="target model directory (required for --backend embedded)")
-    p.add_argument("--dtype", default=TargetConfig.dtype, help="dtype of the embedded target")
+    p.add_argument("--dtype", default=TargetConfig.dtype, choices=TARGET_DTYPES, help="dtype of the embedded target")
     p.add_argument("--backend", choices=["embedded", "openai"], default=d.backend)
     p.add_argument("--url", action="append", default=[], help="server URL (repeat for several; openai backend)")
     p.add_argument("--model", help="model name sent to the server (default: the first it serves)")

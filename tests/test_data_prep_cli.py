@@ -62,3 +62,16 @@ def test_weather_with_images_corrupted_then_fixed(tmp_path):
               for p in m["content"] if p["type"] == "image"]
     assert len(images) > 100 and all(Path(p).is_absolute() and Path(p).is_file() for p in images)
     assert any(sum(isinstance(m["content"], list) and len(m["content"]) == 3 for m in r["messages"]) for r in rows)
+
+
+def test_regenerate_refuses_an_unknown_dtype_before_writing_anything(tmp_path):
+    """It used to write the resume log's header, then fail loading the target."""
+    data = tmp_path / "one.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                             {"role": "assistant", "content": "yo"}]}) + "\n")
+    proc = subprocess.run([sys.executable, "data_prep/regenerate.py", str(data), "--out", str(tmp_path / "out.jsonl"),
+                           "--target", str(tmp_path / "never_read"), "--dtype", "fp17"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "argument --dtype: invalid choice: 'fp17'" in proc.stderr and "bfloat16" in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["one.jsonl"]
