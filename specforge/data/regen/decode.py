@@ -174,7 +174,8 @@ class RefillDecoder:
         cache = DynamicCache()
         if shared:
             prefix = torch.tensor([joiners[0].ids[:shared]], device=self.device)
-            self.model(input_ids=prefix, **with_cache(self.model, cache), use_cache=True, logits_to_keep=last_position(prefix))
+            self.model(input_ids=prefix, **with_cache(self.model, cache), use_cache=True,
+                       logits_to_keep=last_position(prefix))
             cache = DynamicCache([(k.expand(len(joiners), -1, -1, -1), v.expand(len(joiners), -1, -1, -1))
                                   for k, v, _ in cache])
         width = max(len(r.ids) for r in joiners) - shared
