@@ -5,6 +5,7 @@ lengths, draft vocab sizes, sequence lengths and packing, on the target geometry
     python benchmarks/train_bench.py [--target .cache/models/SmolLM2-135M-Instruct]   # kernel grid
     make peer-venv && python benchmarks/train_bench.py --vs-peer                       # train_vs_peer.json
     python benchmarks/train_bench.py --allocator-ab                                    # allocator.json
+    python benchmarks/train_bench.py --slots-ab --batch 4 --seq 512                    # scored_slots.json
 
 Features are random, except that the target's final state points at the next token (as on
 regenerated data), so that every position is scored as on a real store. Each configuration runs
@@ -18,6 +19,8 @@ trainer batches), from 2,048 on one sequence per step.
 Both run with the allocator train.py runs with (mimalloc, specforge/utils/allocator.py; the peer's
 process gets the same library preloaded); `SPECFORGE_ALLOCATOR=system` times both on glibc's.
 --allocator-ab times our step on glibc's malloc and on mimalloc, each shape twice, alternating.
+--slots-ab times our step with the TTT steps after the first on every position and on the
+positions they score, on documents that open with an unscored prompt, each shape twice, alternating.
 """
 from __future__ import annotations
 
@@ -50,21 +53,24 @@ PEER_PYTHON = ".venv-peer/bin/python"
 PEER_WORKER = "benchmarks/peer_train_worker.py"
 
 
-def _document(seq: int, draft_vocab: int, hidden: int, lm_head: torch.Tensor) -> dict:
+def _document(seq: int, draft_vocab: int, hidden: int, lm_head: torch.Tensor, scored: float = 1.0) -> dict:
     """Random features, but the target's final state at t points at token t+1, as on regenerated
     data: the teacher's argmax lies in the draft vocab and every position is scored, as on real
     stores (the demo's covers 98-100% of its loss tokens). With a random final state the teacher
     would pick a token outside the draft vocab at 5 of 6 positions and skip their loss: a step
-    would cost what no real one does."""
+    would cost what no real one does. `scored` < 1: the document opens with an unscored prompt of
+    (1 - scored) x seq tokens, as a conversation does."""
     ids = torch.randint(0, draft_vocab, (seq,))
     last = 8.0 * lm_head[ids.roll(-1)].float() + torch.randn(seq, hidden)
-    return {"input_ids": ids, "loss_mask": torch.ones(seq, dtype=torch.bool),
-            "aux": torch.randn(seq, 3 * hidden), "last": last}
+    loss_mask = torch.ones(seq, dtype=torch.bool)
+    loss_mask[: round((1.0 - scored) * seq)] = False
+    return {"input_ids": ids, "loss_mask": loss_mask, "aux": torch.randn(seq, 3 * hidden), "last": last}
 
 
 def time_config(target_config, attention, precision, ttt_length, draft_vocab, batch, seq, repeats,
-                packed=False):
-    """`batch` sequences of `seq` tokens per step; packed: the same documents in one row."""
+                packed=False, scored=1.0, skip_unscored=True):
+    """`batch` sequences of `seq` tokens per step; packed: the same documents in one row; scored:
+    the fraction of each document with a loss; skip_unscored: ttt_forward's."""
     torch.manual_seed(0)
     n_layers = target_config.num_hidden_layers
     cfg = Eagle3Config.from_target(target_config, default_aux_layer_ids(n_layers), draft_vocab_size=draft_vocab)
@@ -76,14 +82,14 @@ def time_config(target_config, attention, precision, ttt_length, draft_vocab, ba
     draft.embed_tokens.requires_grad_(False)  # frozen to the target's, as in training (loop.build_draft)
     lm_head = torch.randn(vocab, hidden, dtype=torch.bfloat16) * 0.05
     teacher = Teacher(lm_head, t2d)
-    docs = [_document(seq, cfg.draft_vocab_size, hidden, lm_head) for _ in range(batch)]
+    docs = [_document(seq, cfg.draft_vocab_size, hidden, lm_head, scored) for _ in range(batch)]
     data = collate(docs, pack_tokens=batch * seq if packed else 0)
     opt = torch.optim.AdamW(draft.trainable_parameters(), lr=1e-4)
     times = []
     for i in range(repeats + 1):  # the first step warms up allocators and kernels
         t0 = time.perf_counter()
         with autocast_for(precision, torch.device("cpu")):
-            loss, _ = ttt_forward(draft, data, teacher, ttt_length, 0.8)
+            loss, _ = ttt_forward(draft, data, teacher, ttt_length, 0.8, skip_unscored=skip_unscored)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -91,7 +97,8 @@ def time_config(target_config, attention, precision, ttt_length, draft_vocab, ba
             times.append(time.perf_counter() - t0)
     step = statistics.median(times)
     return {"attention": attention, "precision": precision, "ttt_length": ttt_length,
-            "draft_vocab": draft_vocab, "batch": batch, "seq": seq, "packed": packed,
+            "draft_vocab": draft_vocab, "batch": batch, "seq": seq, "packed": packed, "scored": scored,
+            "skip_unscored": skip_unscored,
             "step_s": round(step, 3), "tokens_per_s": round(batch * seq / step, 1),
             "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}
 
@@ -109,9 +116,9 @@ def in_subprocess(argv: list[str], env: dict | None = None) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def ours(args, attention, precision, ttt, vocab, batch, seq, packed=False, alloc=None) -> dict:
+def ours(args, attention, precision, ttt, vocab, batch, seq, packed=False, alloc=None, **more) -> dict:
     one = {"attention": attention, "precision": precision, "ttt_length": ttt, "draft_vocab": vocab,
-           "batch": batch, "seq": seq, "packed": packed}
+           "batch": batch, "seq": seq, "packed": packed, **more}
     env = None if alloc is None else {**os.environ, "SPECFORGE_ALLOCATOR": alloc}
     return in_subprocess([sys.executable, __file__, "--target", args.target, "--repeats", str(args.repeats),
                           "--one", json.dumps(one)], env)
@@ -194,6 +201,34 @@ def allocator_ab(args):
             "command": "python " + " ".join(sys.argv)}
 
 
+def slots_ab(args):
+    """Later TTT steps on every position vs on the positions they score (ttt_forward's
+    skip_unscored), documents with an unscored prompt; two rounds, alternating, the better of each."""
+    shapes = [(7, 1.0, args.draft_vocab), (7, 0.6, args.draft_vocab), (7, 0.3, args.draft_vocab),
+              (3, 0.5, 2048)]  # the last: the demo's TTT and draft vocab, about its store's scored share
+    rows = []
+    print("| TTT | draft vocab | scored | every position tok/s | scored slots tok/s | speed-up | "
+          "every position peak RSS MB | scored slots peak RSS MB |\n|---|---|---|---|---|---|---|---|")
+    for ttt, scored, vocab in shapes:
+        runs = {False: [], True: []}
+        for _ in range(2):
+            for skip in runs:
+                runs[skip].append(ours(args, "sdpa", "bf16", ttt, vocab, args.batch, args.seq,
+                                       scored=scored, skip_unscored=skip))
+        every, slots = (max(runs[s], key=lambda r: r["tokens_per_s"]) for s in (False, True))
+        row = {"ttt": ttt, "draft_vocab": vocab, "scored": scored, "layout": f"{args.batch} x {args.seq}",
+               "every_position_tok_s": every["tokens_per_s"], "scored_slots_tok_s": slots["tokens_per_s"],
+               "every_position_peak_rss_mb": every["peak_rss_mb"], "scored_slots_peak_rss_mb": slots["peak_rss_mb"],
+               "all_tok_s": {("scored_slots" if s else "every_position"): [r["tokens_per_s"] for r in runs[s]]
+                             for s in runs}}
+        rows.append(row)
+        print(f"| {ttt} | {vocab} | {scored} | {row['every_position_tok_s']} | {row['scored_slots_tok_s']} | "
+              f"{row['scored_slots_tok_s'] / row['every_position_tok_s']:.2f} | {row['every_position_peak_rss_mb']} | "
+              f"{row['scored_slots_peak_rss_mb']} |", flush=True)
+    return {"rows": rows, "dtype": "bf16", "threads": os.cpu_count(),
+            "allocator": allocator(), "repeats": args.repeats, "command": "python " + " ".join(sys.argv)}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default=".cache/models/SmolLM2-135M-Instruct")
@@ -202,6 +237,8 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--vs-peer", action="store_true", help="ours vs speculators (needs make peer-venv)")
     ap.add_argument("--allocator-ab", action="store_true", help="our step on glibc's malloc vs mimalloc")
+    ap.add_argument("--slots-ab", action="store_true",
+                    help="later TTT steps on every position vs on the scored ones (--batch x --seq)")
     ap.add_argument("--seq-lens", type=lambda s: [int(x) for x in s.split(",")], default=[512, 2048, 4096])
     ap.add_argument("--dtypes", type=lambda s: s.split(","), default=["bf16", "fp32"])
     ap.add_argument("--tokens-per-step", type=int, default=2048, help="--vs-peer: documents of a step below it")
@@ -226,6 +263,8 @@ def main():
         sys.exit(f"{args.peer_python} not found: run `make peer-venv` first (speculators in its own virtualenv)")
     if args.allocator_ab:
         result, default_out = allocator_ab(args), "benchmarks/results/allocator.json"
+    elif args.slots_ab:
+        result, default_out = slots_ab(args), "benchmarks/results/scored_slots.json"
     elif args.vs_peer:
         result, default_out = vs_peer(args), "benchmarks/results/train_vs_peer.json"
     else:

@@ -143,7 +143,7 @@ def run_ttt(draft, batch, steps=3):
     draft.step = spy
     teacher = Teacher(torch.randn(draft.config.vocab_size, draft.config.target_hidden_size,
                                   generator=torch.Generator().manual_seed(3)), draft.t2d)
-    loss, stats = ttt_forward(draft, batch, teacher, steps, 0.8)
+    loss, stats = ttt_forward(draft, batch, teacher, steps, 0.8, skip_unscored=False)  # logits at every position
     draft.step = original
     return loss, stats, captured, teacher
 

@@ -203,7 +203,7 @@ def test_ttt_feeds_the_next_step_its_feature(norm_output):
     hook = draft.midlayer.register_forward_hook(lambda m, i, o: outs.append(o[0].detach()))
     teacher = Teacher(torch.randn(draft.config.vocab_size, draft.config.target_hidden_size), draft.t2d)
     try:
-        loss, _ = ttt_forward(draft, batch, teacher, 4, 0.8)
+        loss, _ = ttt_forward(draft, batch, teacher, 4, 0.8, skip_unscored=False)  # features at every position
     finally:
         hook.remove()
         del draft.step

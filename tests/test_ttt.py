@@ -46,7 +46,7 @@ def ttt_logits(draft, batch, steps):
 
     draft.step = spy
     teacher = Teacher(torch.randn(draft.config.vocab_size, draft.config.target_hidden_size), draft.t2d)
-    ttt_forward(draft, batch, teacher, steps, 0.8)
+    ttt_forward(draft, batch, teacher, steps, 0.8, skip_unscored=False)  # every position, to compare them all
     draft.step = original
     return captured
 

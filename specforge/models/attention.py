@@ -10,6 +10,9 @@ The dense mask spans (k+1) x S keys per query: O(k S^2) work for S + k allowed k
 kernels split it instead, O(S^2 + k S): the causal block once, each later step's key as one dot
 product per position, both under one log-sum-exp. Same numbers as the dense mask. Training keeps
 each step's keys and values apart (lists, never concatenated or expanded to the query heads).
+After step 0 a position's own keys are seen by itself alone, so the later steps may run on the
+positions a loss still needs (`TTTMask.slots`, train/ttt.py): queries and later keys at those
+positions only, step 0's keys at all S.
 
 - sdpa: on CPU, torch's fused flash kernel for the causal block (it returns the log-sum-exp; a
   custom backward reuses its kernel with the combined output, in pieces when the heads do not
@@ -35,35 +38,46 @@ from specforge.config import ATTENTIONS
 @dataclass(frozen=True)
 class TTTMask:
     """The mask of TTT step `step` over `seq_len` positions: keys are [step 0 | step 1 | ... | step].
-    `doc_ids` [B, S] (packed batches): a query never sees a key of another document."""
+    `doc_ids` [B, S] (packed batches): a query never sees a key of another document.
+    `slots` [B, n] (steps after the first): the queries are these positions only (sorted, no
+    repeats), and so are the keys of steps 1..step; step 0's keys are all S positions."""
 
     seq_len: int
     step: int
     doc_ids: Optional[torch.Tensor] = None
+    slots: Optional[torch.Tensor] = None
+
+    @property
+    def n_queries(self) -> int:
+        return self.seq_len if self.slots is None else self.slots.shape[1]
 
     def allows(self, q_idx, kv_idx, b=None):
         """The rule itself, written once: usable on tensors (dense and flex alike)."""
-        block, kv_pos = kv_idx // self.seq_len, kv_idx % self.seq_len
-        rule = ((block == 0) & (kv_pos <= q_idx)) | ((block > 0) & (kv_pos == q_idx))
-        if self.doc_ids is not None:
-            rule = rule & (self.doc_ids[b, q_idx] == self.doc_ids[b, kv_pos])
+        q_pos = q_idx if self.slots is None else self.slots[b, q_idx]
+        first = kv_idx < self.seq_len
+        later = (kv_idx - self.seq_len) % self.n_queries  # index of a later step's key among the queries
+        rule = (first & (kv_idx <= q_pos)) | (~first & (later == q_idx))
+        if self.doc_ids is not None:  # a later step's allowed key sits at the query's own position
+            kv_pos = torch.where(first, kv_idx, q_pos)
+            rule = rule & (self.doc_ids[b, q_pos] == self.doc_ids[b, kv_pos])
         return rule
 
     def dense(self, device=None) -> torch.Tensor:
-        """[B|1, S, (step+1) S] bool."""
-        return self._grid(self.seq_len * (self.step + 1), device)
+        """[B|1, n, S + step n] bool."""
+        return self._grid(self.seq_len + self.n_queries * self.step, device)
 
     def causal_block(self, device=None) -> torch.Tensor:
-        """[B|1, S, S] bool: the step-0 keys alone."""
+        """[B|1, n, S] bool: the step-0 keys alone."""
         return self._grid(self.seq_len, device)
 
     def _grid(self, n_keys: int, device) -> torch.Tensor:
-        q = torch.arange(self.seq_len, device=device)[None, :, None]
+        q = torch.arange(self.n_queries, device=device)[None, :, None]
         kv = torch.arange(n_keys, device=device)[None, None, :]
-        if self.doc_ids is None:
+        per_row = self.slots if self.slots is not None else self.doc_ids
+        if per_row is None:
             return self.allows(q, kv)
-        b = torch.arange(self.doc_ids.shape[0], device=device)[:, None, None]
-        return self.allows(q, kv, b.to(self.doc_ids.device)).to(device)
+        b = torch.arange(per_row.shape[0], device=per_row.device)[:, None, None]
+        return self.allows(q.to(per_row.device), kv.to(per_row.device), b).to(device)
 
 
 def causal_mask(n: int, past: int, device=None) -> torch.Tensor:
@@ -94,13 +108,19 @@ def sdpa_attention(q, k, v, mask: torch.Tensor) -> torch.Tensor:
 
 
 def _steps(keys, values, mask: TTTMask):
-    """Per-step keys and values: one [B,kvh,S,d] per TTT step, step 0 first. Accepts the lists the
-    training loop keeps, or the steps concatenated along the sequence (dense layout)."""
-    if torch.is_tensor(keys):
-        keys, values = keys.split(mask.seq_len, dim=2), values.split(mask.seq_len, dim=2)
+    """Per-step keys and values: [B,kvh,S,d] for step 0, then [B,kvh,n,d] per later step (n = S
+    without slots). Accepts the lists the training loop keeps, or the steps concatenated along the
+    sequence (dense layout)."""
+    if torch.is_tensor(keys):  # [step 0: S | each later step: n]
+        keys, values = (_split_steps(x, mask.seq_len, mask.n_queries) for x in (keys, values))
     if len(keys) != mask.step + 1 or len(values) != mask.step + 1:
         raise ValueError(f"TTT step {mask.step} needs {mask.step + 1} steps of keys, got {len(keys)}")
     return list(keys), list(values)
+
+
+def _split_steps(x: torch.Tensor, seq_len: int, n: int) -> list[torch.Tensor]:
+    rest = x[:, :, seq_len:]
+    return [x[:, :, :seq_len], *(rest.split(n, dim=2) if rest.shape[2] else ())]
 
 
 def _grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -163,20 +183,41 @@ def causal_flash_backward(grad_out, q, k, v, out, lse, mask, scale, pieces: bool
     return dq, dk, dv
 
 
+def _all_rows(x: torch.Tensor, slots: Optional[torch.Tensor], seq: int) -> torch.Tensor:
+    """[B,h,n,d] at the slots' positions -> [B,h,S,d], zeros elsewhere (as it is without slots)."""
+    if slots is None:
+        return x
+    index = slots[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3])
+    return x.new_zeros(x.shape[0], x.shape[1], seq, x.shape[3]).scatter_(2, index, x)
+
+
+def _slot_rows(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """[B,h,S,..] -> the slots' rows [B,h,n,..]."""
+    index = slots[:, None].expand(-1, x.shape[1], -1)
+    if x.dim() == 4:
+        index = index[..., None].expand(-1, -1, -1, x.shape[3])
+    return x.gather(2, index)
+
+
 class _FlashTTT(torch.autograd.Function):
     """The split on torch's CPU flash kernel. Forward: the kernel gives the causal block's output
     and log-sum-exp; the diagonals join under the combined log-sum-exp. Backward: the flash
     backward, handed the COMBINED output and log-sum-exp, yields exactly the causal keys' share of
     the gradient (its probabilities are normalised by what it is given); the diagonals' share is
     the softmax backward written out, element-wise, one step at a time (no [k, S, d] temporaries).
-    The kernel takes grouped key heads (GQA) as they are; the diagonals broadcast over the group."""
+    The kernel takes grouped key heads (GQA) as they are; the diagonals broadcast over the group.
+    With `slots` (queries at some positions only) the kernel still runs on all S rows, the others
+    zero: their share of every gradient is zero, and the causal block keeps the kernel's skipping."""
 
     @staticmethod
-    def forward(ctx, q, k0, v0, block_mask, *later):
+    def forward(ctx, q, k0, v0, block_mask, slots, *later):
         kd, vd = later[: len(later) // 2], later[len(later) // 2 :]
         scale = 1.0 / math.sqrt(q.shape[-1])
         causal_out, causal_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k0, v0, 0.0, True, attn_mask=block_mask, scale=scale)
+            _all_rows(q, slots, k0.shape[2]), k0, v0, 0.0, True, attn_mask=block_mask, scale=scale)
+        all_lse = causal_lse  # the backward's log-sum-exp of the rows outside the slots
+        if slots is not None:
+            causal_out, causal_lse = _slot_rows(causal_out, slots), _slot_rows(causal_lse, slots)
         kvh = k0.shape[1]
         qg = _grouped(q.float(), kvh)  # [B,g,r,S,d]
         causal_lse = _grouped(causal_lse, kvh)  # [B,g,r,S]
@@ -188,16 +229,24 @@ class _FlashTTT(torch.autograd.Function):
         for p, v in zip(p_diag, vd):
             out.addcmul_(p[..., None], v[:, :, None].float())
         out = out.flatten(1, 2).to(q.dtype)
-        ctx.save_for_backward(q, k0, v0, out, lse.flatten(1, 2), p_diag, block_mask, *later)
+        ctx.save_for_backward(q, k0, v0, out, lse.flatten(1, 2), p_diag, block_mask, slots,
+                              all_lse if slots is not None else None, *later)
         ctx.scale = scale
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k0, v0, out, lse, p_diag, block_mask, *later = ctx.saved_tensors
+        q, k0, v0, out, lse, p_diag, block_mask, slots, all_lse, *later = ctx.saved_tensors
         kd, vd = later[: len(later) // 2], later[len(later) // 2 :]
         grad_out = grad_out.contiguous()
-        dq, dk0, dv0 = causal_flash_backward(grad_out, q, k0, v0, out, lse, block_mask, ctx.scale)
+        if slots is None:
+            dq, dk0, dv0 = causal_flash_backward(grad_out, q, k0, v0, out, lse, block_mask, ctx.scale)
+        else:  # rows outside the slots: no gradient in, their own finite log-sum-exp
+            seq = k0.shape[2]
+            dq, dk0, dv0 = causal_flash_backward(
+                _all_rows(grad_out, slots, seq), _all_rows(q, slots, seq), k0, v0, _all_rows(out, slots, seq),
+                all_lse.scatter(2, slots[:, None].expand(-1, lse.shape[1], -1), lse), block_mask, ctx.scale)
+            dq = _slot_rows(dq, slots)
         kvh = k0.shape[1]
         g, qg = _grouped(grad_out.float(), kvh), _grouped(q.float(), kvh)
         row = (g * _grouped(out.float(), kvh)).sum(-1)  # [B,g,r,S]: sum_j p_j dP_j over every key
@@ -208,17 +257,17 @@ class _FlashTTT(torch.autograd.Function):
             dq.addcmul_(d[..., None], k[:, :, None].float(), value=ctx.scale)
             dkd.append(((d[..., None] * qg).sum(2) * ctx.scale).to(k.dtype))
             dvd.append((p[..., None] * g).sum(2).to(v.dtype))
-        return (dq.flatten(1, 2).to(q.dtype), dk0, dv0, None, *dkd, *dvd)
+        return (dq.flatten(1, 2).to(q.dtype), dk0, dv0, None, None, *dkd, *dvd)
 
 
 def ttt_fused_attention(q, keys, values, mask: TTTMask) -> torch.Tensor:
     keys, values = _steps(keys, values, mask)
     block_mask = None  # causal: the kernel skips the blocks above the diagonal, with or without it
-    if mask.doc_ids is not None:
-        allowed = mask.causal_block(q.device)[:, None]
+    if mask.doc_ids is not None:  # over all S rows, the kernel's (with slots too)
+        allowed = TTTMask(mask.seq_len, 0, mask.doc_ids).causal_block(q.device)[:, None]
         block_mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(~allowed, float("-inf"))
     return _FlashTTT.apply(q.contiguous(), keys[0].contiguous(), values[0].contiguous(), block_mask,
-                           *keys[1:], *values[1:])
+                           mask.slots, *keys[1:], *values[1:])
 
 
 def flex_attention(q, k, v, mask: TTTMask) -> torch.Tensor:
@@ -228,7 +277,7 @@ def flex_attention(q, k, v, mask: TTTMask) -> torch.Tensor:
     def mask_mod(b, h, q_idx, kv_idx):
         return mask.allows(q_idx, kv_idx, b)
 
-    batch = None if mask.doc_ids is None else q.shape[0]
+    batch = None if mask.doc_ids is None and mask.slots is None else q.shape[0]
     block_mask = create_block_mask(
         mask_mod, B=batch, H=None, Q_LEN=q.shape[2], KV_LEN=k.shape[2], device=q.device
     )
