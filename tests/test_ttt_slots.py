@@ -1,14 +1,15 @@
-"""TTT steps after the first run on the positions a later step scores (`scored_slots`): prompts,
-padding and the last positions drop out, and the loss, the statistics and every gradient stay
-those of running all positions, for every attention kernel, padded, packed and M-RoPE batches."""
+"""TTT steps run where they are needed (`scored_slots`): step 0's outputs where it scores or a later
+step goes on (its keys everywhere), the later steps where they score. Prompts, padding and the
+last positions drop out, and the loss, the statistics and every gradient stay those of running
+all positions, for every attention kernel, padded, packed and M-RoPE batches."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from specforge.models.attention import TTTMask, attend
+from specforge.models.attention import TTTMask, attend, take
 from specforge.train.batches import collate
-from specforge.train.ttt import Teacher, scored_slots, summarize, take, ttt_forward
+from specforge.train.ttt import Teacher, scored_slots, summarize, ttt_forward
 from tests.test_draft_mrope import tiny_vl_draft, vl_batch
 from tests.test_packing import documents
 from tests.test_ttt import tiny_draft
@@ -97,7 +98,14 @@ def _loss_stats_grads(draft, batch, ttt, skip, **kwargs):
 
 
 def _assert_same_training(draft, batch, ttt=4, **kwargs):
-    loss, stats, grads = _loss_stats_grads(draft, batch, ttt, True, **kwargs)
+    widths = []  # positions each step computes outputs for
+    hook = draft.midlayer.register_forward_hook(lambda m, i, o: widths.append(o[0].shape[1]))
+    try:
+        loss, stats, grads = _loss_stats_grads(draft, batch, ttt, True, **kwargs)
+    finally:
+        hook.remove()
+    seq = batch["input_ids"].shape[1]
+    assert len(widths) == ttt and seq > widths[0] > widths[1]  # the test drops positions at every step
     ref_loss, ref_stats, ref_grads = _loss_stats_grads(draft, batch, ttt, False, **kwargs)
     torch.testing.assert_close(loss, ref_loss, atol=1e-6, rtol=1e-6)
     assert stats == pytest.approx(ref_stats) and stats["positions"] > 0
@@ -112,10 +120,6 @@ def test_training_on_the_scored_slots_equals_training_on_every_position(attentio
     draft = tiny_draft()
     draft.attention = attention
     batch = collate(documents(draft, [9, 14, 6, 11]), pack_tokens=pack_tokens)  # a third of each is prompt
-    later = batch["loss_mask"].clone()
-    later[:, -3:] = False
-    slots = scored_slots(later)
-    assert slots is not None and slots.shape[1] < batch["input_ids"].shape[1]  # the test drops positions
     _assert_same_training(draft, batch, reach_weight=0.5 if pack_tokens else 0.0)
 
 

@@ -80,6 +80,16 @@ class TTTMask:
         return self.allows(q.to(per_row.device), kv.to(per_row.device), b).to(device)
 
 
+def take(x: torch.Tensor, slots: Optional[torch.Tensor], dim: int = 1) -> torch.Tensor:
+    """x [B, .., S (at `dim`), ..] -> the slots' positions [B, .., n, ..], row by row (None: x)."""
+    if slots is None:
+        return x
+    shape = [1] * x.dim()
+    shape[0], shape[dim] = slots.shape
+    index = slots.view(shape).expand(*x.shape[:dim], slots.shape[1], *x.shape[dim + 1 :])
+    return x.gather(dim, index)
+
+
 def causal_mask(n: int, past: int, device=None) -> torch.Tensor:
     """[n, past+n]: every new token sees the whole past and the new tokens up to itself."""
     q = torch.arange(n, device=device)[:, None]
@@ -191,14 +201,6 @@ def _all_rows(x: torch.Tensor, slots: Optional[torch.Tensor], seq: int) -> torch
     return x.new_zeros(x.shape[0], x.shape[1], seq, x.shape[3]).scatter_(2, index, x)
 
 
-def _slot_rows(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """[B,h,S,..] -> the slots' rows [B,h,n,..]."""
-    index = slots[:, None].expand(-1, x.shape[1], -1)
-    if x.dim() == 4:
-        index = index[..., None].expand(-1, -1, -1, x.shape[3])
-    return x.gather(2, index)
-
-
 class _FlashTTT(torch.autograd.Function):
     """The split on torch's CPU flash kernel. Forward: the kernel gives the causal block's output
     and log-sum-exp; the diagonals join under the combined log-sum-exp. Backward: the flash
@@ -217,7 +219,7 @@ class _FlashTTT(torch.autograd.Function):
             _all_rows(q, slots, k0.shape[2]), k0, v0, 0.0, True, attn_mask=block_mask, scale=scale)
         all_lse = causal_lse  # the backward's log-sum-exp of the rows outside the slots
         if slots is not None:
-            causal_out, causal_lse = _slot_rows(causal_out, slots), _slot_rows(causal_lse, slots)
+            causal_out, causal_lse = take(causal_out, slots, 2), take(causal_lse, slots, 2)
         kvh = k0.shape[1]
         qg = _grouped(q.float(), kvh)  # [B,g,r,S,d]
         causal_lse = _grouped(causal_lse, kvh)  # [B,g,r,S]
@@ -246,7 +248,7 @@ class _FlashTTT(torch.autograd.Function):
             dq, dk0, dv0 = causal_flash_backward(
                 _all_rows(grad_out, slots, seq), _all_rows(q, slots, seq), k0, v0, _all_rows(out, slots, seq),
                 all_lse.scatter(2, slots[:, None].expand(-1, lse.shape[1], -1), lse), block_mask, ctx.scale)
-            dq = _slot_rows(dq, slots)
+            dq = take(dq, slots, 2)
         kvh = k0.shape[1]
         g, qg = _grouped(grad_out.float(), kvh), _grouped(q.float(), kvh)
         row = (g * _grouped(out.float(), kvh)).sum(-1)  # [B,g,r,S]: sum_j p_j dP_j over every key

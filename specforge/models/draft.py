@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from specforge.config import EAGLE31_OPTIONS, check_eagle31_options
-from specforge.models.attention import TTTMask, attend, causal_mask
+from specforge.models.attention import TTTMask, attend, causal_mask, take
 from specforge.models.head_loss import DraftHead
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -226,12 +226,15 @@ class DraftAttention(nn.Module):
         self.v_proj = nn.Linear(2 * h, self.n_kv * d, bias=False)
         self.o_proj = nn.Linear(self.n_heads * d, h, bias=False)
 
-    def forward(self, x, cos, sin, past_kv, mask, impl):
+    def forward(self, x, cos, sin, past_kv, mask, impl, queries=None):
+        """`queries` [B, m]: the positions that query (keys and values at all n); None: all."""
         b, n, _ = x.shape
-        q = self.q_proj(x).view(b, n, self.n_heads, self.head_dim).transpose(1, 2)
+        m = n if queries is None else queries.shape[1]
+        q = self.q_proj(take(x, queries)).view(b, m, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, n, self.n_kv, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, n, self.n_kv, self.head_dim).transpose(1, 2)
-        q = (q * cos + rotate_half(q) * sin).to(v.dtype)
+        q_cos, q_sin = take(cos, queries, 2), take(sin, queries, 2)
+        q = (q * q_cos + rotate_half(q) * q_sin).to(v.dtype)
         k = (k * cos + rotate_half(k) * sin).to(v.dtype)
         keys, values = k, v
         if isinstance(past_kv, tuple) and isinstance(past_kv[0], list):  # TTT: the earlier steps' keys, per step
@@ -240,7 +243,7 @@ class DraftAttention(nn.Module):
             keys = torch.cat([past_kv[0].to(k.dtype), k], dim=2)
             values = torch.cat([past_kv[1].to(v.dtype), v], dim=2)
         out = attend(q, keys, values, mask, impl)
-        return self.o_proj(out.transpose(1, 2).reshape(b, n, -1)), (k, v)
+        return self.o_proj(out.transpose(1, 2).reshape(b, m, -1)), (k, v)
 
 
 class DraftMLP(nn.Module):
@@ -267,10 +270,10 @@ class DraftLayer(nn.Module):
         self.self_attn = DraftAttention(cfg)
         self.mlp = DraftMLP(cfg)
 
-    def forward(self, emb, feat, cos, sin, past_kv, mask, impl):
-        residual = feat
+    def forward(self, emb, feat, cos, sin, past_kv, mask, impl, queries=None):
+        residual = take(feat, queries)
         x = torch.cat([self.input_layernorm(emb), self.hidden_norm(feat)], dim=-1)
-        attn_out, kv = self.self_attn(x, cos, sin, past_kv, mask, impl)
+        attn_out, kv = self.self_attn(x, cos, sin, past_kv, mask, impl, queries)
         h = residual + attn_out
         return h + self.mlp(self.post_attention_layernorm(h)), kv
 
@@ -334,11 +337,13 @@ class Eagle3Draft(nn.Module):
         return self.fc(aux)
 
     def step(self, input_ids, feat, position_ids, past_kv=None, attn_mask=None, input_embeds=None,
-             head: bool = True):
+             head: bool = True, queries=None):
         """One draft forward over n new positions (see docs/design.md for shapes).
 
         `input_embeds` [B, n, H], when given, replaces `embed_tokens(input_ids)` (vision-language
         targets: the target's merged input embeddings at image positions).
+        `queries` [B, m] (training's first TTT step): only these positions' outputs are computed;
+        keys and values are at all n (the later steps attend to every one).
         Returns the next step's feature (the pre-norm output `out`, or `norm(out)` with EAGLE 3.1's
         norm_output), the draft-vocab logits `lm_head(norm(out))` (with head=False: `norm(out)`, for
         training, which scores it through `lm_head` itself), and the new (k, v).
@@ -349,7 +354,7 @@ class Eagle3Draft(nn.Module):
         emb = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
         emb = emb.to(feat.dtype)
         cos, sin = self.rope(position_ids, feat.dtype)
-        out, kv = self.midlayer(emb, feat, cos, sin, past_kv, attn_mask, self.attention)
+        out, kv = self.midlayer(emb, feat, cos, sin, past_kv, attn_mask, self.attention, queries)
         normed = self.norm(out)
         return (normed if self.config.norm_output else out), (self.lm_head(normed) if head else normed), kv
 

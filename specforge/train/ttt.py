@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specforge.models.attention import TTTMask
+from specforge.models.attention import TTTMask, take
 from specforge.models.head_loss import TeacherRows
 
 
@@ -121,14 +121,10 @@ def scored_slots(needed: torch.Tensor) -> torch.Tensor | None:
     return torch.where(needed, pos, pos + seq).argsort(dim=1)[:, :n].sort(dim=1).values
 
 
-def take(x: torch.Tensor, slots: torch.Tensor | None, dim: int = 1) -> torch.Tensor:
-    """x [.., S (at `dim`), ..] -> the slots' positions [.., n, ..], row by row."""
-    if slots is None:
-        return x
-    shape = [1] * x.dim()
-    shape[0], shape[dim] = slots.shape
-    index = slots.view(shape).expand(*x.shape[:dim], slots.shape[1], *x.shape[dim + 1 :])
-    return x.gather(dim, index)
+def index_in(slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Where each of `positions` [B, m] sits among the sorted `slots` [B, n] (one that is not
+    among them: some index, its row is never scored)."""
+    return torch.searchsorted(slots, positions).clamp(max=slots.shape[1] - 1)
 
 
 def ttt_forward(draft, batch: dict, teacher: Teacher, ttt_length: int, step_weight: float,
@@ -144,8 +140,10 @@ def ttt_forward(draft, batch: dict, teacher: Teacher, ttt_length: int, step_weig
     in_vocab [B,S] bool (TeacherMemo): whether the target's argmax is a draft token, else computed.
     reach_weight w: at step k a position's loss weighs 1 - w + w x [the draft's greedy chain was
     right there at steps 0..k-1] (greedy verification never uses a draft after its first miss).
-    skip_unscored: steps after the first run on the positions a later step scores (`scored_slots`):
-    the same loss and gradients, less work on prompts and padding; False runs every position.
+    skip_unscored: the steps run where they are needed (`scored_slots`): step 0 computes keys and
+    values everywhere but its outputs only where it scores or a later step goes on, the later steps
+    only where they score. The same loss and gradients, less work on prompts and padding; False
+    runs every step on every position.
     """
     if not 0.0 <= reach_weight <= 1.0:
         raise ValueError(f"train.reach_weight: {reach_weight} is not in [0, 1]")
@@ -166,24 +164,29 @@ def ttt_forward(draft, batch: dict, teacher: Teacher, ttt_length: int, step_weig
         if doc_ids is not None:  # the token predicted must be of the same document
             valid &= shift(doc_ids, 2 + k, -1) == doc_ids
         valids.append(valid)
-    later = None  # the positions steps 1.. run on (None: all)
-    if skip_unscored and ttt_length > 1:
-        later = scored_slots(torch.stack(valids[1:]).any(0))
+    # Where the steps' queries sit (None: every position): step 0's keys are needed everywhere,
+    # its outputs where it scores or a later step continues; the later steps' only where they score.
+    first = later = None
+    if skip_unscored:
+        needed_later = torch.stack(valids[1:]).any(0) if ttt_length > 1 else torch.zeros_like(valids[0])
+        first, later = scored_slots(valids[0] | needed_later), scored_slots(needed_later)
+        # later's needed positions are among first's, so later is None only where first is
     positions_3d = batch["position_ids"].dim() == 3  # M-RoPE [B, 3, S]
     keys, values = [], []  # per TTT step: the attention splits them, never concatenated
     total = feat.new_zeros((), dtype=torch.float32)
     stats, chain = [], torch.ones_like(loss_mask)
     for k, valid in enumerate(valids):
-        slots = later if k else None
+        slots = first if k == 0 else later
+        inputs = None if k == 0 else later  # step 0 reads every position (its keys)
         if k == 1:
-            feat = take(feat, slots)
+            feat = take(feat, later if first is None else index_in(first, later))
         out, normed, (new_k, new_v) = draft.step(
-            take(shift(ids, 1 + k), slots), feat,
-            take(batch["position_ids"], slots, dim=2 if positions_3d else 1) + k,
+            take(shift(ids, 1 + k), inputs), feat,
+            take(batch["position_ids"], inputs, dim=2 if positions_3d else 1) + k,
             past_kv=(keys, values) if keys else None,
             attn_mask=TTTMask(seq_len, k, doc_ids, slots),
-            input_embeds=None if embeds is None else take(shift(embeds, 1 + k), slots),
-            head=False,
+            input_embeds=None if embeds is None else take(shift(embeds, 1 + k), inputs),
+            head=False, queries=first if k == 0 else None,
         )
         keys.append(new_k)
         values.append(new_v)
