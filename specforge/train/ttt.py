@@ -107,11 +107,12 @@ def shift(x: torch.Tensor, by: int, fill=0) -> torch.Tensor:
 
 
 def scored_slots(needed: torch.Tensor) -> torch.Tensor | None:
-    """[B, S] bool: positions a later TTT step scores -> [B, n] the sorted positions those steps
-    run on, n the widest row's count (narrower rows are topped up with unneeded positions, none
-    twice); None when nearly every position is needed. After step 0 a position's keys are seen by
-    itself alone (the diagonal), so the positions outside need no later step: prompts, padding.
-    Dropping under a tenth saves less than the gathers cost (+2-3% at S - 3 of S, measured)."""
+    """[B, S] bool: the positions whose outputs a TTT step needs -> [B, n] the sorted positions its
+    queries run on, n the widest row's count (narrower rows are topped up with unneeded positions,
+    none twice); None when nearly every position is needed (dropping under a tenth saves less than
+    the gathers cost: +2-3% at S - 3 of S, measured). The others may drop because a later step's
+    keys are seen by their own position alone (the diagonal) and step 0's keys, which every step
+    attends to, are computed at every position regardless: prompts and padding need no output."""
     if not needed.numel():
         return None
     seq, n = needed.shape[1], max(int(needed.sum(1).max()), 1)
