@@ -40,9 +40,10 @@ def documents(draft, lengths, seed=1):
     return docs
 
 
-def loss_and_grads(draft, batch, teacher, ttt=4):
+def loss_and_grads(draft, batch, teacher, ttt=4, **options):
+    """`options`: ttt_forward's (reach_weight, skip_unscored)."""
     draft.zero_grad()
-    loss, stats = ttt_forward(draft, batch, teacher, ttt, 0.8)
+    loss, stats = ttt_forward(draft, batch, teacher, ttt, 0.8, **options)
     loss.backward()
     return loss.detach(), summarize(stats), {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
 

@@ -9,9 +9,10 @@ import torch
 
 from specforge.models.attention import TTTMask, attend, take
 from specforge.train.batches import collate
-from specforge.train.ttt import Teacher, scored_slots, summarize, ttt_forward
+from specforge.train.ttt import Teacher, scored_slots
+from tests.test_attention import _output_and_grads
 from tests.test_draft_mrope import tiny_vl_draft, vl_batch
-from tests.test_packing import documents
+from tests.test_packing import documents, loss_and_grads
 from tests.test_ttt import tiny_draft
 
 
@@ -37,13 +38,6 @@ def _qkv(slots, seq, step, heads=4, kv_heads=2, dim=8):
     q = torch.randn(batch, heads, n, dim, generator=g)
     k = torch.randn(batch, kv_heads, seq + step * n, dim, generator=g)
     return q, k, torch.randn(k.shape, generator=g)
-
-
-def _output_and_grads(impl, q, k, v, mask):
-    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-    out = attend(q, k, v, mask, impl)
-    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
-    return [out.detach(), *torch.autograd.grad((out * weights).sum(), [q, k, v])]
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
@@ -88,25 +82,18 @@ def test_the_dense_mask_on_slots_is_the_full_mask_at_those_rows():
     assert torch.equal(TTTMask(seq, step, doc_ids, slots).dense()[0], full[slots[0]][:, keys])
 
 
-def _loss_stats_grads(draft, batch, ttt, skip, **kwargs):
+def _assert_same_training(draft, batch, ttt=4, **kwargs):
     torch.manual_seed(5)
     teacher = Teacher(torch.randn(draft.config.vocab_size, draft.config.target_hidden_size), draft.t2d)
-    draft.zero_grad()
-    loss, stats = ttt_forward(draft, batch, teacher, ttt, 0.8, skip_unscored=skip, **kwargs)
-    loss.backward()
-    return loss.detach(), summarize(stats), {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
-
-
-def _assert_same_training(draft, batch, ttt=4, **kwargs):
     widths = []  # positions each step computes outputs for
     hook = draft.midlayer.register_forward_hook(lambda m, i, o: widths.append(o[0].shape[1]))
     try:
-        loss, stats, grads = _loss_stats_grads(draft, batch, ttt, True, **kwargs)
+        loss, stats, grads = loss_and_grads(draft, batch, teacher, ttt, skip_unscored=True, **kwargs)
     finally:
         hook.remove()
     seq = batch["input_ids"].shape[1]
     assert len(widths) == ttt and seq > widths[0] > widths[1]  # the test drops positions at every step
-    ref_loss, ref_stats, ref_grads = _loss_stats_grads(draft, batch, ttt, False, **kwargs)
+    ref_loss, ref_stats, ref_grads = loss_and_grads(draft, batch, teacher, ttt, skip_unscored=False, **kwargs)
     torch.testing.assert_close(loss, ref_loss, atol=1e-6, rtol=1e-6)
     assert stats == pytest.approx(ref_stats) and stats["positions"] > 0
     assert sorted(grads) == sorted(ref_grads)
