@@ -184,7 +184,7 @@ def test_override_step0_equals_manual_computation():
     _, manual, _ = draft.step(ids[:, 1:], draft.project(batch["aux"][:, :n]), pos[..., :n], input_embeds=embeds)
     torch.testing.assert_close(logits[0][:, :n], manual, rtol=1e-5, atol=1e-5)
 
-    probs, in_vocab = teacher(batch["last"])
+    probs, in_vocab = teacher.probs(batch["last"]), teacher.in_vocab(batch["last"])
     valid = shift(batch["loss_mask"], 2, False) & shift(in_vocab, 1, False)
     per_pos = -(probs[:, 1:] * F.log_softmax(manual.float(), -1)).sum(-1)
     torch.testing.assert_close(stats[0].loss_sum, (per_pos * valid[:, :n]).sum(), rtol=1e-5, atol=1e-5)

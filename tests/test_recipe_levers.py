@@ -33,13 +33,14 @@ def test_lm_head_starts_as_the_targets_rows_of_the_draft_vocab():
 def test_hard_label_weight_mixes_the_target_distribution_with_its_argmax():
     draft = tiny_draft()
     weight, last = torch.randn(50, 24), torch.randn(2, 6, 24)
-    soft, in_vocab = Teacher(weight, draft.t2d)(last)
-    half, in_vocab_half = Teacher(weight, draft.t2d, hard_weight=0.5)(last)
-    hard, _ = Teacher(weight, draft.t2d, hard_weight=1.0)(last)
+    soft = Teacher(weight, draft.t2d).probs(last)
+    half = Teacher(weight, draft.t2d, hard_weight=0.5).probs(last)
+    hard = Teacher(weight, draft.t2d, hard_weight=1.0).probs(last)
     one_hot = torch.nn.functional.one_hot(soft.argmax(-1), soft.shape[-1]).float()
     assert torch.equal(hard, one_hot)
     assert torch.allclose(half, 0.5 * soft + 0.5 * one_hot, atol=1e-7)
-    assert torch.allclose(half.sum(-1), torch.ones(2, 6)) and torch.equal(in_vocab_half, in_vocab)
+    assert torch.allclose(half.sum(-1), torch.ones(2, 6))
+    assert torch.equal(Teacher(weight, draft.t2d, hard_weight=0.5).in_vocab(last), Teacher(weight, draft.t2d).in_vocab(last))
     assert torch.equal(half.argmax(-1), soft.argmax(-1))
     with pytest.raises(ValueError, match="train.hard_label_weight: 1.5"):
         Teacher(weight, draft.t2d, hard_weight=1.5)

@@ -34,8 +34,8 @@ def random_batch(draft, batch=2, seq=10, seed=1):
     }
 
 
-def ttt_logits(draft, batch, steps):
-    """The logits of every TTT step, captured from the batched unroll."""
+def ttt_logits(draft, batch, steps, teacher=None):
+    """The logits of every TTT step at every position, captured from the batched unroll, and its stats."""
     captured = []
     original = draft.step
 
@@ -45,10 +45,11 @@ def ttt_logits(draft, batch, steps):
         return out
 
     draft.step = spy
-    teacher = Teacher(torch.randn(draft.config.vocab_size, draft.config.target_hidden_size), draft.t2d)
-    ttt_forward(draft, batch, teacher, steps, 0.8, skip_unscored=False)  # every position, to compare them all
+    if teacher is None:
+        teacher = Teacher(torch.randn(draft.config.vocab_size, draft.config.target_hidden_size), draft.t2d)
+    _, stats = ttt_forward(draft, batch, teacher, steps, 0.8, skip_unscored=False)  # every position, to compare them all
     draft.step = original
-    return captured
+    return captured, stats
 
 
 @torch.no_grad()
@@ -71,7 +72,7 @@ def chained_serving_logits(draft, batch, t, steps):
 def assert_unroll_equals_chained_drafting(draft, seq: int = 10, steps: int = 4):
     """TTT's batched unroll gives, at every position, the logits of drafting step by step."""
     batch = random_batch(draft, seq=seq)
-    batched = ttt_logits(draft, batch, steps)
+    batched, _ = ttt_logits(draft, batch, steps)
     for t in range(0, seq - steps - 1):
         serial = chained_serving_logits(draft, batch, t, steps)
         for k in range(steps):
@@ -80,6 +81,43 @@ def assert_unroll_equals_chained_drafting(draft, seq: int = 10, steps: int = 4):
 
 def test_ttt_unroll_equals_chained_drafting():
     assert_unroll_equals_chained_drafting(tiny_draft())
+
+
+class CountingTeacher(Teacher):
+    """Counts the positions whose loss target (the draft-vocab distribution) it computes."""
+
+    rows = 0
+
+    def probs(self, last):
+        self.rows += last.reshape(-1, last.shape[-1]).shape[0]
+        return super().probs(last)
+
+
+@torch.no_grad()
+def test_each_step_is_scored_against_the_teacher_at_the_token_it_predicts():
+    """Step k at position p: loss -sum(teacher(p+1+k) * log_softmax(logits_k(p))), correct when the
+    argmaxes agree, over the positions it scores; the teacher's distribution is computed at the
+    positions some step reads and nowhere else (prompt, padding and the row ends are not)."""
+    draft = tiny_draft()
+    batch = random_batch(draft, seq=14)
+    batch["loss_mask"][:, :6] = False  # a prompt
+    batch["loss_mask"][1, 11:] = False  # padding
+    steps = 3
+    teacher = CountingTeacher(torch.randn(draft.config.vocab_size, draft.config.target_hidden_size), draft.t2d)
+    logits, stats = ttt_logits(draft, batch, steps, teacher)
+
+    probs, in_vocab = Teacher.probs(teacher, batch["last"]), teacher.in_vocab(batch["last"])  # every position
+    read = torch.zeros_like(in_vocab)
+    for k in range(steps):
+        valid = shift(batch["loss_mask"], 2 + k, False) & shift(in_vocab, 1 + k, False)
+        assert 0 < int(valid.sum()) < valid.numel()
+        target = shift(probs, 1 + k)  # the teacher at p + 1 + k
+        per_pos = -(target * logits[k].float().log_softmax(-1)).sum(-1)
+        torch.testing.assert_close(stats[k].loss_sum, (per_pos * valid).sum(), rtol=1e-5, atol=1e-5)
+        correct = (logits[k].argmax(-1) == target.argmax(-1)) & valid
+        assert int(stats[k].positions) == int(valid.sum()) and int(stats[k].correct) == int(correct.sum())
+        read |= torch.roll(valid, 1 + k, dims=1)  # no valid position reaches past the row's end
+    assert teacher.rows == int(read.sum()) < read.numel()
 
 
 def test_shift_pads_the_end():

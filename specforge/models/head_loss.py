@@ -26,12 +26,12 @@ def chunk_rows(vocab: int) -> int:
 @dataclass
 class TeacherRows:
     """Which rows of the teacher's distribution score which hidden rows: hidden row i is scored
-    against probs[batch[i], position[i]]; probs [B, S, V] fp32 (not a copy per step).
-    `chunk`: rows at a time (None: chunk_rows of the vocab); `weight` [N]: each row's loss weight."""
+    against probs[index[i]]; probs [P, V] fp32, the teacher's rows of the whole batch (not a copy
+    per step). `chunk`: rows at a time (None: chunk_rows of the vocab); `weight` [N]: each row's
+    loss weight."""
 
     probs: torch.Tensor
-    batch: torch.Tensor
-    position: torch.Tensor
+    index: torch.Tensor
     chunk: int | None = None
     weight: torch.Tensor | None = None
 
@@ -52,7 +52,7 @@ class _LinearSoftCrossEntropy(torch.autograd.Function):
         w = weight.to(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else weight
         for i in range(0, hidden.shape[0], rows.chunk):
             h = hidden[i : i + rows.chunk].to(w.dtype)
-            p = rows.probs[rows.batch[i : i + rows.chunk], rows.position[i : i + rows.chunk]]
+            p = rows.probs[rows.index[i : i + rows.chunk]]
             if rows.weight is not None:  # a weighted target: the gradient below holds for any row sum
                 p = p * rows.weight[i : i + rows.chunk, None]
             logits = h @ w.T

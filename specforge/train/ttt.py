@@ -48,9 +48,10 @@ class Teacher:
         return self.t2d.to(argmax.device)[argmax].view(last.shape[:-1])
 
     @torch.no_grad()
-    def __call__(self, last: torch.Tensor, in_vocab: torch.Tensor | None = None):
-        """last [B, S, H] -> (probs over the draft vocab [B, S, Vd] fp32, in_vocab [B, S] bool);
-        `in_vocab` given (from TeacherMemo) is returned as is, else computed here."""
+    def probs(self, last: torch.Tensor) -> torch.Tensor:
+        """last [..., H] -> the loss target over the draft vocab [..., Vd], fp32. ttt_forward hands
+        in the rows some step scores against, not every position ([N, Vd] fp32 is the larger
+        block at a 32K draft vocab)."""
         flat = last.reshape(-1, last.shape[-1]).to(self.weight.dtype)
         probs = []
         for i in range(0, flat.shape[0], self.chunk):
@@ -60,9 +61,8 @@ class Teacher:
                 p = (1 - self.hard_weight) * p
                 p.scatter_add_(-1, top, torch.full_like(top, self.hard_weight, dtype=p.dtype))
             probs.append(p)
-        if in_vocab is None:
-            in_vocab = self.in_vocab(last)
-        return torch.cat(probs).view(*last.shape[:-1], -1), in_vocab.bool()
+        probs = torch.cat(probs) if probs else flat.new_zeros(0, self.draft_ids.numel(), dtype=torch.float32)
+        return probs.view(*last.shape[:-1], self.draft_ids.numel())
 
 
 class TeacherMemo:
@@ -150,8 +150,8 @@ def ttt_forward(draft, batch: dict, teacher: Teacher, ttt_length: int, step_weig
         raise ValueError(f"train.reach_weight: {reach_weight} is not in [0, 1]")
     ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
     doc_ids = batch.get("doc_ids")
-    probs, in_vocab = teacher(batch["last"], batch.get("in_vocab"))
-    teacher_top = probs.argmax(-1)  # the teacher's choice within the draft vocab
+    in_vocab = batch.get("in_vocab")
+    in_vocab = (teacher.in_vocab(batch["last"]) if in_vocab is None else in_vocab).bool()
     seq_len = ids.shape[1]
     feat = draft.project(batch["aux"].to(draft.fc.weight.dtype))
     embeds = None  # token embeddings of positions 0..S-1, shifted like the ids at each step
@@ -165,6 +165,14 @@ def ttt_forward(draft, batch: dict, teacher: Teacher, ttt_length: int, step_weig
         if doc_ids is not None:  # the token predicted must be of the same document
             valid &= shift(doc_ids, 2 + k, -1) == doc_ids
         valids.append(valid)
+    # The teacher's rows: step k at position p is scored against the target's distribution at p+1+k,
+    # so only those rows of `last` go through its head; teacher_row maps a position to its row.
+    read = torch.zeros_like(loss_mask)
+    for k, valid in enumerate(valids[: seq_len - 1]):
+        read[:, 1 + k :] |= valid[:, : seq_len - 1 - k]
+    probs = teacher.probs(batch["last"][read])  # [N, Vd]
+    teacher_top = probs.argmax(-1)  # the teacher's choice within the draft vocab
+    teacher_row = read.flatten().cumsum(0).view_as(read) - 1
     # Where the steps' queries sit (None: every position): step 0's keys are needed everywhere,
     # its outputs where it scores or a later step continues; the later steps' only where they score.
     first = later = None
@@ -193,16 +201,16 @@ def ttt_forward(draft, batch: dict, teacher: Teacher, ttt_length: int, step_weig
         values.append(new_v)
         rows, at = take(valid, slots).nonzero(as_tuple=True)  # only scored positions reach the head
         positions = at if slots is None else slots[rows, at]
+        target = teacher_row[rows, positions + 1 + k]
         weight = None
         if reach_weight and k:
             weight = 1.0 - reach_weight + reach_weight * chain[rows, positions].float()
-        loss_sum, predicted = draft.lm_head(
-            normed[rows, at], TeacherRows(probs, rows, positions + 1 + k, loss_chunk, weight))
+        loss_sum, predicted = draft.lm_head(normed[rows, at], TeacherRows(probs, target, loss_chunk, weight))
         n = valid.sum()
         total = total + (step_weight**k) * loss_sum / n.clamp(min=1)
         with torch.no_grad():
             correct = torch.zeros_like(valid)
-            correct[rows, positions] = predicted == teacher_top[rows, positions + 1 + k]
+            correct[rows, positions] = predicted == teacher_top[target]
             prev = chain & valid
             chain = prev & correct
             stats.append(StepStats(loss_sum.detach(), n, correct.sum(), chain.sum(), prev.sum()))
