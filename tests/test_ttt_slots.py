@@ -25,7 +25,13 @@ def test_scored_slots_are_each_rows_scored_positions_topped_up_to_the_widest_row
     assert scored_slots(almost) is None  # under a tenth: not worth the gathers
     almost[0, -2:] = False
     assert scored_slots(almost).shape == (1, 18)
-    assert scored_slots(torch.zeros(1, 4, dtype=torch.bool)).tolist() == [[0]]
+    assert scored_slots(torch.zeros(1, 4, dtype=torch.bool)).tolist() == [[3]]
+    # after prompts: a narrower row is topped up after its first needed position, then just before it,
+    # so no slot precedes the batch's first needed position (3 here)
+    prompts = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 0, 0],
+                            [0, 0, 0, 0, 0, 0, 1, 1, 1, 0],
+                            [0, 0, 0, 0, 0, 0, 0, 0, 1, 1]], dtype=torch.bool)
+    assert scored_slots(prompts).tolist() == [[3, 4, 5, 6, 7], [5, 6, 7, 8, 9], [5, 6, 7, 8, 9]]
     x = torch.arange(12).view(2, 6)
     assert take(x, scored_slots(needed)).tolist() == [[1, 2, 4], [6, 7, 8]]
     positions = torch.arange(36).view(2, 3, 6)  # M-RoPE [B, 3, S]: along the last dim
@@ -42,14 +48,21 @@ def _qkv(slots, seq, step, heads=4, kv_heads=2, dim=8):
 
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
 @pytest.mark.parametrize("packed", [False, True])
-def test_split_attention_on_slots_equals_the_dense_mask(impl, packed):
+@pytest.mark.parametrize("layout", ["scattered", "answers"])
+def test_split_attention_on_slots_equals_the_dense_mask(impl, packed, layout):
+    """`answers`: prompts first and unscored ends, so the flash kernel's rows start at the batch's
+    first slot (a rectangle of the keys before it, a triangle after) and end at its last; packed,
+    a document starts after that first slot (its rows see none of the rectangle)."""
     seq, step = 64, 3
     needed = torch.rand(2, seq, generator=torch.Generator().manual_seed(2)) < 0.4
+    if layout == "answers":
+        needed[0, :23], needed[1, :30], needed[:, 57:] = False, False, False
     slots = scored_slots(needed)
     doc_ids = None
     if packed:
         doc_ids = torch.zeros(2, seq, dtype=torch.long)
         doc_ids[0, 20:], doc_ids[0, 41:] = 1, 2
+        doc_ids[1, 35:] = 1
     mask = TTTMask(seq, step, doc_ids, slots)
     q, k, v = _qkv(slots, seq, step)
     for got, want in zip(_output_and_grads(impl, q, k, v, mask), _output_and_grads("dense", q, k, v, mask)):

@@ -16,8 +16,9 @@ positions only, step 0's keys at all S.
 
 - sdpa: on CPU, torch's fused flash kernel for the causal block (it returns the log-sum-exp; a
   custom backward reuses its kernel with the combined output, in pieces when the heads do not
-  divide among the threads), the diagonals element-wise, one step at a time;
-  elsewhere the eager split. For plain causal masks (the engine), torch's SDPA.
+  divide among the threads), the diagonals element-wise, one step at a time; with slots, the
+  kernel runs the rows from the batch's first slot to its last (the keys before them as one
+  rectangle); elsewhere the eager split. For plain causal masks (the engine), torch's SDPA.
 - eager: the split written out in plain torch; readable, autograd does the backward.
 - dense: the full (k+1) x S mask through SDPA; the reference that parity tests compare against.
 - flex: FlexAttention with a block mask built from the same rule; GPU training (its backward does
@@ -193,12 +194,55 @@ def causal_flash_backward(grad_out, q, k, v, out, lse, mask, scale, pieces: bool
     return dq, dk, dv
 
 
-def _all_rows(x: torch.Tensor, slots: Optional[torch.Tensor], seq: int) -> torch.Tensor:
-    """[B,h,n,d] at the slots' positions -> [B,h,S,d], zeros elsewhere (as it is without slots)."""
+def _span(slots: Optional[torch.Tensor], seq: int) -> tuple[int, int]:
+    """The positions [lo, hi) the flash kernel runs queries on: from the batch's first slot to its
+    last (scored_slots keeps every row's slots in such a span); all S without slots."""
+    if slots is None:
+        return 0, seq
+    return int(slots[:, 0].min()), int(slots[:, -1].max()) + 1
+
+
+def _all_rows(x: torch.Tensor, slots: Optional[torch.Tensor], lo: int, hi: int) -> torch.Tensor:
+    """[B,h,n,d] at the slots' positions -> [B,h,hi-lo,d] for positions lo..hi-1, zeros elsewhere."""
     if slots is None:
         return x
-    index = slots[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3])
-    return x.new_zeros(x.shape[0], x.shape[1], seq, x.shape[3]).scatter_(2, index, x)
+    index = (slots - lo)[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3])
+    return x.new_zeros(x.shape[0], x.shape[1], hi - lo, x.shape[3]).scatter_(2, index, x)
+
+
+def _causal_from(q, k, v, mask, lo: int, scale: float):
+    """Queries at positions lo..lo+L-1 attending causally to keys 0..lo+L-1, on torch's CPU flash
+    kernel: the triangle (keys from lo, the kernel's own causal alignment) and, when lo > 0, the
+    rectangle before it (keys 0..lo-1, seen by every query), joined under their log-sum-exp.
+    `mask`: the additive document mask [B,1,S,S] or None. -> (out fp32, lse) [B,h,L,d], [B,h,L]."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    hi = lo + q.shape[2]
+    out, lse = flash(q, k[:, :, lo:hi], v[:, :, lo:hi], 0.0, True,
+                     attn_mask=None if mask is None else mask[:, :, lo:hi, lo:hi], scale=scale)
+    if not lo:
+        return out.float(), lse
+    rect_out, rect_lse = flash(q, k[:, :, :lo], v[:, :, :lo], 0.0, False,
+                               attn_mask=None if mask is None else mask[:, :, lo:hi, :lo], scale=scale)
+    if mask is not None:  # a row of a document that starts at lo or later sees none of it (the kernel says lse 0)
+        rect_lse = rect_lse.masked_fill(~(mask[:, :, lo:hi, :lo] == 0).any(-1), float("-inf"))
+    both = torch.logaddexp(lse, rect_lse)
+    out = (lse - both).exp()[..., None] * out.float() + (rect_lse - both).exp()[..., None] * rect_out.float()
+    return out, both
+
+
+def _causal_from_backward(grad_out, q, k, v, out, lse, mask, lo: int, scale: float):
+    """The gradients of _causal_from's two blocks, each from the flash backward with the combined
+    output and log-sum-exp (the pieces' gradients sum to the whole). -> dq, dk, dv; dk and dv
+    [B,kvh,lo+L,d] (keys past the last query get none)."""
+    hi = lo + q.shape[2]
+    dq, dk, dv = causal_flash_backward(grad_out, q, k[:, :, lo:hi], v[:, :, lo:hi], out, lse,
+                                       None if mask is None else mask[:, :, lo:hi, lo:hi], scale)
+    if not lo:
+        return dq, dk, dv
+    rq, rk, rv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out, q, k[:, :, :lo], v[:, :, :lo], out, lse, 0.0, False,
+        attn_mask=None if mask is None else mask[:, :, lo:hi, :lo], scale=scale)
+    return (dq.float() + rq).to(q.dtype), torch.cat([rk, dk], dim=2), torch.cat([rv, dv], dim=2)
 
 
 class _FlashTTT(torch.autograd.Function):
@@ -208,18 +252,19 @@ class _FlashTTT(torch.autograd.Function):
     the gradient (its probabilities are normalised by what it is given); the diagonals' share is
     the softmax backward written out, element-wise, one step at a time (no [k, S, d] temporaries).
     The kernel takes grouped key heads (GQA) as they are; the diagonals broadcast over the group.
-    With `slots` (queries at some positions only) the kernel still runs on all S rows, the others
-    zero: their share of every gradient is zero, and the causal block keeps the kernel's skipping."""
+    With `slots` (queries at some positions only) the kernel runs on the rows from the batch's
+    first slot to its last (`_span`: prompts before the answers and the unscored ends drop out),
+    the rows between the slots zero: their share of every gradient is zero."""
 
     @staticmethod
     def forward(ctx, q, k0, v0, block_mask, slots, *later):
         kd, vd = later[: len(later) // 2], later[len(later) // 2 :]
         scale = 1.0 / math.sqrt(q.shape[-1])
-        causal_out, causal_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            _all_rows(q, slots, k0.shape[2]), k0, v0, 0.0, True, attn_mask=block_mask, scale=scale)
+        lo, hi = _span(slots, k0.shape[2])
+        causal_out, causal_lse = _causal_from(_all_rows(q, slots, lo, hi), k0, v0, block_mask, lo, scale)
         all_lse = causal_lse  # the backward's log-sum-exp of the rows outside the slots
         if slots is not None:
-            causal_out, causal_lse = take(causal_out, slots, 2), take(causal_lse, slots, 2)
+            causal_out, causal_lse = take(causal_out, slots - lo, 2), take(causal_lse, slots - lo, 2)
         kvh = k0.shape[1]
         qg = _grouped(q.float(), kvh)  # [B,g,r,S,d]
         causal_lse = _grouped(causal_lse, kvh)  # [B,g,r,S]
@@ -244,11 +289,14 @@ class _FlashTTT(torch.autograd.Function):
         if slots is None:
             dq, dk0, dv0 = causal_flash_backward(grad_out, q, k0, v0, out, lse, block_mask, ctx.scale)
         else:  # rows outside the slots: no gradient in, their own finite log-sum-exp
-            seq = k0.shape[2]
-            dq, dk0, dv0 = causal_flash_backward(
-                _all_rows(grad_out, slots, seq), _all_rows(q, slots, seq), k0, v0, _all_rows(out, slots, seq),
-                all_lse.scatter(2, slots[:, None].expand(-1, lse.shape[1], -1), lse), block_mask, ctx.scale)
-            dq = take(dq, slots, 2)
+            seq, (lo, hi) = k0.shape[2], _span(slots, k0.shape[2])
+            dq, dk0, dv0 = _causal_from_backward(
+                _all_rows(grad_out, slots, lo, hi), _all_rows(q, slots, lo, hi), k0, v0,
+                _all_rows(out, slots, lo, hi), all_lse.scatter(2, (slots - lo)[:, None].expand(-1, lse.shape[1], -1), lse),
+                block_mask, lo, ctx.scale)
+            dq = take(dq, slots - lo, 2)
+            if hi < seq:  # keys after the last query: seen by none
+                dk0, dv0 = (F.pad(x, (0, 0, 0, seq - hi)) for x in (dk0, dv0))
         kvh = k0.shape[1]
         g, qg = _grouped(grad_out.float(), kvh), _grouped(q.float(), kvh)
         row = (g * _grouped(out.float(), kvh)).sum(-1)  # [B,g,r,S]: sum_j p_j dP_j over every key
@@ -265,7 +313,7 @@ class _FlashTTT(torch.autograd.Function):
 def ttt_fused_attention(q, keys, values, mask: TTTMask) -> torch.Tensor:
     keys, values = _steps(keys, values, mask)
     block_mask = None  # causal: the kernel skips the blocks above the diagonal, with or without it
-    if mask.doc_ids is not None:  # over all S rows, the kernel's (with slots too)
+    if mask.doc_ids is not None:  # over all S x S: the kernel's pieces slice it
         allowed = TTTMask(mask.seq_len, 0, mask.doc_ids).causal_block(q.device)[:, None]
         block_mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(~allowed, float("-inf"))
     return _FlashTTT.apply(q.contiguous(), keys[0].contiguous(), values[0].contiguous(), block_mask,

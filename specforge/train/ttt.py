@@ -108,18 +108,22 @@ def shift(x: torch.Tensor, by: int, fill=0) -> torch.Tensor:
 
 def scored_slots(needed: torch.Tensor) -> torch.Tensor | None:
     """[B, S] bool: the positions whose outputs a TTT step needs -> [B, n] the sorted positions its
-    queries run on, n the widest row's count (narrower rows are topped up with unneeded positions,
-    none twice); None when nearly every position is needed (dropping under a tenth saves less than
-    the gathers cost: +2-3% at S - 3 of S, measured). The others may drop because a later step's
-    keys are seen by their own position alone (the diagonal) and step 0's keys, which every step
-    attends to, are computed at every position regardless: prompts and padding need no output."""
+    queries run on, n the widest row's count; None when nearly every position is needed (dropping
+    under a tenth saves less than the gathers cost: +2-3% at S - 3 of S, measured). The others may
+    drop because a later step's keys are seen by their own position alone (the diagonal) and step
+    0's keys, which every step attends to, are computed at every position regardless: prompts and
+    padding need no output. Narrower rows are topped up with unneeded positions, none twice: those
+    after the row's first needed one, then the nearest before it, so that no slot comes before
+    the batch's first needed position (the CPU flash kernel runs the span of slots alone)."""
     if not needed.numel():
         return None
     seq, n = needed.shape[1], max(int(needed.sum(1).max()), 1)
     if n > 0.9 * seq:
         return None
     pos = torch.arange(seq, device=needed.device).expand_as(needed)
-    return torch.where(needed, pos, pos + seq).argsort(dim=1)[:, :n].sort(dim=1).values
+    first = torch.where(needed, pos, seq).min(dim=1, keepdim=True).values  # S: none needed
+    order = torch.where(needed, pos, torch.where(pos > first, seq + pos, 3 * seq - pos))
+    return order.argsort(dim=1)[:, :n].sort(dim=1).values
 
 
 def index_in(slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
