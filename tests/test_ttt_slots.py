@@ -69,6 +69,26 @@ def test_split_attention_on_slots_equals_the_dense_mask(impl, packed, layout):
         torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
 
 
+def test_attention_on_slots_with_heads_that_do_not_divide_among_threads():
+    """1 x 3 heads on 2 threads after a prompt: the span's triangle goes in pieces and the rectangle
+    before it in two halves of rows, and both still equal the dense mask."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        seq, step = 330, 2
+        needed = torch.zeros(1, seq, dtype=torch.bool)
+        needed[0, 61:318] = torch.rand(257, generator=torch.Generator().manual_seed(4)) < 0.5
+        needed[0, 61] = needed[0, 317] = True  # a span of 257 rows, widened to 260
+        slots = scored_slots(needed)
+        for doc_ids in (None, torch.tensor([[0] * 40 + [1] * 100 + [2] * 190])):
+            mask = TTTMask(seq, step, doc_ids, slots)
+            q, k, v = _qkv(slots, seq, step, heads=3, kv_heads=1)
+            for got, want in zip(_output_and_grads("sdpa", q, k, v, mask), _output_and_grads("dense", q, k, v, mask)):
+                torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_flex_forward_on_slots_matches_the_dense_mask():
     """Flex (the GPU training kernel) reads the slots through its mask rule; its forward runs here."""
     pytest.importorskip("torch.nn.attention.flex_attention")

@@ -196,10 +196,14 @@ def causal_flash_backward(grad_out, q, k, v, out, lse, mask, scale, pieces: bool
 
 def _span(slots: Optional[torch.Tensor], seq: int) -> tuple[int, int]:
     """The positions [lo, hi) the flash kernel runs queries on: from the batch's first slot to its
-    last (scored_slots keeps every row's slots in such a span); all S without slots."""
+    last (scored_slots keeps every row's slots in such a span), widened to a multiple of 4 rows
+    where the sequence allows (the backward's thread-balancing pieces need it); all S without slots."""
     if slots is None:
         return 0, seq
-    return int(slots[:, 0].min()), int(slots[:, -1].max()) + 1
+    lo, hi = int(slots[:, 0].min()), int(slots[:, -1].max()) + 1
+    width = -(-(hi - lo) // 4) * 4
+    hi = min(seq, lo + width)
+    return max(0, hi - width), hi
 
 
 def _all_rows(x: torch.Tensor, slots: Optional[torch.Tensor], lo: int, hi: int) -> torch.Tensor:
@@ -239,10 +243,30 @@ def _causal_from_backward(grad_out, q, k, v, out, lse, mask, lo: int, scale: flo
                                        None if mask is None else mask[:, :, lo:hi, lo:hi], scale)
     if not lo:
         return dq, dk, dv
-    rq, rk, rv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        grad_out, q, k[:, :, :lo], v[:, :, :lo], out, lse, 0.0, False,
-        attn_mask=None if mask is None else mask[:, :, lo:hi, :lo], scale=scale)
+    rq, rk, rv = _rectangle_backward(grad_out, q, k[:, :, :lo], v[:, :, :lo], out, lse,
+                                     None if mask is None else mask[:, :, lo:hi, :lo], scale)
     return (dq.float() + rq).to(q.dtype), torch.cat([rk, dk], dim=2), torch.cat([rv, dv], dim=2)
+
+
+def _rectangle_backward(grad_out, q, k, v, out, lse, mask, scale: float):
+    """The flash backward of queries that see every key (no causal mask but `mask`). The kernel
+    gives each (batch, head) to one thread: when they do not divide among the threads the query
+    rows go in two halves batched side by side (twice the items, the same work), their key
+    gradients summed."""
+    backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+    batch, heads, rows = q.shape[:3]
+    if (batch * heads) % torch.get_num_threads() == 0 or rows % 2:
+        return backward(grad_out, q, k, v, out, lse, 0.0, False, attn_mask=mask, scale=scale)
+    half = rows // 2
+
+    def halves(x):
+        return None if x is None else torch.cat([x[:, :, :half], x[:, :, half:]])
+
+    dq, dk, dv = backward(halves(grad_out), halves(q), torch.cat([k, k]), torch.cat([v, v]), halves(out),
+                          halves(lse), 0.0, False, attn_mask=halves(mask), scale=scale)
+    first, second = slice(0, batch), slice(batch, 2 * batch)
+    return (torch.cat([dq[first], dq[second]], dim=2), (dk[first].float() + dk[second]).to(k.dtype),
+            (dv[first].float() + dv[second]).to(v.dtype))
 
 
 class _FlashTTT(torch.autograd.Function):
