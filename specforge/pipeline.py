@@ -23,6 +23,7 @@ from omegaconf import OmegaConf
 from specforge import distributed as dist
 from specforge.config import check_config
 from specforge.run_layout import RunLayout
+from specforge.run_report import write_run_report
 from specforge.utils.io import fingerprint, read_json, write_json, write_text
 
 
@@ -161,6 +162,7 @@ def _run_stages(cfg, env) -> dict[str, dict]:
         summary["seconds"] = round(time.time() - t0, 2)
         if env.is_main:
             write_json(RunLayout(run_dir).marker(name), {"fingerprint": fp, "summary": summary})
+            write_run_report(run_dir)  # with this stage's summary (time, throughput, rows)
             print(f"[pipeline] {name}: done in {summary['seconds']} s", flush=True)
         dist.barrier()
         summaries[name] = summary

@@ -68,6 +68,8 @@ def test_pipeline_end_to_end_then_skips_then_reruns_only_what_changed(weather_fi
     assert {"loss", "acc_0", "acc_2", "cond_acc_1", "lr"} <= set(metrics[0])
     report = (run_dir / "report.md").read_text()
     assert "Held-out metrics per epoch" in report and (run_dir / "plots" / "training.png").exists()
+    assert "| train | 24 | " in report and "| eval | 8 | " in report  # every input row accounted for
+    assert "## train" in report and "| steps | 12 |" in report  # written after the stage's summary
     assert (run_dir / "config.yaml").exists()
 
     # Same config again: every stage is skipped.
