@@ -164,7 +164,7 @@ def causal_flash_backward(grad_out, q, k, v, out, lse, mask, scale, pieces: bool
     with five. When B*h does not divide among the threads (`pieces` None: decided here), the causal
     square goes in three pieces with twice as many items of equal work: the two triangles (queries
     and keys [0, S/2) and [S/2, S)) batched in one call, then the rectangle below them (queries
-    [S/2, S) x keys [0, S/2)) as two quarters batched in another. Each piece takes the whole
+    [S/2, S) x keys [0, S/2)) in `_rectangle_backward` (as two quarters batched). Each piece takes the whole
     output and log-sum-exp as they are, so the pieces' gradients sum to the whole exactly."""
     backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
     batch, heads, seq = q.shape[:3]
@@ -172,26 +172,43 @@ def causal_flash_backward(grad_out, q, k, v, out, lse, mask, scale, pieces: bool
         pieces = (batch * heads) % torch.get_num_threads() != 0 and seq % 4 == 0 and seq >= 256
     if not pieces:
         return backward(grad_out, q, k, v, out, lse, 0.0, True, attn_mask=mask, scale=scale)
-    half, quarter = seq // 2, seq // 4
-    triangles, quarters, left = [(0, half), (half, seq)], [(half, half + quarter), (half + quarter, seq)], [(0, half)] * 2
+    half = seq // 2
 
-    def rows(x, spans):  # [B, h, S, ..] -> the spans' rows, batched: [2B, h, S/2 or S/4, ..]
-        return torch.cat([x[:, :, a:b] for a, b in spans])
+    def triangles(x):  # [B, h, S, ..] -> the two halves' rows, batched: [2B, h, S/2, ..]
+        return torch.cat([x[:, :, :half], x[:, :, half:]])
 
-    def masked(q_spans, k_spans):
-        return None if mask is None else torch.cat([mask[:, :, a:b, c:d] for (a, b), (c, d) in zip(q_spans, k_spans)])
-
-    tq, tk, tv = backward(rows(grad_out, triangles), rows(q, triangles), rows(k, triangles), rows(v, triangles),
-                          rows(out, triangles), rows(lse, triangles), 0.0, True,
-                          attn_mask=masked(triangles, triangles), scale=scale)
-    rq, rk, rv = backward(rows(grad_out, quarters), rows(q, quarters), rows(k, left), rows(v, left),
-                          rows(out, quarters), rows(lse, quarters), 0.0, False,
-                          attn_mask=masked(quarters, left), scale=scale)
+    tq, tk, tv = backward(triangles(grad_out), triangles(q), triangles(k), triangles(v), triangles(out),
+                          triangles(lse), 0.0, True, scale=scale,
+                          attn_mask=None if mask is None else torch.cat([mask[:, :, :half, :half], mask[:, :, half:, half:]]))
+    rq, rk, rv = _rectangle_backward(grad_out[:, :, half:], q[:, :, half:], k[:, :, :half], v[:, :, :half],
+                                     out[:, :, half:], lse[:, :, half:],
+                                     None if mask is None else mask[:, :, half:, :half], scale)
     first, second = slice(0, batch), slice(batch, 2 * batch)
-    dq = torch.cat([tq[first], tq[second] + torch.cat([rq[first], rq[second]], dim=2)], dim=2)
-    dk = torch.cat([(tk[first].float() + rk[first] + rk[second]).to(k.dtype), tk[second]], dim=2)
-    dv = torch.cat([(tv[first].float() + rv[first] + rv[second]).to(v.dtype), tv[second]], dim=2)
+    dq = torch.cat([tq[first], tq[second] + rq], dim=2)
+    dk = torch.cat([(tk[first].float() + rk).to(k.dtype), tk[second]], dim=2)
+    dv = torch.cat([(tv[first].float() + rv).to(v.dtype), tv[second]], dim=2)
     return dq, dk, dv
+
+
+def _rectangle_backward(grad_out, q, k, v, out, lse, mask, scale: float):
+    """The flash backward of queries that see every key (no causal mask but `mask`) -> dq, and dk,
+    dv in fp32 (the callers add them to another block's before rounding). The kernel gives each
+    (batch, head) to one thread: when they do not divide among the threads the query rows go in two
+    halves batched side by side (twice the items, the same work), their key gradients summed."""
+    backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+    batch, heads, rows = q.shape[:3]
+    if (batch * heads) % torch.get_num_threads() == 0 or rows % 2:
+        dq, dk, dv = backward(grad_out, q, k, v, out, lse, 0.0, False, attn_mask=mask, scale=scale)
+        return dq, dk.float(), dv.float()
+    half = rows // 2
+
+    def halves(x):
+        return None if x is None else torch.cat([x[:, :, :half], x[:, :, half:]])
+
+    dq, dk, dv = backward(halves(grad_out), halves(q), torch.cat([k, k]), torch.cat([v, v]), halves(out),
+                          halves(lse), 0.0, False, attn_mask=halves(mask), scale=scale)
+    first, second = slice(0, batch), slice(batch, 2 * batch)
+    return torch.cat([dq[first], dq[second]], dim=2), dk[first].float() + dk[second], dv[first].float() + dv[second]
 
 
 def _span(slots: Optional[torch.Tensor], seq: int) -> tuple[int, int]:
@@ -245,28 +262,7 @@ def _causal_from_backward(grad_out, q, k, v, out, lse, mask, lo: int, scale: flo
         return dq, dk, dv
     rq, rk, rv = _rectangle_backward(grad_out, q, k[:, :, :lo], v[:, :, :lo], out, lse,
                                      None if mask is None else mask[:, :, lo:hi, :lo], scale)
-    return (dq.float() + rq).to(q.dtype), torch.cat([rk, dk], dim=2), torch.cat([rv, dv], dim=2)
-
-
-def _rectangle_backward(grad_out, q, k, v, out, lse, mask, scale: float):
-    """The flash backward of queries that see every key (no causal mask but `mask`). The kernel
-    gives each (batch, head) to one thread: when they do not divide among the threads the query
-    rows go in two halves batched side by side (twice the items, the same work), their key
-    gradients summed."""
-    backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-    batch, heads, rows = q.shape[:3]
-    if (batch * heads) % torch.get_num_threads() == 0 or rows % 2:
-        return backward(grad_out, q, k, v, out, lse, 0.0, False, attn_mask=mask, scale=scale)
-    half = rows // 2
-
-    def halves(x):
-        return None if x is None else torch.cat([x[:, :, :half], x[:, :, half:]])
-
-    dq, dk, dv = backward(halves(grad_out), halves(q), torch.cat([k, k]), torch.cat([v, v]), halves(out),
-                          halves(lse), 0.0, False, attn_mask=halves(mask), scale=scale)
-    first, second = slice(0, batch), slice(batch, 2 * batch)
-    return (torch.cat([dq[first], dq[second]], dim=2), (dk[first].float() + dk[second]).to(k.dtype),
-            (dv[first].float() + dv[second]).to(v.dtype))
+    return (dq.float() + rq).to(q.dtype), torch.cat([rk.to(k.dtype), dk], dim=2), torch.cat([rv.to(v.dtype), dv], dim=2)
 
 
 class _FlashTTT(torch.autograd.Function):
@@ -302,7 +298,7 @@ class _FlashTTT(torch.autograd.Function):
         out = out.flatten(1, 2).to(q.dtype)
         ctx.save_for_backward(q, k0, v0, out, lse.flatten(1, 2), p_diag, block_mask, slots,
                               all_lse if slots is not None else None, *later)
-        ctx.scale = scale
+        ctx.scale, ctx.span = scale, (lo, hi)
         return out
 
     @staticmethod
@@ -313,7 +309,7 @@ class _FlashTTT(torch.autograd.Function):
         if slots is None:
             dq, dk0, dv0 = causal_flash_backward(grad_out, q, k0, v0, out, lse, block_mask, ctx.scale)
         else:  # rows outside the slots: no gradient in, their own finite log-sum-exp
-            seq, (lo, hi) = k0.shape[2], _span(slots, k0.shape[2])
+            seq, (lo, hi) = k0.shape[2], ctx.span
             dq, dk0, dv0 = _causal_from_backward(
                 _all_rows(grad_out, slots, lo, hi), _all_rows(q, slots, lo, hi), k0, v0,
                 _all_rows(out, slots, lo, hi), all_lse.scatter(2, (slots - lo)[:, None].expand(-1, lse.shape[1], -1), lse),
