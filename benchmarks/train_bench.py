@@ -19,8 +19,8 @@ trainer batches), from 2,048 on one sequence per step.
 Both run with the allocator train.py runs with (mimalloc, specforge/utils/allocator.py; the peer's
 process gets the same library preloaded); `SPECFORGE_ALLOCATOR=system` times both on glibc's.
 --allocator-ab times our step on glibc's malloc and on mimalloc, each shape twice, alternating.
---slots-ab times our step with the TTT steps after the first on every position and on the
-positions they score, on documents that open with an unscored prompt, each shape twice, alternating.
+--slots-ab times our step with the TTT steps on every position and where a loss needs them
+(scored slots), on documents that open with an unscored prompt, each shape twice, alternating.
 """
 from __future__ import annotations
 
@@ -202,8 +202,8 @@ def allocator_ab(args):
 
 
 def slots_ab(args):
-    """Later TTT steps on every position vs on the positions they score (ttt_forward's
-    skip_unscored), documents with an unscored prompt; two rounds, alternating, the better of each."""
+    """TTT steps on every position vs where a loss needs them (ttt_forward's skip_unscored),
+    documents with an unscored prompt; two rounds, alternating, the better of each."""
     shapes = [(7, 1.0, args.draft_vocab), (7, 0.6, args.draft_vocab), (7, 0.3, args.draft_vocab),
               (3, 0.5, 2048)]  # the last: the demo's TTT and draft vocab, about its store's scored share
     rows = []
@@ -238,7 +238,7 @@ def main():
     ap.add_argument("--vs-peer", action="store_true", help="ours vs speculators (needs make peer-venv)")
     ap.add_argument("--allocator-ab", action="store_true", help="our step on glibc's malloc vs mimalloc")
     ap.add_argument("--slots-ab", action="store_true",
-                    help="later TTT steps on every position vs on the scored ones (--batch x --seq)")
+                    help="TTT steps on every position vs where a loss needs them (--batch x --seq)")
     ap.add_argument("--seq-lens", type=lambda s: [int(x) for x in s.split(",")], default=[512, 2048, 4096])
     ap.add_argument("--dtypes", type=lambda s: s.split(","), default=["bf16", "fp32"])
     ap.add_argument("--tokens-per-step", type=int, default=2048, help="--vs-peer: documents of a step below it")

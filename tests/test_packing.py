@@ -9,7 +9,7 @@ import torch
 from dist_helpers import EPOCHS, checkpoint_weights, launch, master_weights, metrics, prepared, reference_run
 from specforge.train.batches import collate, epoch_batches, global_batches, pack_rows, steps_per_epoch
 from specforge.train.ttt import Teacher, TeacherMemo, summarize, ttt_forward
-from tests.test_ttt import tiny_draft
+from tests.test_ttt import CountingTeacher, tiny_draft
 
 
 def test_rows_hold_every_sample_once_within_the_budget():
@@ -70,16 +70,6 @@ def test_a_packed_row_trains_like_its_documents_unpacked(attention):
 
 
 
-class CountingTeacher(Teacher):
-    """Counts the rows that go through the target's whole head."""
-
-    rows = 0
-
-    def in_vocab(self, last):
-        self.rows += last.reshape(-1, last.shape[-1]).shape[0]
-        return super().in_vocab(last)
-
-
 @pytest.mark.parametrize("pack_tokens", [0, 32])
 def test_the_memo_reads_the_whole_head_once_per_sample_and_changes_no_loss_or_gradient(pack_tokens):
     """TeacherMemo: the full-vocab argmax (which positions count) is computed the first time a
@@ -91,13 +81,13 @@ def test_the_memo_reads_the_whole_head_once_per_sample_and_changes_no_loss_or_gr
     docs = documents(draft, [9, 14, 6, 11])
     memo = TeacherMemo(docs, teacher, torch.device("cpu"))
     ref_loss, ref_stats, ref_grads = loss_and_grads(draft, collate(docs, pack_tokens=pack_tokens), teacher)
-    assert teacher.rows == (29 * 2 if pack_tokens else 4 * 14)  # without the memo: every padded row
+    assert teacher.head_rows == (29 * 2 if pack_tokens else 4 * 14)  # without the memo: every padded row
     assert 0 < ref_stats["positions"] < sum(int(d["loss_mask"].sum()) for d in docs)  # some argmaxes are not draft tokens
-    teacher.rows = 0
+    teacher.head_rows = 0
     for epoch in range(2):
         batch = collate(memo.samples([0, 1, 2, 3]), pack_tokens=pack_tokens)
         loss, stats, grads = loss_and_grads(draft, batch, teacher)
-        assert teacher.rows == 9 + 14 + 6 + 11  # each sample once, unpadded; none in the second epoch
+        assert teacher.head_rows == 9 + 14 + 6 + 11  # each sample once, unpadded; none in the second epoch
         torch.testing.assert_close(loss, ref_loss, atol=0, rtol=0)
         assert stats == ref_stats
         for name, grad in ref_grads.items():

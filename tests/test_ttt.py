@@ -84,12 +84,17 @@ def test_ttt_unroll_equals_chained_drafting():
 
 
 class CountingTeacher(Teacher):
-    """Counts the positions whose loss target (the draft-vocab distribution) it computes."""
+    """Counts the rows it reads: through the target's whole head (`in_vocab`: which positions
+    count) and through its draft-vocab rows (`probs`: the loss targets)."""
 
-    rows = 0
+    head_rows = probs_rows = 0
+
+    def in_vocab(self, last):
+        self.head_rows += last.reshape(-1, last.shape[-1]).shape[0]
+        return super().in_vocab(last)
 
     def probs(self, last):
-        self.rows += last.reshape(-1, last.shape[-1]).shape[0]
+        self.probs_rows += last.reshape(-1, last.shape[-1]).shape[0]
         return super().probs(last)
 
 
@@ -117,7 +122,7 @@ def test_each_step_is_scored_against_the_teacher_at_the_token_it_predicts():
         correct = (logits[k].argmax(-1) == target.argmax(-1)) & valid
         assert int(stats[k].positions) == int(valid.sum()) and int(stats[k].correct) == int(correct.sum())
         read |= torch.roll(valid, 1 + k, dims=1)  # no valid position reaches past the row's end
-    assert teacher.rows == int(read.sum()) < read.numel()
+    assert teacher.probs_rows == int(read.sum()) < read.numel()
 
 
 def test_shift_pads_the_end():
