@@ -1,9 +1,13 @@
 """The TTT mask and the attention kernels that must agree on it: the split O(S^2 + kS) ones
-(sdpa, eager), flex, and the dense mask they are checked against."""
+(sdpa on CPU, sdpa's path off the CPU run here on the CPU's SDPA, eager), flex, and the dense mask
+they are checked against."""
 import pytest
 import torch
 
-from specforge.models.attention import TTTMask, attend, causal_flash_backward, causal_mask
+from specforge.models.attention import TTTMask, attend, causal_flash_backward, causal_mask, ttt_sdpa_attention
+
+# The split on SDPA's fused kernels that `sdpa` runs off the CPU (GPUs); here on the CPU's SDPA.
+OFF_CPU = pytest.param(ttt_sdpa_attention, id="sdpa-off-cpu")
 
 
 def test_ttt_mask_step0_is_causal():
@@ -50,16 +54,17 @@ def _documents(batch, seq):
 
 
 def _output_and_grads(impl, q, k, v, mask):
+    """impl: a name for `attend`, or an attention function itself."""
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-    out = attend(q, k, v, mask, impl)
+    out = impl(q, k, v, mask) if callable(impl) else attend(q, k, v, mask, impl)
     weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype)
     return [out.detach(), *torch.autograd.grad((out * weights).sum(), [q, k, v])]
 
 
-@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+@pytest.mark.parametrize("impl", ["sdpa", "eager", OFF_CPU])
 @pytest.mark.parametrize("seq, step, heads, kv_heads, packed", [
     (9, 0, 4, 2, False), (9, 1, 4, 4, False), (13, 3, 4, 2, False), (33, 6, 6, 2, False),
-    (64, 6, 4, 1, False), (13, 3, 4, 2, True), (40, 6, 6, 3, True)])
+    (64, 6, 4, 1, False), (9, 0, 4, 2, True), (13, 3, 4, 2, True), (40, 6, 6, 3, True)])
 def test_split_ttt_attention_equals_the_dense_mask(impl, seq, step, heads, kv_heads, packed):
     """The O(S^2 + kS) kernels give the dense (k+1) x S mask's output and gradients (q, k, v)."""
     q, k, v = _qkv(seq, step, heads, kv_heads)
@@ -118,10 +123,30 @@ def test_split_ttt_attention_in_bf16_stays_close_to_fp32():
     q, k, v = _qkv(48, 4, dtype=torch.bfloat16)
     mask = TTTMask(48, 4, _documents(2, 48))
     want = _output_and_grads("dense", q.float(), k.float(), v.float(), mask)
-    for impl in ("sdpa", "eager"):
+    for impl in ("sdpa", "eager", ttt_sdpa_attention):
         for got, ref in zip(_output_and_grads(impl, q, k, v, mask), want):
             assert got.dtype == torch.bfloat16
             torch.testing.assert_close(got.float(), ref, atol=3e-2, rtol=3e-2)
+
+
+def test_sdpa_off_cpu_carries_a_large_sink_score_without_rounding_it_in_bf16():
+    """Scores near 25 everywhere (queries and keys along one direction, head dim 128): the
+    diagonals' log-sum-exp times sqrt(128) is ~300, where bf16's step is 2; one bf16 query
+    dimension would move the sink's score by up to 0.09 and the output by ~10x bf16's own error.
+    Carried as hi + lo it stays as close to the exact output as the other splits."""
+    gen = torch.Generator().manual_seed(0)
+    seq, step, dim = 32, 2, 128
+    direction = torch.randn(dim, generator=gen)
+    direction = 16.8 * direction / direction.norm()
+    q = direction + 0.3 * torch.randn(1, 2, seq, dim, generator=gen)
+    k = direction + 0.3 * torch.randn(1, 1, seq * (step + 1), dim, generator=gen)
+    v = torch.randn(1, 1, seq * (step + 1), dim, generator=gen)
+    q, k, v = (t.bfloat16() for t in (q, k, v))
+    mask = TTTMask(seq, step)
+    exact = attend(q.double(), k.double(), v.double(), mask, "dense")
+    errors = {impl: (attend(q, k, v, mask, impl).double() - exact).abs().max().item() for impl in ("sdpa", "eager")}
+    got = (ttt_sdpa_attention(q, k, v, mask).double() - exact).abs().max().item()
+    assert got < 2 * max(errors.values()), (got, errors)
 
 
 def test_engine_masks_still_go_to_sdpa_and_eager():

@@ -10,7 +10,7 @@ import torch
 from specforge.models.attention import TTTMask, attend, take
 from specforge.train.batches import collate
 from specforge.train.ttt import Teacher, scored_slots
-from tests.test_attention import _output_and_grads
+from tests.test_attention import OFF_CPU, _output_and_grads
 from tests.test_draft_mrope import tiny_vl_draft, vl_batch
 from tests.test_packing import documents, loss_and_grads
 from tests.test_ttt import tiny_draft
@@ -46,14 +46,16 @@ def _qkv(slots, seq, step, heads=4, kv_heads=2, dim=8):
     return q, k, torch.randn(k.shape, generator=g)
 
 
-@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+@pytest.mark.parametrize("impl", ["sdpa", "eager", OFF_CPU])
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("layout", ["scattered", "answers"])
-def test_split_attention_on_slots_equals_the_dense_mask(impl, packed, layout):
+@pytest.mark.parametrize("step", [0, 3])
+def test_split_attention_on_slots_equals_the_dense_mask(impl, packed, layout, step):
     """`answers`: prompts first and unscored ends, so the flash kernel's rows start at the batch's
     first slot (a rectangle of the keys before it, a triangle after) and end at its last; packed,
-    a document starts after that first slot (its rows see none of the rectangle)."""
-    seq, step = 64, 3
+    a document starts after that first slot (its rows see none of the rectangle). Step 0: queries at
+    the slots, keys everywhere."""
+    seq = 64
     needed = torch.rand(2, seq, generator=torch.Generator().manual_seed(2)) < 0.4
     if layout == "answers":
         needed[0, :23], needed[1, :30], needed[:, 57:] = False, False, False

@@ -18,7 +18,9 @@ positions only, step 0's keys at all S.
   custom backward reuses its kernel with the combined output, in pieces when the heads do not
   divide among the threads), the diagonals element-wise, one step at a time; with slots, the
   kernel runs the rows from the batch's first slot to its last (the keys before them as one
-  rectangle); elsewhere the eager split. For plain causal masks (the engine), torch's SDPA.
+  rectangle); elsewhere (GPUs) SDPA's own fused kernels (flash, memory-efficient), the diagonals
+  joining as one extra "sink" key per query, autograd through SDPA: no [S, S] scores are kept.
+  For plain causal masks (the engine), torch's SDPA.
 - eager: the split written out in plain torch; readable, autograd does the backward.
 - dense: the full (k+1) x S mask through SDPA; the reference that parity tests compare against.
 - flex: FlexAttention with a block mask built from the same rule; GPU training (its backward does
@@ -32,6 +34,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from specforge.config import ATTENTIONS
 
@@ -340,6 +343,53 @@ def ttt_fused_attention(q, keys, values, mask: TTTMask) -> torch.Tensor:
                            mask.slots, *keys[1:], *values[1:])
 
 
+def ttt_sdpa_attention(q, keys, values, mask: TTTMask) -> torch.Tensor:
+    """The split on SDPA's own fused kernels, off the CPU (flash or memory-efficient on GPUs: no
+    [S, S] scores are kept, autograd does the backward). The later steps' diagonals enter as ONE
+    extra key per query, a sink before position 0 that every query sees: its score is the
+    diagonals' log-sum-exp b (carried by two extra query dimensions, hi + lo so that bf16 rounds
+    nothing away, against a key of ones; the real keys are zero there), its value a one in an extra
+    dimension. The kernel returns the causal output already weighted by 1 - s and, in that
+    dimension, s, the diagonals' share of the softmax; adding s times the diagonals' own
+    softmax-weighted values gives the TTT output exactly. With slots the kernel runs the rows of
+    their span (`_span`), causal to the lower right: row i sees keys up to position lo + i."""
+    keys, values = _steps(keys, values, mask)
+    n_rep, dim = q.shape[1] // keys[0].shape[1], q.shape[-1]
+    scale = 1.0 / math.sqrt(dim)
+    lo, hi = _span(mask.slots, mask.seq_len)
+    k0, v0 = (_expand_kv(x[:, :, :hi], n_rep) for x in (keys[0], values[0]))
+    later = len(keys) > 1
+    if later:
+        kvh = keys[0].shape[1]
+        qg = _grouped(q.float(), kvh)  # [B,g,r,n,d]
+        diag = torch.stack([(qg * k[:, :, None]).sum(-1) for k in keys[1:]]) * scale  # [k,B,g,r,n]
+        sink = diag.logsumexp(0)
+        weights = (diag - sink).exp()
+        diag_out = sum(w[..., None] * v[:, :, None] for w, v in zip(weights, values[1:])).flatten(1, 2)
+        score = (sink * math.sqrt(dim)).flatten(1, 2)  # [B,h,n]: times the kernel's scale, b
+        high = score.detach().to(q.dtype)
+        q = torch.cat([q, high[..., None], (score - high.float()).to(q.dtype)[..., None]], dim=-1)
+        sink_k = k0.new_zeros(*k0.shape[:2], 1, dim + 2)
+        sink_k[..., dim:] = 1
+        sink_v = torch.zeros_like(sink_k)
+        sink_v[..., dim] = 1
+        k0 = torch.cat([sink_k, F.pad(k0, (0, 2))], dim=2)
+        v0 = torch.cat([sink_v, F.pad(v0, (0, 2))], dim=2)
+    rows = _all_rows(q, mask.slots, lo, hi)  # [B,h,L,..]: the span's rows, zeros between slots
+    if mask.doc_ids is None:
+        allowed = causal_lower_right(hi - lo, k0.shape[2])
+    else:
+        allowed = TTTMask(mask.seq_len, 0, mask.doc_ids).causal_block(q.device)[:, None, lo:hi, :hi]
+        if later:
+            allowed = F.pad(allowed, (1, 0), value=True)
+    out = F.scaled_dot_product_attention(rows, k0, v0, attn_mask=allowed, scale=scale)
+    if mask.slots is not None:
+        out = take(out, mask.slots - lo, 2)
+    if later:
+        out = out[..., :dim].float() + out[..., dim : dim + 1].float() * diag_out
+    return out.to(q.dtype)
+
+
 def flex_attention(q, k, v, mask: TTTMask) -> torch.Tensor:
     from torch.nn.attention.flex_attention import create_block_mask
     from torch.nn.attention.flex_attention import flex_attention as _flex
@@ -365,8 +415,8 @@ def attend(q, k, v, mask, impl: str = "sdpa") -> torch.Tensor:
             if impl == "flex":
                 return flex_attention(q, k, v, mask)
             return sdpa_attention(q, k, v, mask.dense(q.device))
-        if impl == "sdpa" and q.device.type == "cpu":
-            return ttt_fused_attention(q, k, v, mask)
+        if impl == "sdpa":
+            return (ttt_fused_attention if q.device.type == "cpu" else ttt_sdpa_attention)(q, k, v, mask)
         return ttt_eager_attention(q, k, v, mask)
     if impl == "flex":
         raise ValueError("attention=flex needs a TTTMask (it is the training kernel)")
