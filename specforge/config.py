@@ -476,6 +476,13 @@ def check_config(cfg) -> None:
         raise ValueError(f"train.optimizer=muon orthogonalises each matrix's update whole, but "
                          f"train.strategy={cfg.train.strategy} shards them; use train.strategy=single or ddp, "
                          "or train.optimizer=adamw")
+    if "train" in cfg.stages and cfg.train.attention == "flex":
+        import torch
+
+        if not torch.cuda.is_available():  # training runs where the process is: here, on the CPU
+            raise ValueError("train.attention=flex: FlexAttention has no backward pass on CPU and this process "
+                             "sees no GPU; use train.attention=sdpa (the same attention, O(S^2 + kS), on torch's "
+                             "fused kernels)")
 
 
 def register_configs() -> None:

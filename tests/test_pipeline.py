@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 
 from data_prep.weather import generate
@@ -167,6 +168,17 @@ def test_settings_of_later_stages_that_cannot_work_are_refused_before_the_first_
     for refusal in refusals:
         assert refusal in str(refused.value)
     assert not (weather_files / "outputs").exists()  # not even the data stage ran
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="flex trains where a GPU is")
+def test_flex_attention_without_a_gpu_is_refused_before_the_first_stage(weather_files, tiny_target_dir):
+    """FlexAttention has no backward on CPU: the first training step used to fail with torch's
+    error after the data and extract stages had run."""
+    cfg = compose_cfg(weather_files, tiny_target_dir, "stages=[data,extract,train]", "train.attention=flex")
+    with pytest.raises(ValueError, match="train.attention=flex: FlexAttention has no backward pass on CPU"):
+        run_pipeline(cfg)
+    assert not (weather_files / "outputs").exists()
+    run_pipeline(compose_cfg(weather_files, tiny_target_dir, "stages=[data]", "train.attention=flex"))  # not training
 
 
 def test_evaluate_py_refuses_an_empty_tree_list(tmp_path):
