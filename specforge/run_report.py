@@ -4,7 +4,10 @@ Built only from files in the run directory, so it can be rewritten at any time b
 """
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
+
+from omegaconf import OmegaConf
 
 from specforge.run_layout import RunLayout
 from specforge.utils.io import read_json, write_text
@@ -84,6 +87,30 @@ def _data_rows(summary: dict) -> list[str]:
     return parts
 
 
+def _serve_lines(layout: RunLayout, evals: list[dict]) -> list[str]:
+    """The SGLang command that serves the run's draft: the evaluation's epoch and tree when it ran
+    (its best lossless speed-up), else the best simulated epoch with SGLang's own tree."""
+    from specforge.eval.report import best_config
+    from specforge.launch.sglang_commands import NEWEST_CHECKED, eagle3_options, installed_sglang_version, render_options
+
+    results = layout.eval_dir / "results.json"
+    best = best_config(read_json(results)) if results.exists() else None
+    if (best is None and not evals) or not layout.config.exists():
+        return []
+    target = OmegaConf.load(layout.config).target
+    epoch = best["epoch"] if best else max(evals, key=lambda m: m["sim_accept_length"])["epoch"]
+    options = {"model_path": str(target.path), "trust_remote_code": bool(target.trust_remote_code),
+               **eagle3_options(layout.checkpoint(epoch), best["tree"] if best else None)}
+    version = installed_sglang_version() or NEWEST_CHECKED
+    command = shlex.join(["python", "-m", "sglang.launch_server", *render_options(options, version)])
+    if best:
+        why = f"`epoch_{epoch}` with tree `{best['tree']}`, the evaluation's choice"
+    else:
+        why = (f"`epoch_{epoch}` (best simulated accept length) with SGLang's own tree; "
+               f"`python evaluate.py ckpt={layout.root}` measures the speed-up and picks the tree")
+    return ["", "## Serve it", "", f"{why} (SGLang {version}'s flags):", "", "```bash", command, "```"]
+
+
 def write_run_report(run_dir: str | Path) -> Path:
     run_dir = Path(run_dir)
     layout = RunLayout(run_dir)
@@ -113,6 +140,7 @@ def write_run_report(run_dir: str | Path) -> Path:
     eval_md = layout.eval_report
     if eval_md.exists():  # its plot links are relative to eval/
         parts += ["", eval_md.read_text().replace("](plots/", "](eval/plots/")]
+    parts += _serve_lines(layout, evals)
     out = layout.report
     write_text(out, "\n".join(parts) + "\n")
     return out

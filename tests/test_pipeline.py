@@ -71,6 +71,10 @@ def test_pipeline_end_to_end_then_skips_then_reruns_only_what_changed(weather_fi
     assert "Held-out metrics per epoch" in report and (run_dir / "plots" / "training.png").exists()
     assert "| train | 24 | " in report and "| eval | 8 | " in report  # every input row accounted for
     assert "## train" in report and "| steps | 12 |" in report  # written after the stage's summary
+    best = max(evals, key=lambda m: m["sim_accept_length"])["epoch"]  # no evaluation: SGLang's own tree
+    serve = report.split("## Serve it")[1]
+    assert f"--speculative-draft-model-path {run_dir / f'epoch_{best}'}" in serve
+    assert "--model-path " + str(tiny_target_dir) in serve and "--speculative-num-steps" not in serve
     assert (run_dir / "config.yaml").exists()
 
     # Same config again: every stage is skipped.
@@ -116,7 +120,15 @@ def test_eval_stage_measures_every_epoch_and_tree(weather_files, tiny_target_dir
     report = (eval_dir / "report.md").read_text()
     assert "| epoch | tree |" in report and "**Ship `epoch_" in report
     assert (eval_dir / "plots" / "per_epoch.png").exists() and (eval_dir / "results.csv").exists()
-    assert "Evaluation: speculative decoding" in (eval_dir.parent / "report.md").read_text()
+    run_report = (eval_dir.parent / "report.md").read_text()
+    assert "Evaluation: speculative decoding" in run_report
+    from specforge.eval.report import best_config
+
+    best = best_config(results)  # the command that serves the evaluation's choice
+    steps, topk, tokens = best["tree"].split("_")
+    checkpoint = eval_dir.parent / f"epoch_{best['epoch']}"
+    assert (f"--speculative-draft-model-path {checkpoint} --speculative-num-steps "
+            f"{steps} --speculative-eagle-topk {topk} --speculative-num-draft-tokens {tokens}") in run_report
 
 
 def test_ship_recommendation_prefers_lossless_and_says_when_none_is():

@@ -151,6 +151,17 @@ def render_options(options: Mapping[str, Any], version: str | None = None) -> li
     return args
 
 
+def eagle3_options(draft_path, tree: TreeSpec | str | None = None) -> dict[str, Any]:
+    """The canonical options that serve an EAGLE3 draft with its tree ("T_K_N" or a TreeSpec;
+    None: SGLang chooses its own)."""
+    opts: dict[str, Any] = {"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": str(draft_path)}
+    if tree is not None:
+        spec = TreeSpec.parse(tree) if isinstance(tree, str) else tree
+        opts.update(speculative_num_steps=spec.steps, speculative_eagle_topk=spec.topk,
+                    speculative_num_draft_tokens=spec.num_draft_tokens)
+    return opts
+
+
 def sglang_server_command(
     target_path,
     draft_path=None,
@@ -172,14 +183,7 @@ def sglang_server_command(
         raise ValueError("sglang_server_command: give both draft_path and tree (EAGLE3) or neither (base)")
     opts: dict[str, Any] = {"model_path": str(target_path)}
     if draft_path is not None:
-        spec = TreeSpec.parse(tree) if isinstance(tree, str) else tree
-        opts.update(
-            speculative_algorithm="EAGLE3",
-            speculative_draft_model_path=str(draft_path),
-            speculative_num_steps=spec.steps,
-            speculative_eagle_topk=spec.topk,
-            speculative_num_draft_tokens=spec.num_draft_tokens,
-        )
+        opts.update(eagle3_options(draft_path, tree))
     opts.update(disable_radix_cache=True, host=host, port=int(port))
     for name, value in (options or {}).items():
         if name in opts:
