@@ -23,11 +23,12 @@ positions only, step 0's keys at all S.
   For plain causal masks (the engine), torch's SDPA.
 - eager: the split written out in plain torch; readable, autograd does the backward.
 - dense: the full (k+1) x S mask through SDPA; the reference that parity tests compare against.
-- flex: FlexAttention with a block mask built from the same rule; GPU training (its backward does
-  not run on CPU). Imported lazily so the CPU path never depends on it.
+- flex: FlexAttention with a block mask built from the same rule, both compiled once; GPU training
+  (its backward does not run on CPU). Imported lazily so the CPU path never depends on it.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -390,9 +391,17 @@ def ttt_sdpa_attention(q, keys, values, mask: TTTMask) -> torch.Tensor:
     return out.to(q.dtype)
 
 
+@functools.cache
+def _compiled_flex():
+    """FlexAttention and its block mask, compiled once (first use): uncompiled, flex_attention is
+    the reference that materialises every score, and create_block_mask every [B, Q, KV] bit."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    return torch.compile(flex_attention), torch.compile(create_block_mask)
+
+
 def flex_attention(q, k, v, mask: TTTMask) -> torch.Tensor:
-    from torch.nn.attention.flex_attention import create_block_mask
-    from torch.nn.attention.flex_attention import flex_attention as _flex
+    flex, create_block_mask = _compiled_flex()
 
     def mask_mod(b, h, q_idx, kv_idx):
         return mask.allows(q_idx, kv_idx, b)
@@ -401,7 +410,7 @@ def flex_attention(q, k, v, mask: TTTMask) -> torch.Tensor:
     block_mask = create_block_mask(
         mask_mod, B=batch, H=None, Q_LEN=q.shape[2], KV_LEN=k.shape[2], device=q.device
     )
-    return _flex(q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1])
+    return flex(q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1])
 
 
 def attend(q, k, v, mask, impl: str = "sdpa") -> torch.Tensor:
