@@ -121,6 +121,12 @@ class RunLayout:
         return self.eval_dir / "report.md"
 
     @property
+    def eval_choice(self) -> Path:
+        """{"epoch", "tree"}: what the last evaluation recommends shipping (the run report's
+        command that serves it)."""
+        return self.eval_dir / "ship.json"
+
+    @property
     def planner(self) -> Path:
         """Every epoch x tree from the planner, the recommended one (eval.planner=true)."""
         return self.eval_dir / "planner.json"

@@ -89,17 +89,17 @@ def _data_rows(summary: dict) -> list[str]:
 
 def _serve_lines(layout: RunLayout, evals: list[dict]) -> list[str]:
     """The SGLang command that serves the run's draft: the evaluation's epoch and tree when it ran
-    (its best lossless speed-up), else the best simulated epoch with SGLang's own tree."""
-    from specforge.eval.report import best_config
+    (`RunLayout.eval_choice`), else the best simulated epoch with SGLang's own tree."""
     from specforge.launch.sglang_commands import NEWEST_CHECKED, eagle3_options, installed_sglang_version, render_options
 
-    results = layout.eval_dir / "results.json"
-    best = best_config(read_json(results)) if results.exists() else None
-    if (best is None and not evals) or not layout.config.exists():
+    best = read_json(layout.eval_choice) if layout.eval_choice.exists() else None
+    run_cfg = OmegaConf.load(layout.config) if layout.config.exists() else None
+    target_path = OmegaConf.select(run_cfg, "target.path") if run_cfg is not None else None
+    if (best is None and not evals) or not target_path:
         return []
-    target = OmegaConf.load(layout.config).target
     epoch = best["epoch"] if best else max(evals, key=lambda m: m["sim_accept_length"])["epoch"]
-    options = {"model_path": str(target.path), "trust_remote_code": bool(target.trust_remote_code),
+    options = {"model_path": str(target_path),
+               "trust_remote_code": bool(OmegaConf.select(run_cfg, "target.trust_remote_code", default=False)),
                **eagle3_options(layout.checkpoint(epoch), best["tree"] if best else None)}
     version = installed_sglang_version() or NEWEST_CHECKED
     command = shlex.join(["python", "-m", "sglang.launch_server", *render_options(options, version)])

@@ -210,6 +210,9 @@ def test_eval_stage_plans_every_epoch_and_tree_and_recommends_the_best(planner_r
     assert "## Tree planner" in report and f"**{best['tree']}** (recommended)" in report
     assert "Confirmed by the engine" in report and "![planner_topk2](plots/planner_topk2.png)" in report
     assert "## Tree planner" in (planner_run / "report.md").read_text()  # the run's report includes it
+    steps, topk, tokens = best["tree"].split("_")  # and serves the planner's choice
+    assert (f"epoch_1 --speculative-num-steps {steps} --speculative-eagle-topk {topk} "
+            f"--speculative-num-draft-tokens {tokens}") in (planner_run / "report.md").read_text().split("## Serve it")[1]
     assert f"**{best['tree']}** (recommended)" in capsys.readouterr().out
 
     # the same key again (one epoch, no confirmation): the stored cost model is reused

@@ -56,6 +56,8 @@ def run_evaluation(run_cfg, ckpt: str | Path, eval_cfg, out_dir: str | Path | No
     out_dir = Path(out_dir) if out_dir else eval_dir
     if getattr(eval_cfg, "planner", False):
         return run_planner(run_cfg, run_dir, ckpts, eval_cfg, out_dir)
+    if out_dir == eval_dir:
+        RunLayout(run_dir).eval_choice.unlink(missing_ok=True)  # an older evaluation's
     partial = out_dir / PARTIAL_NAME
     try:
         results = eval_with_engine(run_cfg, ckpts, eval_cfg, on_progress=lambda r: write_json(partial, r))
@@ -65,10 +67,12 @@ def run_evaluation(run_cfg, ckpt: str | Path, eval_cfg, out_dir: str | Path | No
         raise
     report = write_results(results, out_dir)
     partial.unlink(missing_ok=True)
+    best = best_config(results)
     if out_dir == eval_dir:
+        if best:
+            write_json(RunLayout(run_dir).eval_choice, {"epoch": best["epoch"], "tree": best["tree"]})
         write_run_report(run_dir)
     print(report.read_text(), flush=True)
-    best = best_config(results)
     return {"report": str(report), "configs": len(results["configs"]),
             **({"best_epoch": best["epoch"], "best_tree": best["tree"], "best_speedup": best["speedup"],
                 "best_accept_length": best["accept_length"]} if best else {})}
@@ -84,12 +88,15 @@ def run_planner(run_cfg, run_dir: Path, ckpts: list[Path], eval_cfg, out_dir: Pa
 
     layout = RunLayout(run_dir)
     cost_path = layout.cost_model if out_dir == layout.eval_dir else out_dir / layout.cost_model.name
+    if out_dir == layout.eval_dir:
+        layout.eval_choice.unlink(missing_ok=True)  # an older evaluation's
     planner, results = eval_with_planner(run_cfg, ckpts, eval_cfg, cost_path)
     report = write_planner(planner, out_dir, results)
+    best = planner["recommended"]
     if out_dir == layout.eval_dir:
+        write_json(layout.eval_choice, {"epoch": best["epoch"], "tree": best["tree"]})
         write_run_report(run_dir)
     print(report.read_text(), flush=True)
-    best = planner["recommended"]
     return {"report": str(report), "planner": str(out_dir / layout.planner.name), "best_epoch": best["epoch"],
             "best_tree": best["tree"], "predicted_speedup": best["predicted_speedup"],
             "best_accept_length": best["accept_length"]}
