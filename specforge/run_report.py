@@ -90,7 +90,7 @@ def _data_rows(summary: dict) -> list[str]:
 def _serve_lines(layout: RunLayout, evals: list[dict]) -> list[str]:
     """The SGLang command that serves the run's draft: the evaluation's epoch and tree when it ran
     (`RunLayout.eval_choice`), else the best simulated epoch with SGLang's own tree."""
-    from specforge.launch.sglang_commands import NEWEST_CHECKED, eagle3_options, installed_sglang_version, render_options
+    from specforge.launch.sglang_commands import NEWEST_CHECKED, eagle3_options, render_options
 
     best = read_json(layout.eval_choice) if layout.eval_choice.exists() else None
     run_cfg = OmegaConf.load(layout.config) if layout.config.exists() else None
@@ -101,14 +101,15 @@ def _serve_lines(layout: RunLayout, evals: list[dict]) -> list[str]:
     options = {"model_path": str(target_path),
                "trust_remote_code": bool(OmegaConf.select(run_cfg, "target.trust_remote_code", default=False)),
                **eagle3_options(layout.checkpoint(epoch), best["tree"] if best else None)}
-    version = installed_sglang_version() or NEWEST_CHECKED
-    command = shlex.join(["python", "-m", "sglang.launch_server", *render_options(options, version)])
+    # the newest checked spellings, not the installed SGLang's: a report must not fail on an old one,
+    # and these flags are spelled alike in every supported version
+    command = shlex.join(["python", "-m", "sglang.launch_server", *render_options(options, NEWEST_CHECKED)])
     if best:
         why = f"`epoch_{epoch}` with tree `{best['tree']}`, the evaluation's choice"
     else:
         why = (f"`epoch_{epoch}` (best simulated accept length) with SGLang's own tree; "
                f"`python evaluate.py ckpt={layout.root}` measures the speed-up and picks the tree")
-    return ["", "## Serve it", "", f"{why} (SGLang {version}'s flags):", "", "```bash", command, "```"]
+    return ["", "## Serve it", "", f"{why} (SGLang {NEWEST_CHECKED}'s flags):", "", "```bash", command, "```"]
 
 
 def write_run_report(run_dir: str | Path) -> Path:
