@@ -52,12 +52,13 @@ def run_evaluation(run_cfg, ckpt: str | Path, eval_cfg, out_dir: str | Path | No
                                     Path(out_dir) / "serving" if out_dir else None)
         print(Path(summary["report"]).read_text(), flush=True)
         return {"report": summary["report"], "engine": eval_cfg.engine}
-    eval_dir = RunLayout(run_dir).eval_dir
+    layout = RunLayout(run_dir)
+    eval_dir = layout.eval_dir
     out_dir = Path(out_dir) if out_dir else eval_dir
+    if out_dir == eval_dir:
+        layout.eval_choice.unlink(missing_ok=True)  # an older evaluation's, engine or planner
     if getattr(eval_cfg, "planner", False):
         return run_planner(run_cfg, run_dir, ckpts, eval_cfg, out_dir)
-    if out_dir == eval_dir:
-        RunLayout(run_dir).eval_choice.unlink(missing_ok=True)  # an older evaluation's
     partial = out_dir / PARTIAL_NAME
     try:
         results = eval_with_engine(run_cfg, ckpts, eval_cfg, on_progress=lambda r: write_json(partial, r))
@@ -70,7 +71,7 @@ def run_evaluation(run_cfg, ckpt: str | Path, eval_cfg, out_dir: str | Path | No
     best = best_config(results)
     if out_dir == eval_dir:
         if best:
-            write_json(RunLayout(run_dir).eval_choice, {"epoch": best["epoch"], "tree": best["tree"]})
+            write_json(layout.eval_choice, {"epoch": best["epoch"], "tree": best["tree"]})
         write_run_report(run_dir)
     print(report.read_text(), flush=True)
     return {"report": str(report), "configs": len(results["configs"]),
@@ -88,8 +89,6 @@ def run_planner(run_cfg, run_dir: Path, ckpts: list[Path], eval_cfg, out_dir: Pa
 
     layout = RunLayout(run_dir)
     cost_path = layout.cost_model if out_dir == layout.eval_dir else out_dir / layout.cost_model.name
-    if out_dir == layout.eval_dir:
-        layout.eval_choice.unlink(missing_ok=True)  # an older evaluation's
     planner, results = eval_with_planner(run_cfg, ckpts, eval_cfg, cost_path)
     report = write_planner(planner, out_dir, results)
     best = planner["recommended"]

@@ -144,6 +144,13 @@ def _grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return x.unflatten(1, (kv_heads, x.shape[1] // kv_heads))
 
 
+def _diagonal_scores(qg: torch.Tensor, later_keys, scale: float) -> torch.Tensor:
+    """Each later step's one score per position: grouped queries [B,g,r,n,d] (fp32) against that
+    step's keys [B,g,n,d], broadcast over the group -> [k,B,g,r,n] fp32 (the keys promote exactly;
+    autograd keeps them in their own dtype)."""
+    return torch.stack([(qg * k[:, :, None]).sum(-1) for k in later_keys]) * scale
+
+
 def ttt_eager_attention(q, keys, values, mask: TTTMask) -> torch.Tensor:
     """The O(S^2 + kS) split in plain torch: scores of the causal block [.., S, S] and of each
     later step's diagonal [.., S, k] share one softmax."""
@@ -292,7 +299,7 @@ class _FlashTTT(torch.autograd.Function):
         kvh = k0.shape[1]
         qg = _grouped(q.float(), kvh)  # [B,g,r,S,d]
         causal_lse = _grouped(causal_lse, kvh)  # [B,g,r,S]
-        diag = (torch.stack([(qg * k[:, :, None].float()).sum(-1) for k in kd]) * scale if kd
+        diag = (_diagonal_scores(qg, kd, scale) if kd
                 else causal_lse.new_empty((0, *causal_lse.shape)))  # [k,B,g,r,S]
         lse = torch.logsumexp(torch.cat([causal_lse[None], diag]), dim=0)
         p_diag = (diag - lse).exp()
@@ -363,7 +370,7 @@ def ttt_sdpa_attention(q, keys, values, mask: TTTMask) -> torch.Tensor:
     if later:
         kvh = keys[0].shape[1]
         qg = _grouped(q.float(), kvh)  # [B,g,r,n,d]
-        diag = torch.stack([(qg * k[:, :, None]).sum(-1) for k in keys[1:]]) * scale  # [k,B,g,r,n]
+        diag = _diagonal_scores(qg, keys[1:], scale)  # [k,B,g,r,n]
         sink = diag.logsumexp(0)
         weights = (diag - sink).exp()
         diag_out = sum(w[..., None] * v[:, :, None] for w, v in zip(weights, values[1:])).flatten(1, 2)
