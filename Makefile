@@ -1,7 +1,8 @@
 # The two commands of the README. Both set everything up on a fresh machine:
 #   make demo   virtualenv, torch pinned first, the package, the SmolLM2 target (fetched on first
 #               use by the pipeline), the synthetic weather data, then data -> extract -> train
-#   make test   the same set-up, then the test suite
+#   make test   the same set-up, then the test suite (and its hidden-state tests again on the
+#               transformers that SGLang pins)
 #   make demo-vl  the vision-language pipeline on CPU: a tiny random Qwen3-VL, weather data with images
 PYTHON ?= python3
 VENV := .venv
@@ -15,7 +16,7 @@ export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export DS_BUILD_OPS ?= 0  # DeepSpeed (a test dependency) installs without compiling its CUDA ops
 
-.PHONY: setup demo demo-vl test data clean-demo peer-venv FORCE
+.PHONY: setup demo demo-vl test test-sglang-transformers data clean-demo peer-venv FORCE
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +50,21 @@ demo-vl: setup data/weather_vl/train.jsonl
 
 test: setup
 	$(BIN)/python -m pytest -q
+	$(MAKE) test-sglang-transformers
+
+# The tests of what reads the target's hidden states again on the transformers that SGLang 0.5.23
+# pins (what `pip install .[sglang]` gets): 5.19 answers output_hidden_states=[indices] unlike 5.23+.
+# Laid over the venv's own through PYTHONPATH, with the huggingface-hub it needs (< 2).
+SGLANG_TRANSFORMERS := 5.19.0
+SGLANG_TF_DIR := .cache/transformers-$(SGLANG_TRANSFORMERS)
+$(SGLANG_TF_DIR)/.installed: | $(STAMP)
+	$(BIN)/pip install -q --no-deps --target $(SGLANG_TF_DIR) transformers==$(SGLANG_TRANSFORMERS) 'huggingface-hub>=1.5,<2'
+	touch $@
+
+test-sglang-transformers: $(SGLANG_TF_DIR)/.installed
+	PYTHONPATH=$(SGLANG_TF_DIR) SPECFORGE_EXPECT_TRANSFORMERS=$(SGLANG_TRANSFORMERS) $(BIN)/python -m pytest -q \
+		-p no:cacheprovider tests/test_transformers_versions.py tests/test_extract.py tests/test_vl_target.py \
+		tests/test_engine.py tests/test_engine_vl.py
 
 FORCE:
 

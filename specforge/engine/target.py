@@ -21,7 +21,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from specforge.engine.few_rows import choose_kernels, few_rows_linear, few_rows_linears, plain_linears
 from specforge.targets.layers import check_aux_layer_ids
-from specforge.targets.loader import last_position, text_config, untied_last_hidden_state, with_cache
+from specforge.targets.loader import (hidden_states_request, last_position, text_config, untied_last_hidden_state,
+                                      with_cache)
 from specforge.targets.vl import capture_input_embeds, is_vl_config, mm_token_type_ids, rope_positions, vl_info
 
 
@@ -192,7 +193,7 @@ class TargetRunner:
                 attention_mask=mask,
                 **with_cache(self.model, self.cache),
                 use_cache=True,
-                output_hidden_states=self.aux_index if need_aux else False,
+                output_hidden_states=hidden_states_request(self.aux_index if need_aux else []),
                 logits_to_keep=logits_to_keep,
                 **inputs,
             )

@@ -5,7 +5,8 @@ stream; `last` is the FINAL POST-NORM hidden state (the teacher logits are lm_he
 
 Why the decoder stack and selected hidden states: calling the base model (`get_decoder()`) skips
 the 49152-wide lm_head, and asking `output_hidden_states` for the three indices L+1 only keeps
-three [B, S, H] tensors instead of N+1.
+three [B, S, H] tensors instead of N+1 (transformers >= 5.23; `hidden_states_request` asks older
+ones for all).
 
 Why `tie_last_hidden_states = False`: transformers 5.x overwrites `hidden_states[N]` with the
 post-norm `last_hidden_state`, so for L = N-1 the index L+1 would silently return the normed
@@ -21,7 +22,7 @@ import torch
 
 from specforge.extract.batching import Extractor
 from specforge.targets.layers import check_aux_layer_ids
-from specforge.targets.loader import untied_last_hidden_state
+from specforge.targets.loader import hidden_states_request, untied_last_hidden_state
 
 
 def decoder_of(model):
@@ -82,7 +83,7 @@ class EmbeddedExtractor(Extractor):
             out = self.base(
                 input_ids=ids.to(self.device),
                 attention_mask=mask.to(self.device),
-                output_hidden_states=[layer + 1 for layer in self.aux_layer_ids] or False,
+                output_hidden_states=hidden_states_request(layer + 1 for layer in self.aux_layer_ids),
                 use_cache=False,
             )
         last = out.last_hidden_state.to("cpu", self.storage_dtype)

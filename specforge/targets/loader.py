@@ -175,7 +175,14 @@ def _cache_kwarg(model_class) -> str:
 def untied_last_hidden_state(config):
     """transformers 5 replaces hidden_states[N] by the post-norm state unless the (text) config's
     `tie_last_hidden_states` is False; aux layer N-1 must be the raw output of the last decoder
-    layer (docs/contract.md §2). Set for the call only: the model may be shared."""
+    layer (docs/contract.md §2). Set for the call only: the model may be shared. transformers
+    reads the setting from 5.18 on; 5.17 and older would silently hand back the normed state."""
+    if _transformers_release() < (5, 18):
+        import transformers
+
+        raise RuntimeError(f"transformers {transformers.__version__} ignores config.tie_last_hidden_states: "
+                           "hidden_states[N] would be the normed state, not the last layer's output; "
+                           "pip install 'transformers>=5.18'")
     had, old = hasattr(config, "tie_last_hidden_states"), getattr(config, "tie_last_hidden_states", None)
     config.tie_last_hidden_states = False
     try:
@@ -185,6 +192,25 @@ def untied_last_hidden_state(config):
             config.tie_last_hidden_states = old
         else:
             delattr(config, "tie_last_hidden_states")
+
+
+@functools.cache
+def _transformers_release() -> tuple[int, ...]:
+    import transformers
+    from packaging.version import Version
+
+    return Version(transformers.__version__).release
+
+
+def hidden_states_request(indices) -> list[int] | bool:
+    """`output_hidden_states` for a forward that reads hidden_states[i] for each i in `indices`:
+    the indices where transformers keeps only those (less memory: SmolLM2 has 31 states, we read
+    3), else all of them. False for none."""
+    indices = list(indices)
+    if not indices:
+        return False
+    # before 5.23 the list form returns a shorter tuple (hidden_states[N] raises an IndexError)
+    return indices if _transformers_release() >= (5, 23) else True
 
 
 def text_config(model_config):

@@ -27,7 +27,7 @@ from typing import Iterator, Sequence
 import torch
 
 from specforge.targets.layers import check_aux_layer_ids
-from specforge.targets.loader import deepstack_layers, untied_last_hidden_state
+from specforge.targets.loader import deepstack_layers, hidden_states_request, untied_last_hidden_state
 
 VL_KINDS = ("qwen3_vl", "qwen2_5_vl")
 
@@ -362,7 +362,7 @@ def vl_hidden_states(
             pixel_values=pixel_values,
             image_grid_thw=image_grid_thw,
             mm_token_type_ids=mm_token_type_ids(input_ids, info),
-            output_hidden_states=[i + 1 for i in ids_l],
+            output_hidden_states=hidden_states_request(i + 1 for i in ids_l),
             use_cache=False,
         )
     hs = out.hidden_states
