@@ -57,7 +57,8 @@ def _output_and_grads(impl, q, k, v, mask):
     """impl: a name for `attend`, or an attention function itself."""
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
     out = impl(q, k, v, mask) if callable(impl) else attend(q, k, v, mask, impl)
-    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype)
+    # drawn in fp32, then cast: torch < 2.13 draws other numbers for the same seed in bf16
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
     return [out.detach(), *torch.autograd.grad((out * weights).sum(), [q, k, v])]
 
 

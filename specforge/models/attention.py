@@ -57,11 +57,14 @@ class TTTMask:
         return self.seq_len if self.slots is None else self.slots.shape[1]
 
     def allows(self, q_idx, kv_idx, b=None):
-        """The rule itself, written once: usable on tensors (dense and flex alike)."""
-        q_pos = q_idx if self.slots is None else self.slots[b, q_idx]
+        """The rule itself, written once: usable on tensors (dense and flex alike). Flex evaluates it
+        on indices padded up to its block size too: those read in range and are refused."""
+        n = self.n_queries
+        q_pos = q_idx if self.slots is None else self.slots[b, q_idx.clamp(max=n - 1)]
         first = kv_idx < self.seq_len
-        later = (kv_idx - self.seq_len) % self.n_queries  # index of a later step's key among the queries
+        later = (kv_idx - self.seq_len) % n  # index of a later step's key among the queries
         rule = (first & (kv_idx <= q_pos)) | (~first & (later == q_idx))
+        rule = rule & (q_idx < n) & (kv_idx < self.seq_len + n * self.step)
         if self.doc_ids is not None:  # a later step's allowed key sits at the query's own position
             kv_pos = torch.where(first, kv_idx, q_pos)
             rule = rule & (self.doc_ids[b, q_pos] == self.doc_ids[b, kv_pos])
@@ -408,7 +411,12 @@ def _compiled_flex():
 
 
 def flex_attention(q, k, v, mask: TTTMask) -> torch.Tensor:
-    flex, create_block_mask = _compiled_flex()
+    """Compiled on GPUs. On the CPU (no backward there: forward checks only) the reference
+    implementation: torch 2.13's compiled CPU kernel returns wrong rows for per-row masks."""
+    if q.device.type == "cpu":
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention as flex
+    else:
+        flex, create_block_mask = _compiled_flex()
 
     def mask_mod(b, h, q_idx, kv_idx):
         return mask.allows(q_idx, kv_idx, b)
