@@ -6,6 +6,7 @@ lengths, draft vocab sizes, sequence lengths and packing, on the target geometry
     make peer-venv && python benchmarks/train_bench.py --vs-peer                       # train_vs_peer.json
     python benchmarks/train_bench.py --allocator-ab                                    # allocator.json
     python benchmarks/train_bench.py --slots-ab --batch 4 --seq 512                    # scored_slots.json
+    python benchmarks/train_bench.py --length-scaling --device cuda --target DIR       # train_length_gpu.json
 
 Features are random, except that the target's final state points at the next token (as on
 regenerated data), so that every position is scored as on a real store. Each configuration runs
@@ -21,6 +22,8 @@ process gets the same library preloaded); `SPECFORGE_ALLOCATOR=system` times bot
 --allocator-ab times our step on glibc's malloc and on mimalloc, each shape twice, alternating.
 --slots-ab times our step with the TTT steps on every position and where a loss needs them
 (scored slots), on documents that open with an unscored prompt, each shape twice, alternating.
+--length-scaling times our step at each sequence length with the same tokens per step, for each
+attention kernel and dtype, on the CPU or a GPU (there in one process, with the allocator's peak).
 """
 from __future__ import annotations
 
@@ -48,6 +51,7 @@ from specforge.train.batches import collate
 from specforge.train.loop import autocast_for
 from specforge.train.ttt import Teacher, ttt_forward
 from specforge.utils.allocator import allocator_choice, mimalloc_env, mimalloc_path, running_allocator
+from specforge.utils.io import write_json
 
 PEER_PYTHON = ".venv-peer/bin/python"
 PEER_WORKER = "benchmarks/peer_train_worker.py"
@@ -61,46 +65,56 @@ def _document(seq: int, draft_vocab: int, hidden: int, lm_head: torch.Tensor, sc
     would cost what no real one does. `scored` < 1: the document opens with an unscored prompt of
     (1 - scored) x seq tokens, as a conversation does."""
     ids = torch.randint(0, draft_vocab, (seq,))
-    last = 8.0 * lm_head[ids.roll(-1)].float() + torch.randn(seq, hidden)
+    last = 8.0 * lm_head[ids.roll(-1).to(lm_head.device)].float().cpu() + torch.randn(seq, hidden)
     loss_mask = torch.ones(seq, dtype=torch.bool)
     loss_mask[: round((1.0 - scored) * seq)] = False
     return {"input_ids": ids, "loss_mask": loss_mask, "aux": torch.randn(seq, 3 * hidden), "last": last}
 
 
 def time_config(target_config, attention, precision, ttt_length, draft_vocab, batch, seq, repeats,
-                packed=False, scored=1.0, skip_unscored=True):
+                packed=False, scored=1.0, skip_unscored=True, device="cpu"):
     """`batch` sequences of `seq` tokens per step; packed: the same documents in one row; scored:
     the fraction of each document with a loss; skip_unscored: ttt_forward's."""
     torch.manual_seed(0)
+    device = torch.device(device)
+    cuda = device.type == "cuda"
     n_layers = target_config.num_hidden_layers
     cfg = Eagle3Config.from_target(target_config, default_aux_layer_ids(n_layers), draft_vocab_size=draft_vocab)
-    draft = Eagle3Draft(cfg, attention=attention)
+    with device:  # built where it trains: an 8B target's draft takes seconds to initialise on a CPU
+        draft = Eagle3Draft(cfg, attention=attention)
     vocab, hidden = cfg.vocab_size, cfg.target_hidden_size
     t2d = torch.zeros(vocab, dtype=torch.bool)
     t2d[: cfg.draft_vocab_size] = True
     draft.set_vocab_mapping(torch.zeros(cfg.draft_vocab_size, dtype=torch.long), t2d)
     draft.embed_tokens.requires_grad_(False)  # frozen to the target's, as in training (loop.build_draft)
-    lm_head = torch.randn(vocab, hidden, dtype=torch.bfloat16) * 0.05
-    teacher = Teacher(lm_head, t2d)
+    lm_head = torch.randn(vocab, hidden, dtype=torch.bfloat16, device=device) * 0.05
+    teacher = Teacher(lm_head, draft.t2d)
     docs = [_document(seq, cfg.draft_vocab_size, hidden, lm_head, scored) for _ in range(batch)]
-    data = collate(docs, pack_tokens=batch * seq if packed else 0)
+    data = {k: v.to(device) for k, v in collate(docs, pack_tokens=batch * seq if packed else 0).items()}
     opt = torch.optim.AdamW(draft.trainable_parameters(), lr=1e-4)
     times = []
-    for i in range(repeats + 1):  # the first step warms up allocators and kernels
+    for i in range(repeats + 1):  # the first step warms up allocators and kernels (flex compiles)
+        if cuda and i == 1:
+            torch.cuda.reset_peak_memory_stats(device)
         t0 = time.perf_counter()
-        with autocast_for(precision, torch.device("cpu")):
+        with autocast_for(precision, device):
             loss, _ = ttt_forward(draft, data, teacher, ttt_length, 0.8, skip_unscored=skip_unscored)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize(device)
         if i:
             times.append(time.perf_counter() - t0)
     step = statistics.median(times)
-    return {"attention": attention, "precision": precision, "ttt_length": ttt_length,
-            "draft_vocab": draft_vocab, "batch": batch, "seq": seq, "packed": packed, "scored": scored,
-            "skip_unscored": skip_unscored,
-            "step_s": round(step, 3), "tokens_per_s": round(batch * seq / step, 1),
-            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}
+    result = {"attention": attention, "precision": precision, "ttt_length": ttt_length,
+              "draft_vocab": draft_vocab, "batch": batch, "seq": seq, "packed": packed, "scored": scored,
+              "skip_unscored": skip_unscored,
+              "step_s": round(step, 4), "tokens_per_s": round(batch * seq / step, 1),
+              "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}
+    if cuda:
+        result["peak_gpu_mb"] = round(torch.cuda.max_memory_allocated(device) / 2**20)
+    return result
 
 
 def allocator() -> str:
@@ -172,6 +186,44 @@ def vs_peer(args):
             "command": "python " + " ".join(sys.argv)}
 
 
+def length_scaling(args):
+    """Our step at each sequence length with the same tokens per step (--tokens-per-step / seq
+    sequences), per attention kernel and dtype, on --device: tokens/s and its ratio to the first
+    length. On a GPU every configuration runs in this process (flex compiles once), with the
+    allocator's peak per configuration. The JSON is rewritten after every row: a run cut short
+    keeps what it measured."""
+    rows = []
+    device = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else f"cpu ({os.cpu_count()} threads)"
+    result = {"rows": rows, "device": device, "torch": torch.__version__, "target": args.target, "ttt": args.ttt,
+              "draft_vocab": args.draft_vocab, "tokens_per_step": args.tokens_per_step,
+              "command": "python " + " ".join(sys.argv)}
+    print(f"| attention | dtype | layout | step s | tokens/s | vs {args.seq_lens[0]} | peak GPU MB |\n"
+          "|---|---|---|---|---|---|---|")
+    for attention in args.attentions:
+        for precision in args.dtypes:
+            first = None
+            for seq in args.seq_lens:
+                batch = max(1, args.tokens_per_step // seq)
+                one = {"attention": attention, "precision": precision, "ttt_length": args.ttt,
+                       "draft_vocab": args.draft_vocab, "batch": batch, "seq": seq, "device": args.device}
+                try:
+                    if args.device == "cpu":
+                        r = in_subprocess([sys.executable, __file__, "--target", args.target, "--repeats",
+                                           str(args.repeats), "--one", json.dumps(one)])
+                    else:
+                        r = time_config(AutoConfig.from_pretrained(args.target), repeats=args.repeats, **one)
+                except torch.cuda.OutOfMemoryError:
+                    torch.cuda.empty_cache()
+                    r = {**one, "step_s": None, "tokens_per_s": None, "error": "out of memory"}
+                first = first or r["tokens_per_s"]
+                r["vs_first"] = round(r["tokens_per_s"] / first, 3) if r["tokens_per_s"] and first else None
+                rows.append(r)
+                print(f"| {attention} | {precision} | {batch} x {seq} | {r['step_s']} | {r['tokens_per_s']} | "
+                      f"{r['vs_first']} | {r.get('peak_gpu_mb', '-')} |", flush=True)
+                write_json(Path(args.out), result)
+    return result
+
+
 def allocator_ab(args):
     """Our step on glibc's malloc and on mimalloc, same shapes; two rounds, alternating, so that a
     slow stretch of a shared machine hits both sides; the better round of each counts."""
@@ -239,6 +291,10 @@ def main():
     ap.add_argument("--allocator-ab", action="store_true", help="our step on glibc's malloc vs mimalloc")
     ap.add_argument("--slots-ab", action="store_true",
                     help="TTT steps on every position vs where a loss needs them (--batch x --seq)")
+    ap.add_argument("--length-scaling", action="store_true",
+                    help="our step at each --seq-lens with --tokens-per-step, per --attentions and --dtypes")
+    ap.add_argument("--attentions", type=lambda s: s.split(","), default=["sdpa"])
+    ap.add_argument("--device", default="cpu", help="--length-scaling: cpu or cuda")
     ap.add_argument("--seq-lens", type=lambda s: [int(x) for x in s.split(",")], default=[512, 2048, 4096])
     ap.add_argument("--dtypes", type=lambda s: s.split(","), default=["bf16", "fp32"])
     ap.add_argument("--tokens-per-step", type=int, default=2048, help="--vs-peer: documents of a step below it")
@@ -265,6 +321,9 @@ def main():
         result, default_out = allocator_ab(args), "benchmarks/results/allocator.json"
     elif args.slots_ab:
         result, default_out = slots_ab(args), "benchmarks/results/scored_slots.json"
+    elif args.length_scaling:
+        args.out = args.out or f"benchmarks/results/train_length_{'cpu' if args.device == 'cpu' else 'gpu'}.json"
+        result, default_out = length_scaling(args), args.out
     elif args.vs_peer:
         result, default_out = vs_peer(args), "benchmarks/results/train_vs_peer.json"
     else:

@@ -1,0 +1,140 @@
+"""On a CUDA device: the TTT attention kernels that train off the CPU (`sdpa` -> SDPA's flash /
+memory-efficient kernels with the sink key, `flex` compiled, `eager`) against the dense mask on the
+CPU, forward and gradients; a whole TTT step on the GPU against the same step on the CPU; and what
+`sdpa` keeps for the backward at 4,096 tokens against the eager split. Skipped without CUDA."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specforge.models.attention import TTTMask, attend
+from specforge.models.draft import Eagle3Config, Eagle3Draft
+from specforge.train.batches import collate
+from specforge.train.ttt import Teacher, scored_slots
+from tests.test_packing import documents, loss_and_grads
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+CUDA = torch.device("cuda")
+
+
+def _qkv(seq, step, heads, kv_heads, dim, queries=None, batch=2):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(batch, heads, queries or seq, dim, generator=g)
+    k = torch.randn(batch, kv_heads, seq + step * (queries or seq), dim, generator=g)
+    return q, k, torch.randn(k.shape, generator=g)
+
+
+def _documents(batch, seq):
+    doc_ids = torch.zeros(batch, seq, dtype=torch.long)
+    doc_ids[0, seq // 4:], doc_ids[0, seq // 2 + 1:] = 1, 2
+    return doc_ids
+
+
+def _output_and_grads(impl, q, k, v, mask, device, dtype=torch.float32):
+    q, k, v = (t.to(device, dtype).requires_grad_() for t in (q, k, v))
+    if mask.doc_ids is not None or mask.slots is not None:
+        mask = TTTMask(mask.seq_len, mask.step,
+                       None if mask.doc_ids is None else mask.doc_ids.to(device),
+                       None if mask.slots is None else mask.slots.to(device))
+    out = attend(q, k, v, mask, impl)
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(device, dtype)
+    return [t.float().cpu() for t in (out.detach(), *torch.autograd.grad((out * weights).sum(), [q, k, v]))]
+
+
+CASES = [(64, 0, 4, 2, 16, False), (97, 3, 4, 4, 32, False), (200, 6, 8, 2, 64, False), (300, 6, 16, 8, 128, False),
+         (64, 0, 4, 2, 16, True), (200, 3, 8, 2, 64, True), (300, 6, 6, 3, 128, True)]
+
+
+# flex compiles per shape (tens of seconds each): two of the cases
+FLEX_CASES = [pytest.param("flex", *c, id=f"flex-{c[0]}-{c[-1]}") for c in (CASES[3], CASES[6])]
+
+
+@pytest.mark.parametrize("impl, seq, step, heads, kv_heads, dim, packed",
+                         [(impl, *c) for impl in ("sdpa", "eager") for c in CASES] + FLEX_CASES)
+def test_ttt_attention_on_cuda_equals_the_dense_mask(impl, seq, step, heads, kv_heads, dim, packed):
+    q, k, v = _qkv(seq, step, heads, kv_heads, dim)
+    mask = TTTMask(seq, step, _documents(2, seq) if packed else None)
+    want = _output_and_grads("dense", q, k, v, mask, "cpu")
+    for got, ref in zip(_output_and_grads(impl, q, k, v, mask, CUDA), want):
+        torch.testing.assert_close(got, ref, atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.parametrize("impl, packed", [("sdpa", False), ("sdpa", True), ("eager", True), ("flex", True)])
+def test_ttt_attention_on_cuda_in_bf16_is_as_close_as_the_eager_split(impl, packed):
+    """bf16 on the GPU (flash for sdpa): each tensor's relative error (in norm) within 2x of the
+    eager split's own in bf16."""
+    seq, step = 512, 6
+    q, k, v = _qkv(seq, step, 16, 8, 128, batch=1)
+    mask = TTTMask(seq, step, _documents(1, seq) if packed else None)
+    exact = _output_and_grads("dense", q.double(), k.double(), v.double(), mask, "cpu", torch.float64)
+    eager = _output_and_grads("eager", q, k, v, mask, CUDA, torch.bfloat16)
+    for got, base, ref in zip(_output_and_grads(impl, q, k, v, mask, CUDA, torch.bfloat16), eager, exact):
+        err, base_err = ((t - ref).norm().item() / ref.norm().item() for t in (got, base))
+        assert err <= 2 * base_err + 1e-3, (err, base_err)
+
+
+@pytest.mark.parametrize("impl, packed, step", [("sdpa", p, s) for p in (False, True) for s in (0, 3)]
+                         + [("flex", True, 3)])
+def test_ttt_attention_on_cuda_at_scored_slots_equals_the_dense_mask(impl, packed, step):
+    """Prompts first and unscored ends: sdpa runs the slots' span, causal to the lower right."""
+    seq = 160
+    needed = torch.rand(2, seq, generator=torch.Generator().manual_seed(2)) < 0.4
+    needed[0, :50], needed[1, :71], needed[:, 140:] = False, False, False
+    slots = scored_slots(needed)
+    mask = TTTMask(seq, step, _documents(2, seq) if packed else None, slots)
+    q, k, v = _qkv(seq, step, 8, 2, 64, queries=slots.shape[1])
+    want = _output_and_grads("dense", q, k, v, mask, "cpu")
+    for got, ref in zip(_output_and_grads(impl, q, k, v, mask, CUDA), want):
+        torch.testing.assert_close(got, ref, atol=2e-4, rtol=2e-4)
+
+
+def _draft(attention):
+    torch.manual_seed(0)
+    cfg = Eagle3Config(vocab_size=96, draft_vocab_size=40, hidden_size=128, intermediate_size=256,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, target_hidden_size=48,
+                       aux_layer_ids=[0, 1, 2])
+    draft = Eagle3Draft(cfg, attention=attention)
+    used = torch.arange(0, 80, 2)
+    t2d = torch.zeros(96, dtype=torch.bool)
+    t2d[used] = True
+    draft.set_vocab_mapping(used - torch.arange(40), t2d)
+    return draft
+
+
+@pytest.mark.parametrize("attention, packed", [("sdpa", False), ("sdpa", True), ("flex", True)])
+def test_a_ttt_step_on_cuda_gives_the_cpu_loss_and_gradients(attention, packed):
+    """fp32: the unroll (TTT 4, prompts unscored, so the slots path runs) on the GPU, against the
+    same draft and batch on the CPU's eager split."""
+    cpu, gpu = _draft("eager"), _draft(attention).to(CUDA)
+    gpu.load_state_dict(cpu.state_dict())
+    torch.manual_seed(2)
+    head = torch.randn(96, 48)
+    docs = documents(cpu, [90, 140, 60, 110])
+    batch = collate(docs, pack_tokens=400) if packed else collate(docs)
+    want = loss_and_grads(cpu, batch, Teacher(head, cpu.t2d), skip_unscored=True)
+    got = loss_and_grads(gpu, {k: v.to(CUDA) for k, v in batch.items()}, Teacher(head.to(CUDA), gpu.t2d),
+                         skip_unscored=True)
+    torch.testing.assert_close(got[0].cpu(), want[0], atol=1e-4, rtol=1e-4)
+    assert got[1].keys() == want[1].keys()
+    for name, grad in want[2].items():
+        torch.testing.assert_close(got[2][name].cpu(), grad, atol=2e-4, rtol=2e-3, msg=name)
+
+
+def _kept_mb(impl, seq):
+    """What the allocator holds between the forward and the backward of one call (TTT step 6,
+    bf16, the Qwen3-VL-2B draft's 16 / 8 heads of 128), beyond the inputs."""
+    q, k, v = (t.to(CUDA, torch.bfloat16).requires_grad_() for t in _qkv(seq, 6, 16, 8, 128, batch=1))
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    out = attend(q, k, v, TTTMask(seq, 6), impl)
+    kept = (torch.cuda.memory_allocated() - base) / 2**20
+    out.sum().backward()
+    return kept
+
+
+def test_sdpa_on_cuda_keeps_a_tenth_of_the_eager_split_for_the_backward():
+    """The eager split keeps [B, h, S, S] fp32 scores and probabilities; sdpa's kernels keep O(S)."""
+    seq = 4096
+    eager, sdpa = _kept_mb("eager", seq), _kept_mb("sdpa", seq)
+    assert eager > 16 * seq * seq * 4 / 2**20  # at least one [h, S, S] fp32 tensor
+    assert sdpa < eager / 5, (sdpa, eager)
