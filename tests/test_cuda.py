@@ -1,8 +1,15 @@
 """On a CUDA device: the TTT attention kernels that train off the CPU (`sdpa` -> SDPA's flash /
 memory-efficient kernels with the sink key, `flex` compiled, `eager`) against the dense mask on the
 CPU, forward and gradients; a whole TTT step on the GPU against the same step on the CPU; and what
-`sdpa` keeps for the backward at 4,096 tokens against the eager split. Skipped without CUDA."""
+`sdpa` keeps for the backward at 4,096 tokens against the eager split. Skipped without CUDA, but
+for the script that runs these checks where a GPU is (benchmarks/gpu_check.sh)."""
 from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +20,7 @@ from specforge.train.batches import collate
 from specforge.train.ttt import Teacher, scored_slots
 from tests.test_packing import documents, loss_and_grads
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 CUDA = torch.device("cuda")
 
 
@@ -49,6 +56,7 @@ CASES = [(64, 0, 4, 2, 16, False), (97, 3, 4, 4, 32, False), (200, 6, 8, 2, 64, 
 FLEX_CASES = [pytest.param("flex", *c, id=f"flex-{c[0]}-{c[-1]}") for c in (CASES[3], CASES[6])]
 
 
+@needs_cuda
 @pytest.mark.parametrize("impl, seq, step, heads, kv_heads, dim, packed",
                          [(impl, *c) for impl in ("sdpa", "eager") for c in CASES] + FLEX_CASES)
 def test_ttt_attention_on_cuda_equals_the_dense_mask(impl, seq, step, heads, kv_heads, dim, packed):
@@ -59,6 +67,7 @@ def test_ttt_attention_on_cuda_equals_the_dense_mask(impl, seq, step, heads, kv_
         torch.testing.assert_close(got, ref, atol=2e-4, rtol=2e-4)
 
 
+@needs_cuda
 @pytest.mark.parametrize("impl, packed", [("sdpa", False), ("sdpa", True), ("eager", True), ("flex", True)])
 def test_ttt_attention_on_cuda_in_bf16_is_as_close_as_the_eager_split(impl, packed):
     """bf16 on the GPU (flash for sdpa): each tensor's relative error (in norm) within 2x of the
@@ -73,6 +82,7 @@ def test_ttt_attention_on_cuda_in_bf16_is_as_close_as_the_eager_split(impl, pack
         assert err <= 2 * base_err + 1e-3, (err, base_err)
 
 
+@needs_cuda
 @pytest.mark.parametrize("impl, packed, step", [("sdpa", p, s) for p in (False, True) for s in (0, 3)]
                          + [("flex", True, 3)])
 def test_ttt_attention_on_cuda_at_scored_slots_equals_the_dense_mask(impl, packed, step):
@@ -101,6 +111,7 @@ def _draft(attention):
     return draft
 
 
+@needs_cuda
 @pytest.mark.parametrize("attention, packed", [("sdpa", False), ("sdpa", True), ("flex", True)])
 def test_a_ttt_step_on_cuda_gives_the_cpu_loss_and_gradients(attention, packed):
     """fp32: the unroll (TTT 4, prompts unscored, so the slots path runs) on the GPU, against the
@@ -132,9 +143,24 @@ def _kept_mb(impl, seq):
     return kept
 
 
+@needs_cuda
 def test_sdpa_on_cuda_keeps_a_tenth_of_the_eager_split_for_the_backward():
     """The eager split keeps [B, h, S, S] fp32 scores and probabilities; sdpa's kernels keep O(S)."""
     seq = 4096
     eager, sdpa = _kept_mb("eager", seq), _kept_mb("sdpa", seq)
     assert eager > 16 * seq * seq * 4 / 2**20  # at least one [h, S, S] fp32 tensor
     assert sdpa < eager / 5, (sdpa, eager)
+
+
+def test_the_gpu_check_script_is_sound_and_refuses_a_machine_without_cuda(tmp_path):
+    script = Path(__file__).resolve().parents[1] / "benchmarks/gpu_check.sh"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    shellcheck = shutil.which("shellcheck") or shutil.which("shellcheck", path=os.path.dirname(sys.executable))
+    if shellcheck:
+        subprocess.run([shellcheck, str(script)], check=True)
+    if torch.cuda.is_available():
+        return
+    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}  # python3: this one
+    done = subprocess.run(["bash", str(script), str(tmp_path / "out")], capture_output=True, text=True, env=env)
+    assert done.returncode == 2 and "gpu_check: no CUDA GPU here" in done.stdout
+    assert not (tmp_path / "out").exists()
