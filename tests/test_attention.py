@@ -53,13 +53,17 @@ def _documents(batch, seq):
     return doc_ids
 
 
-def _output_and_grads(impl, q, k, v, mask):
-    """impl: a name for `attend`, or an attention function itself."""
-    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+def _output_and_grads(impl, q, k, v, mask, device=None):
+    """impl: a name for `attend`, or an attention function itself; device: where it runs (a GPU in
+    tests/test_cuda.py); the output and the gradients come back to the CPU."""
+    q, k, v = (t.to(device).clone().requires_grad_() for t in (q, k, v))
+    if device is not None and (mask.doc_ids is not None or mask.slots is not None):
+        moved = (None if t is None else t.to(device) for t in (mask.doc_ids, mask.slots))
+        mask = TTTMask(mask.seq_len, mask.step, *moved)
     out = impl(q, k, v, mask) if callable(impl) else attend(q, k, v, mask, impl)
     # drawn in fp32, then cast: torch < 2.13 draws other numbers for the same seed in bf16
-    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
-    return [out.detach(), *torch.autograd.grad((out * weights).sum(), [q, k, v])]
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.device, out.dtype)
+    return [t.cpu() for t in (out.detach(), *torch.autograd.grad((out * weights).sum(), [q, k, v]))]
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "eager", OFF_CPU])

@@ -15,37 +15,15 @@ import pytest
 import torch
 
 from specforge.models.attention import TTTMask, attend
-from specforge.models.draft import Eagle3Config, Eagle3Draft
 from specforge.train.batches import collate
 from specforge.train.ttt import Teacher, scored_slots
+from tests.test_attention import _documents, _output_and_grads, _qkv
 from tests.test_packing import documents, loss_and_grads
+from tests.test_ttt import tiny_draft
+from tests.test_ttt_slots import _qkv as _qkv_at_slots
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 CUDA = torch.device("cuda")
-
-
-def _qkv(seq, step, heads, kv_heads, dim, queries=None, batch=2):
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(batch, heads, queries or seq, dim, generator=g)
-    k = torch.randn(batch, kv_heads, seq + step * (queries or seq), dim, generator=g)
-    return q, k, torch.randn(k.shape, generator=g)
-
-
-def _documents(batch, seq):
-    doc_ids = torch.zeros(batch, seq, dtype=torch.long)
-    doc_ids[0, seq // 4:], doc_ids[0, seq // 2 + 1:] = 1, 2
-    return doc_ids
-
-
-def _output_and_grads(impl, q, k, v, mask, device, dtype=torch.float32):
-    q, k, v = (t.to(device, dtype).requires_grad_() for t in (q, k, v))
-    if mask.doc_ids is not None or mask.slots is not None:
-        mask = TTTMask(mask.seq_len, mask.step,
-                       None if mask.doc_ids is None else mask.doc_ids.to(device),
-                       None if mask.slots is None else mask.slots.to(device))
-    out = attend(q, k, v, mask, impl)
-    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(device, dtype)
-    return [t.float().cpu() for t in (out.detach(), *torch.autograd.grad((out * weights).sum(), [q, k, v]))]
 
 
 CASES = [(64, 0, 4, 2, 16, False), (97, 3, 4, 4, 32, False), (200, 6, 8, 2, 64, False), (300, 6, 16, 8, 128, False),
@@ -62,7 +40,7 @@ FLEX_CASES = [pytest.param("flex", *c, id=f"flex-{c[0]}-{c[-1]}") for c in (CASE
 def test_ttt_attention_on_cuda_equals_the_dense_mask(impl, seq, step, heads, kv_heads, dim, packed):
     q, k, v = _qkv(seq, step, heads, kv_heads, dim)
     mask = TTTMask(seq, step, _documents(2, seq) if packed else None)
-    want = _output_and_grads("dense", q, k, v, mask, "cpu")
+    want = _output_and_grads("dense", q, k, v, mask)
     for got, ref in zip(_output_and_grads(impl, q, k, v, mask, CUDA), want):
         torch.testing.assert_close(got, ref, atol=2e-4, rtol=2e-4)
 
@@ -75,9 +53,10 @@ def test_ttt_attention_on_cuda_in_bf16_is_as_close_as_the_eager_split(impl, pack
     seq, step = 512, 6
     q, k, v = _qkv(seq, step, 16, 8, 128, batch=1)
     mask = TTTMask(seq, step, _documents(1, seq) if packed else None)
-    exact = _output_and_grads("dense", q.double(), k.double(), v.double(), mask, "cpu", torch.float64)
-    eager = _output_and_grads("eager", q, k, v, mask, CUDA, torch.bfloat16)
-    for got, base, ref in zip(_output_and_grads(impl, q, k, v, mask, CUDA, torch.bfloat16), eager, exact):
+    exact = _output_and_grads("dense", q.double(), k.double(), v.double(), mask)
+    q, k, v = (t.bfloat16() for t in (q, k, v))
+    eager = _output_and_grads("eager", q, k, v, mask, CUDA)
+    for got, base, ref in zip(_output_and_grads(impl, q, k, v, mask, CUDA), eager, exact):
         err, base_err = ((t - ref).norm().item() / ref.norm().item() for t in (got, base))
         assert err <= 2 * base_err + 1e-3, (err, base_err)
 
@@ -92,22 +71,16 @@ def test_ttt_attention_on_cuda_at_scored_slots_equals_the_dense_mask(impl, packe
     needed[0, :50], needed[1, :71], needed[:, 140:] = False, False, False
     slots = scored_slots(needed)
     mask = TTTMask(seq, step, _documents(2, seq) if packed else None, slots)
-    q, k, v = _qkv(seq, step, 8, 2, 64, queries=slots.shape[1])
-    want = _output_and_grads("dense", q, k, v, mask, "cpu")
+    q, k, v = _qkv_at_slots(slots, seq, step, heads=8, kv_heads=2, dim=64)
+    want = _output_and_grads("dense", q, k, v, mask)
     for got, ref in zip(_output_and_grads(impl, q, k, v, mask, CUDA), want):
         torch.testing.assert_close(got, ref, atol=2e-4, rtol=2e-4)
 
 
 def _draft(attention):
-    torch.manual_seed(0)
-    cfg = Eagle3Config(vocab_size=96, draft_vocab_size=40, hidden_size=128, intermediate_size=256,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, target_hidden_size=48,
-                       aux_layer_ids=[0, 1, 2])
-    draft = Eagle3Draft(cfg, attention=attention)
-    used = torch.arange(0, 80, 2)
-    t2d = torch.zeros(96, dtype=torch.bool)
-    t2d[used] = True
-    draft.set_vocab_mapping(used - torch.arange(40), t2d)
+    """head_dim 32: flex on CUDA wants at least 16."""
+    draft = tiny_draft(vocab=96, draft_vocab=40, hidden=128, target_hidden=48, head_dim=32)
+    draft.attention = attention
     return draft
 
 

@@ -7,11 +7,12 @@ from specforge.models.draft import Eagle3Config, Eagle3Draft
 from specforge.train.ttt import Teacher, shift, summarize, ttt_forward
 
 
-def tiny_draft(vocab=50, draft_vocab=20, hidden=32, target_hidden=24, seed=0, rope_scaling=None, **options):
+def tiny_draft(vocab=50, draft_vocab=20, hidden=32, target_hidden=24, seed=0, rope_scaling=None, head_dim=8,
+               **options):
     """`options`: further Eagle3Config fields, e.g. the EAGLE 3.1 options."""
     torch.manual_seed(seed)
     cfg = Eagle3Config(vocab_size=vocab, draft_vocab_size=draft_vocab, hidden_size=hidden,
-                       intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                       intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
                        target_hidden_size=target_hidden, aux_layer_ids=[0, 1, 2], rope_scaling=rope_scaling,
                        **options)
     draft = Eagle3Draft(cfg, attention="eager")
