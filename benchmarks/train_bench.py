@@ -199,19 +199,19 @@ def length_scaling(args):
               "command": "python " + " ".join(sys.argv)}
     print(f"| attention | dtype | layout | step s | tokens/s | vs {args.seq_lens[0]} | peak GPU MB |\n"
           "|---|---|---|---|---|---|---|")
+    target_config = AutoConfig.from_pretrained(args.target)
     for attention in args.attentions:
         for precision in args.dtypes:
             first = None
             for seq in args.seq_lens:
                 batch = max(1, args.tokens_per_step // seq)
                 one = {"attention": attention, "precision": precision, "ttt_length": args.ttt,
-                       "draft_vocab": args.draft_vocab, "batch": batch, "seq": seq, "device": args.device}
+                       "draft_vocab": args.draft_vocab, "batch": batch, "seq": seq}
                 try:
                     if args.device == "cpu":
-                        r = in_subprocess([sys.executable, __file__, "--target", args.target, "--repeats",
-                                           str(args.repeats), "--one", json.dumps(one)])
+                        r = ours(args, attention, precision, args.ttt, args.draft_vocab, batch, seq)
                     else:
-                        r = time_config(AutoConfig.from_pretrained(args.target), repeats=args.repeats, **one)
+                        r = time_config(target_config, repeats=args.repeats, device=args.device, **one)
                 except torch.cuda.OutOfMemoryError:
                     torch.cuda.empty_cache()
                     r = {**one, "step_s": None, "tokens_per_s": None, "error": "out of memory"}

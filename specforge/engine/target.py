@@ -154,6 +154,7 @@ class TargetRunner:
         self.num_layers = cfg.num_hidden_layers
         check_aux_layer_ids(aux_layer_ids, self.num_layers, what="aux_layer_ids", ascending=False)
         self.aux_index = [i + 1 for i in aux_layer_ids]
+        self.aux_request = hidden_states_request(self.aux_index)  # output_hidden_states when aux is needed
         self.cache: Cache | None = None
         self.vl = vl_info(model.config) if is_vl_config(model.config) else None
         self.rope_delta = 0  # M-RoPE: position of a text token after the prompt minus its index
@@ -193,7 +194,7 @@ class TargetRunner:
                 attention_mask=mask,
                 **with_cache(self.model, self.cache),
                 use_cache=True,
-                output_hidden_states=hidden_states_request(self.aux_index if need_aux else []),
+                output_hidden_states=self.aux_request if need_aux else False,
                 logits_to_keep=logits_to_keep,
                 **inputs,
             )

@@ -53,6 +53,7 @@ class EmbeddedExtractor(Extractor):
         self.base = decoder_of(model)
         n = self.base.config.num_hidden_layers
         self.aux_layer_ids = check_aux_layer_ids(aux_layer_ids, n, what="aux_layer_ids")
+        self.aux_request = hidden_states_request(layer + 1 for layer in self.aux_layer_ids)
         pad = pad_token_id if pad_token_id is not None else getattr(self.base.config, "pad_token_id", None)
         self.pad_token_id = 0 if pad is None else int(pad)
         self.vocab_size = getattr(self.base.config, "vocab_size", None)
@@ -83,7 +84,7 @@ class EmbeddedExtractor(Extractor):
             out = self.base(
                 input_ids=ids.to(self.device),
                 attention_mask=mask.to(self.device),
-                output_hidden_states=hidden_states_request(layer + 1 for layer in self.aux_layer_ids),
+                output_hidden_states=self.aux_request,
                 use_cache=False,
             )
         last = out.last_hidden_state.to("cpu", self.storage_dtype)
