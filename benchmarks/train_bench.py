@@ -46,7 +46,7 @@ import torch
 from transformers import AutoConfig
 
 from specforge.models.draft import Eagle3Config, Eagle3Draft
-from specforge.targets.loader import default_aux_layer_ids
+from specforge.targets.loader import compute_dtype, default_aux_layer_ids
 from specforge.train.batches import collate
 from specforge.train.loop import autocast_for
 from specforge.train.ttt import Teacher, ttt_forward
@@ -87,7 +87,8 @@ def time_config(target_config, attention, precision, ttt_length, draft_vocab, ba
     t2d[: cfg.draft_vocab_size] = True
     draft.set_vocab_mapping(torch.zeros(cfg.draft_vocab_size, dtype=torch.long), t2d)
     draft.embed_tokens.requires_grad_(False)  # frozen to the target's, as in training (loop.build_draft)
-    lm_head = torch.randn(vocab, hidden, dtype=torch.bfloat16, device=device) * 0.05
+    # the target's head in the dtype training computes it in (float32 on a CPU without native bf16)
+    lm_head = torch.randn(vocab, hidden, dtype=compute_dtype(torch.bfloat16, device), device=device) * 0.05
     teacher = Teacher(lm_head, draft.t2d)
     docs = [_document(seq, cfg.draft_vocab_size, hidden, lm_head, scored) for _ in range(batch)]
     data = {k: v.to(device) for k, v in collate(docs, pack_tokens=batch * seq if packed else 0).items()}

@@ -97,3 +97,41 @@ def test_unknown_optimizer_and_muon_with_a_sharding_strategy_are_refused():
         with pytest.raises(ValueError, match=f"train.strategy={strategy} shards them"):
             check_config(compose_cfg("train.optimizer=muon", f"train.strategy={strategy}"))
     check_config(compose_cfg("train.optimizer=muon", "train.strategy=ddp"))
+
+
+def _muon_steps(make, steps=3):
+    """A few Muon steps on two matrices (one wide, one tall) with fixed gradients -> the weights."""
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape, generator=gen)) for shape in ((24, 40), (40, 24))]
+    opt = make(params)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+    return [p.detach().clone() for p in params]
+
+
+def test_our_muon_is_torchs_in_bf16_and_close_to_it_in_fp32():
+    """The Newton-Schulz iteration in bf16 is torch's update to the bit; in fp32 (CPUs without native
+    bf16, where torch's bf16 runs the reference GEMM) it differs by bf16 rounding only."""
+    from specforge.distributed.optimizer import Muon
+
+    kw = dict(lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+    theirs = _muon_steps(lambda ps: torch.optim.Muon(ps, **kw))
+    for ours, want in zip(_muon_steps(lambda ps: Muon(ps, ns_dtype=torch.bfloat16, **kw)), theirs):
+        assert torch.equal(ours, want)
+    start = _muon_steps(lambda ps: torch.optim.SGD(ps, lr=0.0))  # where every run starts
+    for ours, want, first in zip(_muon_steps(lambda ps: Muon(ps, ns_dtype=torch.float32, **kw)), theirs, start):
+        moved, diff = (want - first).abs().max(), (ours - want).abs().max()
+        assert moved > 0.02 and diff < 0.05 * moved, (moved, diff)
+    original = _muon_steps(lambda ps: torch.optim.Muon(ps, lr=0.02, adjust_lr_fn="original"))
+    for ours, want in zip(_muon_steps(lambda ps: Muon(ps, lr=0.02, adjust_lr_fn="original")), original):
+        assert torch.equal(ours, want)
+
+
+def test_muon_orthogonalises_in_the_dtype_the_device_multiplies_fast():
+    from specforge.targets.loader import compute_dtype
+
+    draft = tiny_draft()
+    opt = build_optimizer([(n, p) for n, p in draft.named_parameters() if p.requires_grad], train_config())
+    assert opt.muon.ns_dtype == compute_dtype(torch.bfloat16, torch.device("cpu"))
