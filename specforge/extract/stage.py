@@ -94,16 +94,13 @@ def load_rows(path: Path, vocab_size: int | None = None) -> list[dict]:
 
 def _progress():
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
-    return Progress(
-        TextColumn("[extract] {task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("tokens  {task.fields[rate]:>7.0f} tok/s"),
-        TimeElapsedColumn(),
-        console=Console(stderr=True),
-    )
+    from specforge.utils.progress import progress_bar
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("tokens  {task.fields[rate]:>7.0f} tok/s"), TimeElapsedColumn())
+    return progress_bar(columns=columns, console=Console(stderr=True))
 
 
 def extract_split(extractor: Extractor, rows: list[dict], out_dir: Path, meta: dict,
@@ -116,7 +113,7 @@ def extract_split(extractor: Extractor, rows: list[dict], out_dir: Path, meta: d
     if skipped:
         print(f"[extract] {label}: resuming, {skipped} samples already stored", flush=True)
     stats0 = dict(extractor.stats)
-    task = progress.add_task(label, total=total_tokens(todo), rate=0.0) if progress else None
+    task = progress.add_task(f"extract {label}", total=total_tokens(todo), rate=0.0) if progress else None
     with writer:
         for sample, states in extractor.run(todo, chunk=shard_samples):
             writer.add(sample["id"], sample["input_ids"], sample["loss_mask"], **states)
