@@ -1,10 +1,12 @@
 """On a CUDA device: the TTT attention kernels that train off the CPU (`sdpa` -> SDPA's flash /
 memory-efficient kernels with the sink key, `flex` compiled, `eager`) against the dense mask on the
 CPU, forward and gradients; a whole TTT step on the GPU against the same step on the CPU; and what
-`sdpa` keeps for the backward at 4,096 tokens against the eager split. Skipped without CUDA, but
-for the script that runs these checks where a GPU is (benchmarks/gpu_check.sh)."""
+`sdpa` keeps for the backward at 4,096 tokens against the eager split; DDP and FSDP2 over a
+one-rank NCCL group. Skipped without CUDA, but for the script that runs these checks where a GPU is
+(benchmarks/gpu_check.sh) and the one-rank strategies on gloo."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -137,3 +139,18 @@ def test_the_gpu_check_script_is_sound_and_refuses_a_machine_without_cuda(tmp_pa
     done = subprocess.run(["bash", str(script), str(tmp_path / "out")], capture_output=True, text=True, env=env)
     assert done.returncode == 2 and "gpu_check: no CUDA GPU here" in done.stdout
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+def test_ddp_and_fsdp2_over_one_rank_step_like_one_process(device):
+    """NCCL on the GPU (gloo here): the wrappers over a one-rank group, one step each, against the
+    plain step (tests/one_rank_strategies.py, in a process of its own)."""
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, str(root / "tests/one_rank_strategies.py"), device],
+                          capture_output=True, text=True, cwd=root, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["backend"] == ("nccl" if device == "cuda" else "gloo") and result["step_moved"] > 1e-3
+    for name in ("ddp", "fsdp"):
+        assert result[name]["loss"] == pytest.approx(result["loss"], rel=1e-6), name
+        assert result[name]["max_weight_diff"] < 1e-6, (name, result[name])
