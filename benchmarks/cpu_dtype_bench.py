@@ -41,7 +41,7 @@ def gflops(dtype, rows, k, n, repeats):
 def newton_schulz_seconds(repeats: int) -> list[dict]:
     """Seconds of the Newton-Schulz iteration per matrix Muon takes in the demo's draft (SmolLM2
     geometry, build_optimizer's choice), bf16 and float32, best of `repeats`."""
-    from specforge.distributed.optimizer import NOT_MUON, newton_schulz
+    from specforge.distributed.optimizer import NOT_MUON, Muon, newton_schulz
     from specforge.models.draft import Eagle3Config, Eagle3Draft
 
     cfg = Eagle3Config(vocab_size=49152, draft_vocab_size=2048, hidden_size=576, intermediate_size=1536,
@@ -52,12 +52,13 @@ def newton_schulz_seconds(repeats: int) -> list[dict]:
     rows = []
     for name, param in matrices:
         grad = torch.randn(param.shape)
+        settings = Muon([param]).defaults  # torch's coefficients, steps and eps
         row = {"matrix": name, "shape": list(param.shape)}
         for dtype in (torch.bfloat16, torch.float32):
             times = []
             for _ in range(repeats):
                 t0 = time.perf_counter()
-                newton_schulz(grad, (3.4445, -4.7750, 2.0315), 5, 1e-7, dtype)
+                newton_schulz(grad, settings["ns_coefficients"], settings["ns_steps"], settings["eps"], dtype)
                 times.append(time.perf_counter() - t0)
             row[f"{str(dtype).removeprefix('torch.')}_s"] = round(min(times), 4)
         rows.append(row)

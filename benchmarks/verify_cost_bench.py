@@ -15,7 +15,6 @@ rewound to the prefix after it.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
