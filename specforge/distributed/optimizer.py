@@ -46,7 +46,7 @@ def lr_scale(adjust_lr_fn: str | None, shape: torch.Size) -> float:
 class Muon(getattr(torch.optim, "Muon", torch.optim.Optimizer)):  # torch < 2.9 has none: MuonWithAdamW refuses
     """torch's Muon (its groups, state and update) with the Newton-Schulz iteration in `ns_dtype`.
     torch computes it in bf16, which a CPU without native bf16 multiplies with its reference GEMM:
-    25 s of a 26 s step of the demo on an AVX2 EPYC. In bf16 it is torch's update to the bit
+    24 s of a ~26 s step of the demo on an AVX2 EPYC. In bf16 it is torch's update to the bit
     (tests/test_optimizer.py)."""
 
     def __init__(self, params, ns_dtype: torch.dtype = torch.bfloat16, **kwargs):
