@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -141,6 +142,26 @@ def test_embedded_regenerates_deterministically(target, tmp_path):
     assert again == rows
     cached, rep = regenerate_conversations(convs, cfg(), target, tmp_path / "a", "train")
     assert cached == rows and rep["resumed"] == 8 and rep["asked"] == 0
+
+
+def test_progress_counts_turns_between_the_groups_it_journals(target, tmp_path):
+    """The embedded backend journals a group of 4 x batch_size conversations at a time (minutes
+    apart on a CPU): a log still hears of every answered turn before its group ends."""
+    import io
+
+    from rich.console import Console
+
+    from specforge.utils.progress import progress_bar
+
+    out = io.StringIO()
+    with progress_bar(console=Console(file=out, force_terminal=False, width=200), every=0) as bar:
+        _, report = regenerate_conversations(dataset(8), cfg(batch_size=1), target, tmp_path, "train", progress=bar)
+    lines = [line for line in out.getvalue().splitlines() if line.startswith("regenerate train: ")]
+    before_first_group = [re.search(r"\d+ turns? answered", line) for line in lines
+                          if line.startswith("regenerate train: 0/8")]
+    assert [m.group() for m in before_first_group[:3]] == ["1 turn answered", "2 turns answered", "3 turns answered"]
+    assert "8/8 (100%)" in lines[-1] and "12 turns answered" in lines[-1]
+    assert report["turns_regenerated"] == 12
 
 
 def test_sampling_is_seeded(target, tmp_path):

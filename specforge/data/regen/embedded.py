@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 import warnings
-from typing import Iterator
+from typing import Callable, Iterator
 
 import jinja2
 import torch
@@ -60,15 +60,16 @@ class EmbeddedBackend:
         eos = eos if isinstance(eos, list) else [eos]
         self.stop_ids = {int(i) for i in [*eos, self.tokenizer.eos_token_id] if i is not None}
 
-    def run(self, replays: list[Replay]) -> Iterator[Replay]:
-        """Yield each conversation once all its turns are answered (or it failed)."""
+    def run(self, replays: list[Replay], on_answer: Callable[[int], None] | None = None) -> Iterator[Replay]:
+        """Yield each conversation once all its turns are answered (or it failed), a group at a
+        time; `on_answer(tokens)` is called after every answered turn."""
         group = GROUP_BATCHES * max(1, int(self.cfg.batch_size))
         for _, members in itertools.groupby(replays, key=lambda r: r.index // group):
             members = list(members)
-            self._run_group(members)
+            self._run_group(members, on_answer)
             yield from members
 
-    def _run_group(self, group: list[Replay]) -> None:
+    def _run_group(self, group: list[Replay], on_answer: Callable[[int], None] | None) -> None:
         decoder = RefillDecoder(self.model, batch_size=self.cfg.batch_size, max_new_tokens=self.cfg.max_new_tokens,
                                 stop_ids=self.stop_ids, pad_id=self.tokenizer.pad_token_id,
                                 temperature=self.cfg.temperature)
@@ -89,8 +90,11 @@ class EmbeddedBackend:
 
         def done(request: Request, tokens: list[int], truncated: bool) -> list[Request]:
             replay = request.tag
-            replay.answer(Answer(text=self.tokenizer.decode(tokens, skip_special_tokens=True),
-                                 tokens=len(tokens) + (0 if truncated else 1), truncated=truncated))
+            answer = Answer(text=self.tokenizer.decode(tokens, skip_special_tokens=True),
+                            tokens=len(tokens) + (0 if truncated else 1), truncated=truncated)
+            replay.answer(answer)
+            if on_answer is not None:
+                on_answer(answer.tokens)
             return ask(replay)
 
         decoder.run([q for r in group for q in ask(r)], done)

@@ -16,7 +16,7 @@ import urllib.error
 import urllib.request
 import warnings
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
-from typing import Iterator
+from typing import Callable, Iterator
 
 from specforge.data.regen.replay import Answer, RegenFailure, Replay
 from specforge.utils.io import fingerprint
@@ -86,9 +86,10 @@ class OpenAIBackend:
             warnings.warn(f"data.regenerate.urls: {d} does not answer; using the others", stacklevel=3)
         return alive, served
 
-    def run(self, replays: list[Replay]) -> Iterator[Replay]:
-        """Yield conversations as they finish. Stops with ConnectionError when the servers stop
-        answering (a streak of conversations failing transiently): what finished is kept."""
+    def run(self, replays: list[Replay], on_answer: Callable[[int], None] | None = None) -> Iterator[Replay]:
+        """Yield conversations as they finish; `on_answer(tokens)` is called after every answered
+        turn, from the worker threads. Stops with ConnectionError when the servers stop answering
+        (a streak of conversations failing transiently): what finished is kept."""
         pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="regen")
         todo = iter(replays)
         running: set = set()
@@ -96,7 +97,7 @@ class OpenAIBackend:
         try:
             while True:
                 while len(running) < self.concurrency and (r := next(todo, None)) is not None:
-                    running.add(pool.submit(self._replay, r))
+                    running.add(pool.submit(self._replay, r, on_answer))
                 if not running:
                     return
                 finished, running = wait(running, return_when=FIRST_COMPLETED)
@@ -112,12 +113,16 @@ class OpenAIBackend:
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
 
-    def _replay(self, r: Replay) -> Replay:
+    def _replay(self, r: Replay, on_answer: Callable[[int], None] | None) -> Replay:
         while (messages := r.prompt()) is not None:
             try:
-                r.answer(self._ask(messages, r.key, r.turns))
+                answer = self._ask(messages, r.key, r.turns)
             except RegenFailure as e:
                 r.fail(e)
+                continue
+            r.answer(answer)
+            if on_answer is not None:
+                on_answer(answer.tokens)
         return r
 
     def _ask(self, messages: list[dict], key: str, turn: int) -> Answer:

@@ -14,6 +14,7 @@ What happens on each kind of failure is decided in specforge/data/regen/replay.p
 """
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter
 from contextlib import nullcontext
@@ -73,14 +74,27 @@ def regenerate_conversations(
             with nullcontext(progress) if progress is not None else progress_bar() as bar:
                 task = bar.add_task(f"regenerate {split}", total=unique, completed=unique - len(todo), info="")
                 t0 = time.monotonic()
-                for replay in backend.run(todo):
+                live = {"turns": 0, "tokens": 0}  # every answered turn, journaled or not yet
+                lock = threading.Lock()
+
+                def on_answer(n_tokens: int) -> None:
+                    # The embedded backend journals a group of conversations at a time (minutes
+                    # apart on a CPU): the live turn count shows the work between them.
+                    with lock:
+                        live["turns"] += 1
+                        live["tokens"] += n_tokens
+                        speed = live["tokens"] / max(time.monotonic() - t0, 1e-9)
+                        turns = f"{live['turns']} turn{'s' if live['turns'] != 1 else ''}"
+                        bar.update(task, info=f"{turns} answered, {speed:.0f} tok/s")
+
+                for replay in backend.run(todo, on_answer):
                     record = replay.record()
                     journal.append(record)
                     done[record["key"]] = record
                     tokens += record["tokens"]
                     asked += 1
                     generating = time.monotonic() - t0
-                    bar.update(task, advance=1, info=f"{tokens / max(generating, 1e-9):.0f} tok/s")
+                    bar.update(task, advance=1)
     finally:
         journal.close()
     seconds = time.monotonic() - started
