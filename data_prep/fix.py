@@ -33,7 +33,7 @@ def report_markdown(name: str, counts: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("input", help="raw dataset (.jsonl or .json)")
+    p.add_argument("input", help="raw dataset (.jsonl or .json, maybe compressed: .gz .bz2 .xz .zst; .parquet, .arrow)")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--format", choices=sorted(FORMATS), default="auto")
     p.add_argument("--toon", action="store_true", help="decode and repair TOON answers")

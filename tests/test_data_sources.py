@@ -2,7 +2,11 @@
 normalises exactly as from JSON Lines, with 1-based row numbers; bad tables fail naming the input."""
 from __future__ import annotations
 
+import bz2
+import gzip
+import hashlib
 import json
+import lzma
 import os
 import shutil
 import subprocess
@@ -13,11 +17,12 @@ import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import zstandard
 from PIL import Image
 
 from specforge.config import FixConfig
 from specforge.data.fix import fix_dataset
-from specforge.data.formats import DataError, DataFileError, read_raw_rows, to_conversation
+from specforge.data.formats import DataError, DataFileError, parse_raw_text, read_raw_rows, read_raw_texts, to_conversation
 from specforge.data.sources import check_source, source_fingerprint
 from test_data_stage import make_cfg
 
@@ -187,17 +192,91 @@ def test_hub_dataset_without_network_fails_naming_it(tmp_path):
     assert source_fingerprint("hub:nobody/nothing") != source_fingerprint("hub:nobody/nothing:test")
 
 
+COMPRESS = {".gz": gzip.compress, ".bz2": bz2.compress, ".xz": lzma.compress,
+            ".zst": lambda b: zstandard.ZstdCompressor().compress(b)}
+
+
+def _compressed(path: Path, suffix: str) -> Path:
+    out = path.with_name(path.name + suffix)
+    out.write_bytes(COMPRESS[suffix.lower()](path.read_bytes()))
+    return out
+
+
+def _rows(path: Path) -> list[tuple]:
+    return [(r.line, r.data, r.error) for r in read_raw_rows(path)]
+
+
+@pytest.mark.parametrize("suffix", list(COMPRESS))
+def test_compressed_text_reads_as_the_plain_file(tmp_path, suffix):
+    """`rows.jsonl.gz` (and .bz2, .xz, .zst; .json lists too): the rows, line numbers and bad-JSON
+    errors of the plain file, under the compressed file's name, by both readers."""
+    rows = SHAPES["messages"]
+    jsonl = tmp_path / "rows.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows[:3]) + "\n{not json\n" + json.dumps(rows[3]) + "\n")
+    listed = tmp_path / "rows.json"
+    listed.write_text(json.dumps(rows, indent=1))
+    for plain in (jsonl, listed):
+        packed = _compressed(plain, suffix.upper() if suffix == ".gz" else suffix)  # any case: rows.jsonl.GZ
+        assert _rows(packed) == _rows(plain) and {r.file for r in read_raw_rows(packed)} == {str(packed)}
+        assert [parse_raw_text(*t) for t in read_raw_texts(packed)] == list(read_raw_rows(packed))
+    line, data, error = _rows(packed.with_name("rows.jsonl" + packed.suffix))[3]
+    assert (line, data) == (5, None) and error.startswith("invalid JSON: ")
+
+
+def test_every_frame_of_a_zst_file_is_read(tmp_path):
+    """`cat a.zst b.zst` is one valid .zst file of two frames (zstandard's stream_reader would stop
+    after the first without a word)."""
+    rows = [{"id": i, "messages": SHAPES["messages"][0]["messages"]} for i in range(5)]
+    lines = [json.dumps(r) + "\n" for r in rows]
+    path = tmp_path / "rows.jsonl.zst"
+    path.write_bytes(b"".join(zstandard.ZstdCompressor().compress("".join(part).encode())
+                              for part in (lines[:2], lines[2:])))
+    assert [(r.line, r.data) for r in read_raw_rows(path)] == list(enumerate(rows, 1))
+
+
+@pytest.mark.parametrize("suffix", list(COMPRESS))
+def test_broken_compressed_files_fail_naming_the_file(tmp_path, suffix):
+    """A truncated stream fails naming the last whole line read; compressed bytes under a plain
+    name are refused with the name to give; compressed binary is not UTF-8 text, as plain."""
+    plain = tmp_path / "rows.jsonl"
+    digests = (hashlib.sha256(str(i).encode()).hexdigest() * 8 for i in range(600))  # ~300 KB, ~2:1
+    plain.write_text("".join(json.dumps({"id": i, "pad": d}) + "\n" for i, d in enumerate(digests)))
+    packed = _compressed(plain, suffix)
+    data = packed.read_bytes()
+    packed.write_bytes(data[: len(data) // 2])
+    after = "" if suffix == ".bz2" else r" after line \d+"  # bz2 decodes 900 KB blocks: none of half a one
+    with pytest.raises(DataFileError, match=rf"rows\.jsonl\{suffix}: not a readable {suffix[1:]} stream{after} "
+                                            r"\(.*\): the file is corrupt or truncated"):
+        list(read_raw_rows(packed))
+    disguised = tmp_path / "disguised.jsonl"
+    disguised.write_bytes(data)
+    with pytest.raises(DataFileError, match=rf"disguised\.jsonl: {suffix[1:]}-compressed data under a plain \.jsonl "
+                                            rf"name; name it disguised\.jsonl\{suffix} to have it decompressed"):
+        list(read_raw_rows(disguised))
+    binary = tmp_path / "binary.json" if suffix == ".xz" else tmp_path / "binary.jsonl"
+    binary.write_bytes(b'{"id": 1}\n\x00\x01')
+    with pytest.raises(DataFileError, match=r"not a UTF-8 text file: line 2 \(byte 10 of the decompressed text\)"):
+        list(read_raw_rows(_compressed(binary, suffix)))
+    other = tmp_path / "rows.csv.gz"
+    other.write_bytes(gzip.compress(b"a,b\n"))
+    with pytest.raises(ValueError, match=r"rows\.csv\.gz: unsupported data file type '\.csv\.gz'; expected \.jsonl, "
+                                         r"\.json \(either may end in \.gz, \.bz2, \.xz or \.zst\)"):
+        list(read_raw_rows(other))
+
+
 def test_stage_reads_tables(tmp_path, tiny_target_dir, tiny_tokenizer):
     """A Parquet file and a save_to_disk folder as the data stage's inputs: same samples as JSONL."""
     from data_prep.weather import generate
     from specforge.data import stage
 
     paths = write_all_formats(tmp_path, generate(6, seed=0))
+    paths["jsonl.gz"] = _compressed(paths["jsonl"], ".gz")
     results = {}
-    for fmt in ("jsonl", "parquet", "folder"):
+    for fmt in ("jsonl", "parquet", "folder", "jsonl.gz"):
         cfg = make_cfg(tmp_path, tiny_target_dir, paths[fmt], None)
         before = stage.extra_inputs(cfg)["train"][str(paths[fmt])]
         results[fmt] = stage.process_split(cfg, "train", [str(paths[fmt])], tiny_tokenizer)
         assert before == source_fingerprint(str(paths[fmt]))
     assert results["parquet"]["samples"] == results["folder"]["samples"] == results["jsonl"]["samples"]
+    assert results["jsonl.gz"]["samples"] == results["jsonl"]["samples"]
     assert results["parquet"]["counts"] == results["jsonl"]["counts"] and results["jsonl"]["counts"]["samples"] == 6

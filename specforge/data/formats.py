@@ -1,9 +1,11 @@
 """Raw dataset rows -> one normalised conversation shape.
 
 Readers never raise on a bad JSON line: it becomes a `RawRow` with an error so the data stage can
-quarantine it with its file and line. A file that is not UTF-8 text (binary, compressed, another
-encoding) raises `DataFileError` naming the file, line and byte instead: quarantining its "lines"
-one by one would only hide that the wrong file was given. `to_conversation` raises `DataError`
+quarantine it with its file and line. A file that is not UTF-8 text (binary, another encoding)
+raises `DataFileError` naming the file, line and byte instead: quarantining its "lines" one by one
+would only hide that the wrong file was given. Text inputs may be compressed, said by a last
+suffix (`rows.jsonl.gz`, `.bz2`, `.xz`, `.zst`); a compressed file without one is refused with the
+name to give it, and a corrupt or truncated stream raises naming the file and the last whole line. `to_conversation` raises `DataError`
 naming the offending field, which the fix step (or the stage) turns into a quarantine reason.
 
 Tables (Parquet, Arrow, `datasets.save_to_disk` folders, hub datasets) are read by
@@ -11,10 +13,15 @@ Tables (Parquet, Arrow, `datasets.save_to_disk` folders, hub datasets) are read 
 """
 from __future__ import annotations
 
+import bz2
+import gzip
+import io
 import json
+import lzma
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, NoReturn
+from typing import Any, BinaryIO, Iterator, NoReturn
 
 from specforge.utils.io import fingerprint
 
@@ -62,8 +69,10 @@ class DataFileError(ValueError):
 
 SNIFF_BYTES = 1 << 16  # a NUL byte this early means binary data: refuse before reading a huge "line"
 TEXT_SUFFIXES = (".jsonl", ".json")
-SUPPORTED = (".jsonl, .json, .parquet, .arrow, a datasets.save_to_disk folder or hub:OWNER/NAME[:SPLIT] "
-             "(see specforge/data/sources.py)")
+COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")  # a text file's last suffix: how its bytes are compressed
+MAGIC = {b"\x1f\x8b": ".gz", b"BZh": ".bz2", b"\xfd7zXZ\x00": ".xz", b"\x28\xb5\x2f\xfd": ".zst"}
+SUPPORTED = (".jsonl, .json (either may end in .gz, .bz2, .xz or .zst), .parquet, .arrow, a "
+             "datasets.save_to_disk folder or hub:OWNER/NAME[:SPLIT] (see specforge/data/sources.py)")
 
 
 def read_raw_rows(path: str | Path) -> Iterator[RawRow]:
@@ -78,7 +87,7 @@ def read_raw_rows(path: str | Path) -> Iterator[RawRow]:
         yield from sources.read_table_rows(path)
         return
     path = _text_file(path)
-    yield from _read_jsonl(path) if path.suffix.lower() == ".jsonl" else _read_json_list(path)
+    yield from _read_jsonl(path) if text_kind(path) == ".jsonl" else _read_json_list(path)
 
 
 def read_raw_texts(path: str | Path) -> Iterator[tuple[str, int, str | None, str | None]]:
@@ -87,7 +96,7 @@ def read_raw_texts(path: str | Path) -> Iterator[tuple[str, int, str | None, str
     are parsed and serialised back to JSON (ASCII, so any string survives the trip)."""
     from specforge.data import sources
 
-    if not sources.is_table_source(path) and _text_file(path).suffix.lower() == ".jsonl":
+    if not sources.is_table_source(path) and text_kind(_text_file(path)) == ".jsonl":
         file = str(path)
         for lineno, text in _jsonl_lines(Path(path)):
             yield file, lineno, text, None
@@ -107,17 +116,97 @@ def parse_raw_text(file: str, line: int, text: str | None, error: str | None) ->
     return _object_or_error(file, line, obj)
 
 
+def text_kind(path: Path) -> str:
+    """".jsonl" or ".json" for `rows.jsonl` and `rows.jsonl.gz` alike (lower case)."""
+    suffixes = [s.lower() for s in path.suffixes]
+    if suffixes and suffixes[-1] in COMPRESSIONS:
+        suffixes.pop()
+    return suffixes[-1] if suffixes else ""
+
+
 def _text_file(path: str | Path) -> Path:
-    """`path` checked to be an existing .jsonl/.json file whose head is UTF-8 text."""
+    """`path` checked to be an existing .jsonl/.json file (compressed or not) whose head is UTF-8 text."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such data file")
-    suffix = path.suffix.lower()
-    if suffix not in TEXT_SUFFIXES:
-        raise ValueError(f"{path}: unsupported data file type {suffix!r}; expected {SUPPORTED}")
-    with open(path, "rb") as f:
-        _check_text(path, f.read(SNIFF_BYTES), 0, 1, sniff=True)
+    kind = text_kind(path)
+    if kind not in TEXT_SUFFIXES:
+        raise ValueError(f"{path}: unsupported data file type {''.join(path.suffixes[-2:]) or kind!r}; "
+                         f"expected {SUPPORTED}")
+    if path.suffix.lower() not in COMPRESSIONS:
+        with open(path, "rb") as f:
+            head = f.read(SNIFF_BYTES)
+        compression = next((c for magic, c in MAGIC.items() if head.startswith(magic)), None)
+        if compression is not None:
+            raise DataFileError(f"{path}: {compression[1:]}-compressed data under a plain {kind} name; "
+                                f"name it {path.name}{compression} to have it decompressed")
+    with _reading(path) as f:
+        head = f.read(SNIFF_BYTES)
+    _check_text(path, head, 0, 1, sniff=True)
     return path
+
+
+@contextmanager
+def _reading(path: Path, lines: list | None = None) -> Iterator[BinaryIO]:
+    """The file's bytes, decompressed as its last suffix says. A corrupt or truncated stream raises
+    DataFileError naming the file (and the last whole line read, when the caller counts them in
+    `lines[0]`)."""
+    suffix = path.suffix.lower()
+    if suffix not in COMPRESSIONS:
+        with open(path, "rb") as f:
+            yield f
+        return
+    errors: tuple = (OSError, EOFError, lzma.LZMAError)  # gzip.BadGzipFile and bz2's are OSErrors
+    if suffix == ".zst":
+        import zstandard
+
+        errors += (zstandard.ZstdError,)
+    try:
+        if suffix == ".zst":
+            with open(path, "rb") as raw, io.BufferedReader(_ZstdFrames(raw)) as f:
+                yield f
+        else:
+            with {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}[suffix](path, "rb") as f:
+                yield f
+    except errors as e:
+        where = f" after line {lines[0]}" if lines else ""
+        raise DataFileError(f"{path}: not a readable {suffix[1:]} stream{where} ({e}): the file is corrupt or "
+                            "truncated") from None
+
+
+class _ZstdFrames(io.RawIOBase):
+    """The decompressed bytes of every frame of a .zst file (`zstd` writes one, `cat a.zst b.zst`
+    more). zstandard's own stream_reader stops after the first frame and takes a truncated one
+    for the end of the data: both would lose rows without a word."""
+
+    CHUNK = 1 << 20
+
+    def __init__(self, raw: BinaryIO) -> None:
+        import zstandard
+
+        self.raw, self.new_frame = raw, zstandard.ZstdDecompressor().decompressobj
+        self.frame, self.in_frame, self.pending = self.new_frame(), False, b""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while not self.pending:
+            data = b""
+            if self.frame.eof:  # what follows a frame starts the next one
+                data, self.frame, self.in_frame = self.frame.unused_data, self.new_frame(), False
+            data = data or self.raw.read(self.CHUNK)
+            if not data:
+                if self.in_frame:
+                    import zstandard
+
+                    raise zstandard.ZstdError("the data ends inside a frame")
+                return 0
+            self.in_frame = True
+            self.pending = self.frame.decompress(data)
+        n = min(len(buffer), len(self.pending))
+        buffer[:n], self.pending = self.pending[:n], self.pending[n:]
+        return n
 
 
 def _object_or_error(file: str, line: int, obj: Any) -> RawRow:
@@ -148,7 +237,8 @@ def _check_text(path: Path, data: bytes, offset: int, line: int, sniff: bool = F
 def _refuse(path: Path, data: bytes, offset: int, line: int, at: int, what: str) -> NoReturn:
     line += data.count(b"\n", 0, at)
     raise DataFileError(
-        f"{path}: not a UTF-8 text file: line {line} (byte {offset + at} of the file) holds {what}; "
+        f"{path}: not a UTF-8 text file: line {line} (byte {offset + at} of the "
+        f"{'decompressed text' if path.suffix.lower() in COMPRESSIONS else 'file'}) holds {what}; "
         "data files are UTF-8 JSON Lines (.jsonl) or a UTF-8 JSON list (.json)"
     )
 
@@ -156,11 +246,12 @@ def _refuse(path: Path, data: bytes, offset: int, line: int, at: int, what: str)
 def _jsonl_lines(path: Path) -> Iterator[tuple[int, str]]:
     """(line number, text) of each non-blank line; raises DataFileError at the first line that
     is not UTF-8 text."""
-    offset = 0
-    with open(path, "rb") as f:
+    offset, read = 0, [0]
+    with _reading(path, read) as f:
         for lineno, raw in enumerate(f, 1):
             text = _check_text(path, raw, offset, lineno)
             offset += len(raw)
+            read[0] = lineno
             if text.strip():
                 yield lineno, text
 
@@ -174,7 +265,9 @@ def _read_jsonl(path: Path) -> Iterator[RawRow]:
 def _read_json_list(path: Path) -> Iterator[RawRow]:
     """Walk the top-level array element by element so each row gets its real line number."""
     file = str(path)
-    text = _check_text(path, path.read_bytes(), 0, 1)
+    with _reading(path) as f:
+        data = f.read()
+    text = _check_text(path, data, 0, 1)
     decoder = json.JSONDecoder()
 
     def skip_ws(i: int) -> int:
