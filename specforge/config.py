@@ -116,6 +116,10 @@ class DataConfig:
     max_length: int = 2048
     overlength: str = "truncate"  # truncate | drop
     max_samples: Optional[int] = None  # per split, for quick runs
+    # An eval row whose prompt (the turns before its first answer) a train sample has: quarantine
+    # (in_train; an eval file that IS a train file is refused at start) | keep (counted in the
+    # report). Held-out accept length on prompts the draft was trained on overstates it.
+    eval_in_train: str = "quarantine"
     # A row whose messages hold more characters is quarantined (row_too_long) before it is
     # tokenized, so one huge line cannot cost a whole tokenization. None: 16 x max_length, at least 65536.
     max_chars_per_row: Optional[int] = None
@@ -362,6 +366,7 @@ RANGES = {
         "data.max_samples": _none_or(_at_least(1)),
         "data.max_chars_per_row": _none_or(_at_least(1)),
         "data.max_quarantined_share": _within(0.0, 1.0),
+        "data.eval_in_train": _one_of(("quarantine", "keep")),
         "data.num_proc": (lambda v: v >= 0, "be >= 0 (0: no worker processes)"),
         "data.image_min_pixels": _none_or(_at_least(1)),
         "data.image_max_pixels": _none_or(_at_least(1)),

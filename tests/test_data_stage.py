@@ -233,3 +233,63 @@ def test_answers_kept_as_written_are_counted_in_the_report(tmp_path, tiny_target
     md = (run_dir / "data" / "report.md").read_text()
     assert "## Kept as written although no valid TOON" in md
     assert "| toon_prose | 1 |" in md and "| toon_unrepairable | 1 |" in md
+
+
+@pytest.mark.parametrize("num_proc", [0, 2])
+def test_eval_rows_opening_with_a_training_prompt_are_not_held_out(tmp_path, tiny_target_dir, raw, num_proc):
+    """An eval row whose prompt (the turns before its first answer) a train sample has, answered
+    alike or not, is quarantined as in_train naming that sample; data.eval_in_train=keep counts it."""
+    from specforge.data.fix.conversations import prompt_key
+
+    greeting = [{"role": "system", "content": "Be kind."}, {"role": "assistant", "content": "Hello!"}]
+    assert prompt_key(greeting + [{"role": "user", "content": "Oslo?"}]) is None  # nothing asked before it
+    train_file, _ = raw
+    train_rows = generate(N_TRAIN, seed=0, split="train")
+    copied = json.loads(json.dumps(train_rows[5]))
+    copied["id"] = "copy-with-another-answer"
+    copied["messages"][-1]["content"] = "city: Nowhere"
+    eval_rows = generate(N_EVAL, seed=0, split="eval") + [train_rows[2], copied]
+    eval_file = tmp_path / "raw" / "eval_leaky.jsonl"
+    write_jsonl(eval_file, eval_rows)
+
+    cfg = make_cfg(tmp_path, tiny_target_dir, train_file, eval_file, num_proc=num_proc)
+    summary = stage.run(cfg, tmp_path / "out" / "t")
+    ev = summary["eval"]
+    assert ev["samples"] == N_EVAL and ev["quarantined"] == 2 and ev["in_train"] == 2
+    assert ev["by_reason"] == {"in_train": 2} and "in_train" not in summary["train"]
+    assert_reconciles(ev)
+    data = tmp_path / "out" / "t" / "data"
+    held = [q for q in read_jsonl(data / "quarantine.jsonl") if q["split"] == "eval"]
+    # the raw train file has an invalid line 4 and a row without an answer at line 7 (fixture)
+    assert [(q["line"], q["reason"].split(";")[0]) for q in held] == [
+        (N_EVAL + 1, f"in_train: opens with the prompt of the train sample from {train_file} line 3"),
+        (N_EVAL + 2, f"in_train: opens with the prompt of the train sample from {train_file} line 8")]
+    assert [c["id"] for c in read_jsonl(data / "eval.conversations.jsonl")] == [r["id"] for r in eval_rows[:N_EVAL]]
+    assert "| in_train | - | 2 |" in (data / "report.md").read_text()
+
+    keep = make_cfg(tmp_path, tiny_target_dir, train_file, eval_file, num_proc=num_proc, eval_in_train="keep")
+    ev = stage.run(keep, tmp_path / "out" / "keep")["eval"]
+    assert ev["samples"] == N_EVAL + 2 and ev["quarantined"] == 0 and ev["in_train"] == 2
+
+
+def test_an_eval_file_that_is_a_training_file_is_refused_before_any_work(tmp_path, tiny_target_dir, raw):
+    """The same file, or the same bytes under another name: refused by the stage's check (the
+    pipeline runs it before any stage). Re-serialised, every row is in_train: the quarantined share
+    fails the stage with the hint to hold out other conversations."""
+    train_file, _ = raw
+    copy = tmp_path / "raw" / "copy.jsonl"
+    copy.write_bytes(train_file.read_bytes())
+    for eval_file in (train_file, copy):
+        cfg = make_cfg(tmp_path, tiny_target_dir, train_file, eval_file)
+        with pytest.raises(ValueError, match=rf"data.eval_files: {eval_file} is also a training file \({train_file}\): "
+                                             "no held-out row would be left"):
+            run_pipeline(cfg)
+        assert not (tmp_path / "out").exists()
+        stage.check(make_cfg(tmp_path, tiny_target_dir, train_file, eval_file, eval_in_train="keep"))
+
+    reserialised = tmp_path / "raw" / "reserialised.jsonl"
+    write_jsonl(reserialised, generate(N_TRAIN, seed=0, split="train"))
+    cfg = make_cfg(tmp_path, tiny_target_dir, train_file, reserialised)
+    with pytest.raises(ValueError, match=r"data eval: 12 of 12 rows quarantined \(100.0%\).*top reasons: in_train 12.*"
+                                         r"hint: the eval files repeat the training prompts"):
+        stage.run(cfg, tmp_path / "out" / "t")

@@ -6,16 +6,17 @@ in `run_dir/data/` (see docs/design.md).
 """
 from __future__ import annotations
 
+import filecmp
 import json
 from collections import Counter
 from pathlib import Path
 
 from specforge.config import FixConfig, check_ranges
 from specforge.data.fix import fix_dataset, quarantine_entry, reason_code
-from specforge.data.fix.conversations import ImageChecker, Quarantine
+from specforge.data.fix.conversations import ImageChecker, Quarantine, prompt_key
 from specforge.data.formats import RawRow, read_raw_rows
 from specforge.data.rows import normalise_row, render_row
-from specforge.data.sources import check_source, source_fingerprint
+from specforge.data.sources import check_source, is_hub, source_fingerprint
 from specforge.data.vocab import cached_vocab_mapping, save_vocab, vocab_cache_key
 from specforge.run_layout import RunLayout
 from specforge.utils.io import file_fingerprint, fingerprint, write_json, write_jsonl, write_text
@@ -33,6 +34,8 @@ SHARE_HINTS = {
     "toon_not_a_document": "the answers are prose: set data.fix.toon=false, or data.fix.toon_prose=keep",
     "image_missing": "check data.image_root (now {image_root}; default: the data file's folder)",
     "image_outside_root": "check data.image_root (now {image_root})",
+    "in_train": "the eval files repeat the training prompts: hold out other conversations, or set "
+                "data.eval_in_train=keep to evaluate on training prompts",
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
@@ -104,6 +107,24 @@ def check(cfg) -> None:
     check_fix(cfg.data.fix)
     if cfg.data.regenerate.enabled:
         check_regen(cfg.data.regenerate)
+    if cfg.data.eval_in_train == "quarantine":
+        for e in cfg.data.eval_files:
+            same = next((t for t in cfg.data.train_files if _same_source(e, t)), None)
+            if same is not None:
+                raise ValueError(f"data.eval_files: {e} is also a training file ({same}): no held-out row would be "
+                                 "left; name another file, or set data.eval_in_train=keep to evaluate on training prompts")
+
+
+def _same_source(a: str, b: str) -> bool:
+    """The same input under either name: one path, or two files with the same bytes."""
+    if is_hub(a) or is_hub(b):
+        return a == b
+    pa, pb = Path(a), Path(b)
+    if not (pa.exists() and pb.exists()):
+        return False
+    if pa.resolve() == pb.resolve():
+        return True
+    return pa.is_file() and pb.is_file() and filecmp.cmp(pa, pb, shallow=False)  # sizes first, then bytes
 
 
 def _parse_only(rows: list[RawRow], fmt: str, image_root: str | None = None,
@@ -136,14 +157,18 @@ def _normalise(cfg, rows: list[RawRow]) -> tuple[list[dict], list[dict]]:
     return result.kept, result.quarantined
 
 
-def process_split(cfg, split: str, files: list[str], tokenizer, progress=None, run_dir=None, vl=None) -> dict:
+def process_split(cfg, split: str, files: list[str], tokenizer, progress=None, run_dir=None, vl=None,
+                  train_prompts: dict[str, str] | None = None) -> dict:
     """Read, normalise, limit, (regenerate) and render one split. `vl`: (image processor, VLInfo)
     of a vision-language target; its rows also carry `images` and `image_grid_thw`.
+    `train_prompts` (an eval split's): the train split's "prompts"; rows opening with one of them
+    are quarantined as in_train (data.eval_in_train=keep: counted only).
 
     data.num_proc >= 1 runs the per-row steps in `datasets.map` workers (specforge/data/parallel.py)
     with the same functions and the same result. Returns {"samples", "conversations",
-    "quarantine", "counts"}; samples that cannot be used after rendering (over-length, template
-    errors) move from kept/fixed to quarantined."""
+    "quarantine", "counts", "prompts"} ("prompts": prompt_key -> where, of the samples); samples
+    that cannot be used after rendering (over-length, template errors) move from kept/fixed to
+    quarantined."""
     for f in files:
         _check_exists(f)
     mapped = cfg.data.num_proc > 0
@@ -161,6 +186,20 @@ def process_split(cfg, split: str, files: list[str], tokenizer, progress=None, r
         convs, quarantine = _normalise(cfg, rows)
         del rows
     quarantine = [{"split": split, **q} for q in quarantine]
+    in_train = None
+    if train_prompts is not None:
+        seen = {i: where for i, c in enumerate(convs)
+                if (key := prompt_key(c["messages"])) and (where := train_prompts.get(key))}
+        in_train = len(seen)
+        if cfg.data.eval_in_train == "quarantine" and seen:
+            quarantine += [{"split": split, "file": convs[i].get("file"), "line": convs[i].get("line"),
+                            "reason": f"in_train: opens with the prompt of the train sample from {where}; the "
+                                      "draft is trained on it, so it would not measure held-out accept length",
+                            "row": {"id": convs[i]["id"], "messages": convs[i]["messages"]}}
+                           for i, where in seen.items()]
+            convs = [c for i, c in enumerate(convs) if i not in seen]
+            if renders is not None:  # rendered in the workers already, one per conversation
+                renders = [r for i, r in enumerate(renders) if i not in seen]
 
     skipped = 0
     if cfg.data.max_samples is not None and len(convs) > cfg.data.max_samples:
@@ -192,6 +231,8 @@ def process_split(cfg, split: str, files: list[str], tokenizer, progress=None, r
     elif task is not None:
         progress.update(task, completed=len(convs))
     result = _collect(split, convs, renders, quarantine, n_rows, skipped)
+    if in_train is not None:
+        result["counts"]["in_train"] = in_train
     if regenerated is not None:
         result["counts"]["regenerate"] = regenerated
     return result
@@ -202,6 +243,7 @@ def _collect(split: str, convs: list[dict], renders: list, quarantine: list[dict
     clean conversations, the quarantine (rows that rendered to a reason join it, in order) and
     the counts, which must reconcile with the `n_rows` input rows."""
     samples, conversations = [], []
+    prompts: dict[str, str] = {}  # prompt_key -> "file line N" of the first sample opening with it
     fixes: Counter = Counter()
     as_written: Counter = Counter()  # rows with an answer that went through although no valid TOON
     kept = fixed = truncated = 0
@@ -219,6 +261,8 @@ def _collect(split: str, convs: list[dict], renders: list, quarantine: list[dict
             kept += 1
         samples.append({"id": conv["id"], "input_ids": r.input_ids, "loss_mask": r.loss_mask, **r.images})
         conversations.append({"id": conv["id"], "messages": conv["messages"]})
+        if key := prompt_key(conv["messages"]):
+            prompts.setdefault(key, f"{conv.get('file')} line {conv.get('line')}")
     lengths = [len(s["input_ids"]) for s in samples]
     counts = {
         "input_rows": n_rows,
@@ -242,7 +286,8 @@ def _collect(split: str, convs: list[dict], renders: list, quarantine: list[dict
             f"data {split}: {n_rows} input rows but {accounted} accounted for "
             f"(kept {kept} + fixed {fixed} + quarantined {len(quarantine)} + skipped {skipped})"
         )
-    return {"samples": samples, "conversations": conversations, "quarantine": quarantine, "counts": counts}
+    return {"samples": samples, "conversations": conversations, "quarantine": quarantine, "counts": counts,
+            "prompts": prompts}
 
 
 def _coverage(samples: list[dict], t2d) -> float:
@@ -280,8 +325,9 @@ def run(cfg, run_dir, fingerprint: str | None = None) -> dict:
               vl_info(AutoConfig.from_pretrained(target_path, trust_remote_code=cfg.target.trust_remote_code)))
     results = {}
     with progress_bar() as progress:
-        for split, files in splits.items():
-            results[split] = process_split(cfg, split, files, tokenizer, progress, run_dir, vl)
+        for split, files in splits.items():  # train first: eval rows are checked against its prompts
+            train_prompts = results["train"]["prompts"] if split == "eval" else None
+            results[split] = process_split(cfg, split, files, tokenizer, progress, run_dir, vl, train_prompts)
 
     for split in ("train", "eval"):
         if split not in results:  # no eval files configured: leave no stale eval data behind
@@ -381,11 +427,13 @@ def report_markdown(summary: dict, vocab: dict | None) -> str:
             "samples", "tokens", "loss_tokens", "max_tokens"]
     if any(summary[s].get("images") for s in summary):
         rows.append("images")
+    if any("in_train" in summary[s] for s in summary):
+        rows.append("in_train")  # eval rows opening with a train sample's prompt (data.eval_in_train)
     splits = list(summary)
     lines = ["# Data report", "", "Every input row is kept, fixed or quarantined "
              "(input_rows = kept + fixed + quarantined + skipped_max_samples).", "",
              "| | " + " | ".join(splits) + " |", "|---|" + "---|" * len(splits)]
-    lines += [f"| {k} | " + " | ".join(str(summary[s][k]) for s in splits) + " |" for k in rows]
+    lines += [f"| {k} | " + " | ".join(str(summary[s].get(k, "-")) for s in splits) + " |" for k in rows]
     for title, key in (("Quarantined by reason", "by_reason"), ("Fixes applied", "by_fix"),
                        ("Kept as written although no valid TOON (data.fix.toon_prose / toon_unrepairable=keep)",
                         "by_kept_as_written")):

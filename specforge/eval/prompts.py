@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from specforge.data.fix.conversations import prompt_turns
 from specforge.data.formats import DataError, read_raw_rows, to_conversation
 from specforge.data.sources import check_source, is_hub, is_table_source
 from specforge.data.vl_render import image_paths, prompt_with_images
@@ -26,16 +27,6 @@ from specforge.utils.io import read_jsonl
 
 HELDOUT, HUMANEVAL = "heldout", "humaneval"
 BUILTIN = (HELDOUT, HUMANEVAL)
-
-
-def prompt_turns(messages: list[dict]) -> list[dict]:
-    """The turns before the first assistant turn: what the model is asked to continue."""
-    head = []
-    for message in messages:
-        if message["role"] == "assistant":
-            break
-        head.append(message)
-    return head
 
 
 def render_prompt(head: list[dict], tokenizer, vl=None) -> dict:

@@ -118,6 +118,24 @@ def dedupe_key(messages: list[dict]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def prompt_turns(messages: list[dict]) -> list[dict]:
+    """The turns before the first assistant turn: what the model is asked to continue."""
+    head = []
+    for message in messages:
+        if message["role"] == "assistant":
+            break
+        head.append(message)
+    return head
+
+
+def prompt_key(messages: list[dict]) -> str | None:
+    """Two conversations with this key open with the same prompt, so the target answers them
+    alike: an eval row sharing it with a train sample is not held out. None without a user turn
+    before the first answer (a canned greeting first): nothing is asked there."""
+    head = prompt_turns(messages)
+    return dedupe_key(head) if any(m["role"] == "user" for m in head) else None
+
+
 class ImageChecker:
     """Checks local image references and resolves them to absolute paths.
 
