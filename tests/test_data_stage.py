@@ -274,8 +274,8 @@ def test_eval_rows_opening_with_a_training_prompt_are_not_held_out(tmp_path, tin
 
 def test_an_eval_file_that_is_a_training_file_is_refused_before_any_work(tmp_path, tiny_target_dir, raw):
     """The same file, or the same bytes under another name: refused by the stage's check (the
-    pipeline runs it before any stage). Re-serialised, every row is in_train: the quarantined share
-    fails the stage with the hint to hold out other conversations."""
+    pipeline runs it before any stage), as is a train file listed twice. Re-serialised, every row is
+    in_train: the quarantined share fails the stage with the hint to hold out other conversations."""
     train_file, _ = raw
     copy = tmp_path / "raw" / "copy.jsonl"
     copy.write_bytes(train_file.read_bytes())
@@ -286,6 +286,13 @@ def test_an_eval_file_that_is_a_training_file_is_refused_before_any_work(tmp_pat
             run_pipeline(cfg)
         assert not (tmp_path / "out").exists()
         stage.check(make_cfg(tmp_path, tiny_target_dir, train_file, eval_file, eval_in_train="keep"))
+
+    for twice in ([train_file, train_file], [train_file, copy]):
+        cfg = make_cfg(tmp_path, tiny_target_dir, train_file, None)
+        cfg.data.train_files = [str(f) for f in twice]
+        with pytest.raises(ValueError, match=rf"data.train_files: {train_file} is listed twice \({twice[1]} is the same "
+                                             r"input\); name it once"):
+            stage.check(cfg)
 
     reserialised = tmp_path / "raw" / "reserialised.jsonl"
     write_jsonl(reserialised, generate(N_TRAIN, seed=0, split="train"))

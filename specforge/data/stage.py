@@ -107,6 +107,12 @@ def check(cfg) -> None:
     check_fix(cfg.data.fix)
     if cfg.data.regenerate.enabled:
         check_regen(cfg.data.regenerate)
+    for key in ("train_files", "eval_files"):  # the second copy's rows would all be quarantined as duplicates
+        files = list(cfg.data[key])
+        for i, f in enumerate(files):
+            again = next((g for g in files[i + 1:] if _same_source(f, g)), None)
+            if again is not None:
+                raise ValueError(f"data.{key}: {f} is listed twice ({again} is the same input); name it once")
     if cfg.data.eval_in_train == "quarantine":
         for e in cfg.data.eval_files:
             same = next((t for t in cfg.data.train_files if _same_source(e, t)), None)
