@@ -104,7 +104,8 @@ class RegenerateConfig:
 @dataclass
 class DataConfig:
     name: str = MISSING
-    # .jsonl, .json, .parquet, .arrow, save_to_disk folders, hub:OWNER/NAME[:SPLIT] (data/sources.py)
+    # .jsonl, .json (maybe .gz/.bz2/.xz/.zst), .parquet, .arrow, save_to_disk folders,
+    # hub:OWNER/NAME[:SPLIT] (data/sources.py); glob patterns expand to their sorted matches
     train_files: List[str] = MISSING
     eval_files: List[str] = field(default_factory=list)
     format: str = "auto"  # auto | sharegpt | messages | conversations

@@ -300,3 +300,29 @@ def test_an_eval_file_that_is_a_training_file_is_refused_before_any_work(tmp_pat
     with pytest.raises(ValueError, match=r"data eval: 12 of 12 rows quarantined \(100.0%\).*top reasons: in_train 12.*"
                                          r"hint: the eval files repeat the training prompts"):
         stage.run(cfg, tmp_path / "out" / "t")
+
+
+def test_glob_patterns_name_shards(tmp_path, tiny_target_dir):
+    """`data.train_files=[shards/*.jsonl*]`: every match, sorted, read as if listed (compressed ones
+    too); a pattern matching nothing is refused before any work, and so is a shard named twice."""
+    import gzip
+
+    rows = generate(6, seed=0, split="train")
+    shards = tmp_path / "shards"
+    write_jsonl(shards / "b.jsonl", rows[3:])
+    write_jsonl(shards / "a.jsonl", rows[:3])
+    (shards / "c.jsonl.gz").write_bytes(gzip.compress((shards / "b.jsonl").read_bytes().replace(b'"id": "', b'"id": "gz-')))
+    (shards / "notes.txt").write_text("not data")
+    cfg = make_cfg(tmp_path, tiny_target_dir, shards / "*.jsonl*", None)
+    assert stage.split_files(cfg) == {"train": [str(shards / n) for n in ("a.jsonl", "b.jsonl", "c.jsonl.gz")]}
+    assert list(stage.extra_inputs(cfg)["train"]) == stage.split_files(cfg)["train"]
+    counts = stage.run(cfg, tmp_path / "out" / "t")["train"]
+    assert counts["input_rows"] == 9 and counts["samples"] == 6 and counts["by_reason"] == {"duplicate": 3}
+
+    nothing = make_cfg(tmp_path, tiny_target_dir, tmp_path / "nowhere" / "*.jsonl", None)
+    with pytest.raises(FileNotFoundError, match=rf"data.train_files: {tmp_path}/nowhere/\*.jsonl matches no file"):
+        run_pipeline(nothing)
+    twice = make_cfg(tmp_path, tiny_target_dir, shards / "*.jsonl", None)
+    twice.data.train_files = [str(shards / "*.jsonl"), str(shards / "a.jsonl")]
+    with pytest.raises(ValueError, match=rf"data.train_files: {shards}/a.jsonl is listed twice"):
+        stage.check(twice)

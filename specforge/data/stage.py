@@ -7,6 +7,7 @@ in `run_dir/data/` (see docs/design.md).
 from __future__ import annotations
 
 import filecmp
+import glob
 import json
 from collections import Counter
 from pathlib import Path
@@ -42,11 +43,26 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def split_files(cfg) -> dict[str, list[str]]:
-    """{"train": [...], "eval": [...]}; eval only when eval files are configured."""
-    splits = {"train": list(cfg.data.train_files)}
+    """{"train": [...], "eval": [...]}, glob patterns expanded; eval only when eval files are configured."""
+    splits = {"train": expand_patterns(cfg.data.train_files, "data.train_files")}
     if cfg.data.eval_files:
-        splits["eval"] = list(cfg.data.eval_files)
+        splits["eval"] = expand_patterns(cfg.data.eval_files, "data.eval_files")
     return splits
+
+
+def expand_patterns(entries, key: str) -> list[str]:
+    """Each entry with a glob pattern (`shards/*.jsonl.gz`, `**` for subfolders) -> the paths it
+    matches, sorted; one that matches nothing is an error naming `key`."""
+    out = []
+    for entry in entries:
+        if is_hub(entry) or not glob.has_magic(entry):
+            out.append(entry)
+            continue
+        matches = sorted(glob.glob(entry, recursive=True))
+        if not matches:
+            raise FileNotFoundError(f"{key}: {entry} matches no file; {GENERATE_HINT}")
+        out += matches
+    return out
 
 
 def _check_exists(path: str) -> None:
@@ -107,15 +123,15 @@ def check(cfg) -> None:
     check_fix(cfg.data.fix)
     if cfg.data.regenerate.enabled:
         check_regen(cfg.data.regenerate)
-    for key in ("train_files", "eval_files"):  # the second copy's rows would all be quarantined as duplicates
-        files = list(cfg.data[key])
+    splits = split_files(cfg)
+    for split, files in splits.items():  # the second copy's rows would all be quarantined as duplicates
         for i, f in enumerate(files):
             again = next((g for g in files[i + 1:] if _same_source(f, g)), None)
             if again is not None:
-                raise ValueError(f"data.{key}: {f} is listed twice ({again} is the same input); name it once")
+                raise ValueError(f"data.{split}_files: {f} is listed twice ({again} is the same input); name it once")
     if cfg.data.eval_in_train == "quarantine":
-        for e in cfg.data.eval_files:
-            same = next((t for t in cfg.data.train_files if _same_source(e, t)), None)
+        for e in splits.get("eval", []):
+            same = next((t for t in splits["train"] if _same_source(e, t)), None)
             if same is not None:
                 raise ValueError(f"data.eval_files: {e} is also a training file ({same}): no held-out row would be "
                                  "left; name another file, or set data.eval_in_train=keep to evaluate on training prompts")
