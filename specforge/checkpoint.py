@@ -133,6 +133,9 @@ def save_checkpoint(draft: Eagle3Draft, out_dir: str | Path, dtype=torch.bfloat1
     validate_tensors(cfg, {k: tuple(v.shape) for k, v in tensors.items()})
     validate_vocab(tensors["d2t"], tensors["t2d"])
     out_dir = Path(out_dir)
+    broken = [name for name, t in sorted(tensors.items()) if t.is_floating_point() and not torch.isfinite(t).all()]
+    if broken:  # a server would load it and draft nothing
+        raise CheckpointError(f"{out_dir}: not written: {', '.join(broken)} hold inf/nan (training diverged)")
     with atomic_dir(out_dir) as tmp:
         (tmp / CONFIG_NAME).write_text(json.dumps(cfg_dict, indent=2, sort_keys=True) + "\n")
         save_file({k: v.contiguous() for k, v in sorted(tensors.items())}, tmp / WEIGHTS_NAME,

@@ -94,3 +94,14 @@ def test_writer_refuses_an_invalid_draft(tmp_path):
     with pytest.raises(CheckpointError, match="t2d does not mark"):
         save_checkpoint(draft, tmp_path / "bad")
     assert not (tmp_path / "bad").exists()
+
+
+def test_writer_refuses_inf_and_nan_weights(tmp_path):
+    """A diverged draft is not written: a server would load it and draft nothing."""
+    draft = tiny_draft()
+    with torch.no_grad():
+        draft.fc.weight[0, 0] = float("nan")
+        draft.lm_head.weight[1, 1] = float("inf")
+    with pytest.raises(CheckpointError, match=r"bad: not written: fc.weight, lm_head.weight hold inf/nan \(training diverged\)"):
+        save_checkpoint(draft, tmp_path / "bad")
+    assert not (tmp_path / "bad").exists()

@@ -90,6 +90,27 @@ def test_a_training_state_resumes_to_the_uninterrupted_weights(tmp_path, optimiz
         assert torch.equal(p, q), name
 
 
+@pytest.mark.parametrize("optimizer", ["muon", "adamw"])
+def test_a_step_with_an_inf_or_nan_gradient_is_skipped(optimizer):
+    """A batch whose loss is nan (inf states, a blown-up step) leaves the weights and the optimizer
+    state as they were: the good steps around it give the weights of a run without it."""
+    tc = train_config(optimizer=optimizer)
+    batches = [random_batch(DraftLoss().draft, seed=s) for s in range(3)]
+    poisoned = {**batches[1], "aux": batches[1]["aux"].clone()}
+    poisoned["aux"][0, 0, 0] = float("nan")
+    clean = Strategy(DraftLoss(), tc, DistEnv(), torch.device("cpu"))
+    steps(clean, [batches[0], batches[2]])
+    hit = Strategy(DraftLoss(), tc, DistEnv(), torch.device("cpu"))
+    steps(hit, batches[:1])
+    loss, _ = hit.model(poisoned)
+    hit.backward(loss)
+    assert torch.isnan(loss) and torch.isnan(torch.tensor(hit.step()))
+    assert all(p.grad is None for p in hit.inner.parameters())
+    steps(hit, batches[2:])
+    for (name, p), q in zip(clean.inner.named_parameters(), hit.inner.parameters()):
+        assert torch.equal(p, q), name
+
+
 def test_unknown_optimizer_and_muon_with_a_sharding_strategy_are_refused():
     with pytest.raises(ValueError, match="train.optimizer: must be one of adamw, muon, got 'sgd'"):
         check_config(compose_cfg("train.optimizer=sgd"))

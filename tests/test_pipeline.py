@@ -202,3 +202,16 @@ def test_evaluate_py_refuses_an_empty_tree_list(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "eval.trees is empty" in proc.stderr
+
+
+def test_a_diverging_run_stops_and_no_broken_checkpoint_is_written(weather_files, tiny_target_dir):
+    """train.lr=1e30: the first update blows the weights up, every later gradient is inf/nan. Each
+    such step is skipped (the weights stay finite), and after 10 in a row training stops naming
+    the learning rate, instead of writing epochs of checkpoints that draft nothing."""
+    tmp_path = weather_files
+    cfg = compose_cfg(tmp_path, tiny_target_dir, "train.lr=1e30", "train.epochs=3")
+    with pytest.raises(RuntimeError, match=r"train: 10 optimizer steps in a row had an inf/nan gradient norm "
+                                           r"\(epoch 2, step 11; 10 skipped in all\)\..*lower train.lr \(now 1e\+30\)"):
+        run_pipeline(cfg)
+    rows = [r for r in read_metrics(tmp_path / "outputs" / "smollm2_weather" / "metrics.jsonl") if r["split"] == "train"]
+    assert rows[-1]["skipped_steps"] == 9 and rows[0]["skipped_steps"] == 1  # logged every 2 steps

@@ -140,6 +140,27 @@ def test_add_validates_shapes(tmp_path):
         w.add("x", s["input_ids"], s["loss_mask"], s["aux"], s["last"])
 
 
+def test_add_refuses_inf_and_nan_naming_the_sample_and_why(tmp_path):
+    """States the target computed as inf/nan, or that overflow float16 storage (massive activations
+    past 65504), are refused: a draft trained on them learns nothing."""
+    s = make_samples(1)[0]
+    w = HiddenStateStoreWriter(tmp_path / "bf16", META)
+    aux = s["aux"].clone()
+    aux[-1, 5] = float("nan")
+    n = len(s["input_ids"])
+    with pytest.raises(ValueError, match=rf"sample 'x': aux holds inf/nan in row {n - 1} of {n}: the target computed "
+                                         r"them so \(it overflows in torch.bfloat16\? try target.dtype=bfloat16 or float32\)"):
+        w.add("x", s["input_ids"], s["loss_mask"], aux, s["last"])
+    assert "x" not in w.done_ids
+    loud = s["last"].float().clone()
+    loud[0, 0] = 1e5  # finite in bf16 and fp32, inf in fp16
+    w.add("x", s["input_ids"], s["loss_mask"], s["aux"], loud)  # bf16 storage holds it
+    w16 = HiddenStateStoreWriter(tmp_path / "fp16", {**META, "storage_dtype": "float16"})
+    with pytest.raises(ValueError, match=r"sample 'y': last holds inf/nan in row 0 of \d+: the target's values \(up to "
+                                         r"1e\+05\) overflow the storage dtype torch.float16: use extract.dtype=bfloat16"):
+        w16.add("y", s["input_ids"], torch.ones_like(s["loss_mask"]), s["aux"], loud)
+
+
 # A child process that is killed (SIGKILL) while the third shard is half written.
 CRASH_CHILD = """
 import os, signal, sys

@@ -75,11 +75,15 @@ class Strategy:
         (loss / self.tc.grad_accum).backward()
 
     def step(self) -> float:
-        """Clip, update, zero the gradients; returns the gradient norm before clipping."""
+        """Clip, update, zero the gradients; returns the gradient norm before clipping. A step whose
+        norm is inf or nan is skipped, as a loss scaler skips one (every rank sees the same norm)."""
         params = _trainable(self.inner)
         grads = [p.grad for p in params if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads)
         norm = self._full(norm)
+        if not torch.isfinite(norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            return float(norm)
         if self.tc.grad_clip > 0:
             torch.nn.utils.clip_grads_with_norm_(params, self.tc.grad_clip, norm)
         self.optimizer.step()

@@ -95,6 +95,20 @@ def quantize_fp8(x: torch.Tensor, groups: int = 1) -> tuple[torch.Tensor, torch.
     return q.reshape(x.shape), scale
 
 
+def _refuse_non_finite(sample_id: str, name: str, x: torch.Tensor, computed: torch.Tensor | None = None) -> None:
+    """ValueError naming the sample, the tensor and its first row that is not finite. `computed`:
+    what `x` was cast from (x is the stored copy; the cast overflowed)."""
+    if bool(torch.isfinite(x).all()):
+        return
+    row = int((~torch.isfinite(x).reshape(x.shape[0], -1).all(-1)).nonzero()[0, 0])
+    if computed is not None:
+        why = (f"the target's values (up to {computed[row].abs().max().item():.4g}) overflow the storage dtype "
+               f"{x.dtype}: use extract.dtype=bfloat16")
+    else:
+        why = f"the target computed them so (it overflows in {x.dtype}? try target.dtype=bfloat16 or float32)"
+    raise ValueError(f"sample {sample_id!r}: {name} holds inf/nan in row {row} of {x.shape[0]}: {why}")
+
+
 def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """The inverse of quantize_fp8, in `dtype`."""
     n, groups = scale.shape
@@ -266,20 +280,26 @@ class HiddenStateStoreWriter:
         if ((mask != 0) & (mask != 1)).any():
             raise ValueError(f"sample {sample_id!r}: loss_mask must hold only 0 and 1")
         tensors = {"input_ids": ids.to(torch.int32), "loss_mask": mask.to(torch.uint8)}
-        tensors.update(self._states("aux", aux, groups=self.aux_width // self.hidden_size))
-        tensors.update(self._states("last", last[scored_rows(mask)] if self.scored_last else last))
+        tensors.update(self._states(sample_id, "aux", aux, groups=self.aux_width // self.hidden_size))
+        tensors.update(self._states(sample_id, "last", last[scored_rows(mask)] if self.scored_last else last))
         if self.vl:
             tensors["position_ids"] = position_ids.detach().to("cpu", torch.int32).T.contiguous()
-            tensors.update(self._states("image_embeds", image_embeds))
+            tensors.update(self._states(sample_id, "image_embeds", image_embeds))
         self._buffer.append((sample_id, tensors))
         self.done_ids.add(sample_id)
         if len(self._buffer) >= self.shard_samples:
             self.flush()
 
-    def _states(self, name: str, x: torch.Tensor, groups: int = 1) -> dict[str, torch.Tensor]:
-        """Hidden states as stored: cast to the storage dtype, or (fp8) quantised with their scales."""
+    def _states(self, sample_id: str, name: str, x: torch.Tensor, groups: int = 1) -> dict[str, torch.Tensor]:
+        """Hidden states as stored: cast to the storage dtype, or (fp8) quantised with their scales.
+        inf/nan (a target overflowing in its dtype, or states beyond float16's range) are refused:
+        the draft would train on nothing but them."""
+        _refuse_non_finite(sample_id, name, x)  # where x is (a GPU's reduction costs nothing)
         if self.dtype != FP8 or name in EXACT_STATES:
-            return {name: x.detach().to("cpu", torch.bfloat16 if self.dtype == FP8 else self.dtype)}
+            stored = x.detach().to("cpu", torch.bfloat16 if self.dtype == FP8 else self.dtype)
+            if stored.dtype == torch.float16 and x.dtype != torch.float16:  # the one narrower range
+                _refuse_non_finite(sample_id, name, stored, computed=x)
+            return {name: stored}
         q, scale = quantize_fp8(x, groups)
         return {name: q, f"{name}_scale": scale}
 

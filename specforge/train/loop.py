@@ -32,6 +32,11 @@ from specforge.utils.metrics_log import MetricsLogger
 from specforge.utils.progress import progress_bar
 
 
+# Optimizer steps in a row with an inf/nan gradient norm (each skipped) before training stops: one
+# is a bad batch, this many is a run that has diverged or reads broken hidden states.
+MAX_SKIPPED_IN_A_ROW = 10
+
+
 def cosine_with_warmup(total_steps: int, warmup_ratio: float, min_lr_ratio: float):
     warmup = max(1, round(total_steps * warmup_ratio))
 
@@ -252,6 +257,15 @@ def optimizer_step(strategy, micro_batches: list[list[int]], samples: TeacherMem
     return strategy.step()
 
 
+def diverged_message(tc, epoch: int, position, in_a_row: int, layout: RunLayout) -> str:
+    kept = [str(e["checkpoint"]) for e in position.epochs] or ["none yet"]
+    return (f"train: {in_a_row} optimizer steps in a row had an inf/nan gradient norm (epoch {epoch}, step "
+            f"{position.step}; {position.skipped_steps} skipped in all). Each was skipped, so the weights are those "
+            f"before them, but training has diverged or reads broken hidden states: lower train.lr (now {tc.lr}) "
+            f"or raise train.warmup_ratio, or check {layout.metrics} for where the loss left. Checkpoints written: "
+            f"{', '.join(kept)}")
+
+
 def train_row(tc, epoch: int, step: int, lr: float, grad_norm: float, meter: Meter, seconds: float) -> dict:
     row = {"split": "train", "epoch": epoch, "step": step, "lr": lr, "grad_norm": grad_norm,
            "tokens_per_s": meter.tokens / seconds, **summarize(meter.window)}
@@ -345,6 +359,7 @@ def train(cfg, run_dir: Path, fingerprint: str) -> dict:
               f"(batch_size {tc.batch_size} x grad_accum {tc.grad_accum} x {env.world_size} processes), "
               f"strategy {strategy.name}, device {device}", flush=True)
 
+    skipped_in_a_row = 0
     try:
         with StopRequests() as stop, progress_bar(disable=not main) as bar:
             for epoch in range(position.epoch, tc.epochs + 1):
@@ -358,12 +373,17 @@ def train(cfg, run_dir: Path, fingerprint: str) -> dict:
                                                tc.pack_tokens)
                     scheduler.step()
                     position.step += 1
+                    skipped_in_a_row = 0 if math.isfinite(grad_norm) else skipped_in_a_row + 1
+                    position.skipped_steps += skipped_in_a_row > 0
+                    if skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:
+                        raise RuntimeError(diverged_message(tc, epoch, position, skipped_in_a_row, layout))
                     last_of_epoch = s + 1 == per_epoch
                     if position.step % tc.log_every == 0 or last_of_epoch:
                         meter.sync(device)
                         if main:
                             row = train_row(tc, epoch, position.step, scheduler.get_last_lr()[0], grad_norm,
                                             meter, state.elapsed())
+                            row["skipped_steps"] = position.skipped_steps
                             logger.log(row)
                             bar.update(task, info=f"loss {row['loss']:.3f} acc_0 {row['acc_0']:.2f} "
                                                   f"sim-accept {row['sim_accept_length']:.2f}")
@@ -398,6 +418,7 @@ def train(cfg, run_dir: Path, fingerprint: str) -> dict:
     finally:  # free the model before the process group goes (gloo/DDP can abort otherwise)
         logger.close()
         strategy.close()
-    return {"epochs": position.epochs, "steps": position.step, "seconds": round(seconds, 1),
+    return {"epochs": position.epochs, "steps": position.step, "skipped_steps": position.skipped_steps,
+            "seconds": round(seconds, 1),
             "train_tokens_per_s": round(meter.tokens / seconds, 1) if seconds else None,
             "world_size": env.world_size, "global_batch": global_batch, "strategy": strategy.name}

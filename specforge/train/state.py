@@ -190,6 +190,7 @@ class Position:
     seconds: float = 0.0  # training time before this process started (for tokens/s)
     epochs: list = field(default_factory=list)  # per-epoch summaries so far
     wandb_run_id: str | None = None
+    skipped_steps: int = 0  # optimizer steps skipped for an inf/nan gradient norm
 
 
 class TrainState:
