@@ -25,6 +25,7 @@ from specforge.config import check_config
 from specforge.run_layout import RunLayout
 from specforge.run_report import write_run_report
 from specforge.utils.io import fingerprint, read_json, write_json, write_text
+from specforge.utils.run_lock import RunDirLock
 
 
 @dataclass(frozen=True)
@@ -137,6 +138,15 @@ def _check_shared_run_dir(run_dir: Path) -> None:
 def _run_stages(cfg, env) -> dict[str, dict]:
     run_dir = run_dir_of(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
+    lock = RunDirLock(RunLayout(run_dir).lock)
+    dist.run_on_main(lock.acquire, what="locking the run directory")  # before anything is written
+    try:
+        return _stages_in(cfg, env, run_dir)
+    finally:
+        lock.release()
+
+
+def _stages_in(cfg, env, run_dir: Path) -> dict[str, dict]:
     if env.is_main:
         write_text(RunLayout(run_dir).config, OmegaConf.to_yaml(cfg, resolve=True))
     if env.distributed:

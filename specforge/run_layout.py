@@ -36,6 +36,11 @@ class RunLayout:
         return self.root / f".stage_{stage}.json"
 
     @property
+    def lock(self) -> Path:
+        """Held by the pipeline's rank 0 while it runs (specforge/utils/run_lock.py)."""
+        return self.root / ".lock"
+
+    @property
     def rank_probe(self) -> Path:
         """Written by rank 0, read by every rank: is the run directory shared?"""
         return self.root / ".rank_probe"

@@ -215,3 +215,32 @@ def test_a_diverging_run_stops_and_no_broken_checkpoint_is_written(weather_files
         run_pipeline(cfg)
     rows = [r for r in read_metrics(tmp_path / "outputs" / "smollm2_weather" / "metrics.jsonl") if r["split"] == "train"]
     assert rows[-1]["skipped_steps"] == 9 and rows[0]["skipped_steps"] == 1  # logged every 2 steps
+
+
+def test_a_second_pipeline_on_the_same_run_directory_is_refused(weather_files, tiny_target_dir):
+    """A process holding the run directory (another `python train.py` of the same exp) makes a
+    second run fail before it writes anything, naming the holder; once the holder is gone (killed
+    here: the kernel drops the lock) the run goes ahead."""
+    import signal
+    import subprocess
+    import sys
+
+    tmp_path = weather_files
+    run_dir = tmp_path / "outputs" / "smollm2_weather"
+    run_dir.mkdir(parents=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from specforge.utils.run_lock import RunDirLock; "
+         f"RunDirLock({str(run_dir / '.lock')!r}).acquire(); print('held', flush=True); time.sleep(600)"],
+        stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
+    try:
+        assert holder.stdout.readline() == "held\n"
+        cfg = compose_cfg(tmp_path, tiny_target_dir, "stages=[data]")
+        with pytest.raises(RuntimeError, match=rf"{run_dir}: in use by another run \(pid {holder.pid} on .* since "
+                                               r".*: -c\); wait for it to end or stop it, or give this run another run_name"):
+            run_pipeline(cfg)
+        assert sorted(p.name for p in run_dir.iterdir()) == [".lock"]  # nothing written
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    assert run_pipeline(cfg)["data"]["train"]["samples"] == 24
+    assert json.loads((run_dir / ".lock").read_text())["pid"] != holder.pid

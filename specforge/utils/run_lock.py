@@ -1,0 +1,56 @@
+"""One pipeline per run directory at a time.
+
+Two `python train.py` of the same experiment (a second terminal, a requeued job whose predecessor
+still runs) would interleave metrics, checkpoints and hidden-state shards in one directory. The
+pipeline's rank 0 holds an exclusive lock on `<run>/.lock` while it runs; the kernel drops it when
+the process ends, however it ends, so a crash never leaves a stale lock. The file keeps the
+holder's pid, host, start time and command for the message a second run gets.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+
+class RunDirBusy(RuntimeError):
+    """Another process holds the run directory."""
+
+
+class RunDirLock:
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _describe(os.pread(fd, 65536, 0))
+            os.close(fd)
+            raise RunDirBusy(f"{self.path.parent}: in use by another run ({holder}); wait for it to end or "
+                               "stop it, or give this run another run_name") from None
+        info = {"pid": os.getpid(), "host": socket.gethostname(),
+                "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(sys.argv)}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+
+def _describe(raw: bytes) -> str:
+    try:
+        info = json.loads(raw)
+        return f"pid {info['pid']} on {info['host']} since {info['started']}: {info['command']}"
+    except (ValueError, KeyError, TypeError):
+        return "its details are not readable"
