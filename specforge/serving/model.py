@@ -39,7 +39,7 @@ def load_model(target_path, draft_path=None, tree: str | None = None, *, dtype: 
 
     from specforge.checkpoint import check_fits_target, load_draft, read_config
     from specforge.engine.tree import TreeSpec
-    from specforge.targets.loader import compute_dtype, model_class, text_config, torch_dtype
+    from specforge.targets.loader import compute_dtype, from_pretrained_whole, model_class, text_config, torch_dtype
     from specforge.targets.vl import is_vl_config, load_image_processor, vl_info
 
     if draft_path is not None and tree is None:
@@ -52,7 +52,7 @@ def load_model(target_path, draft_path=None, tree: str | None = None, *, dtype: 
     if kind != "causal_lm" and return_hidden_states:
         raise ValueError("hidden states of vision-language targets: use the embedded extract backend")
     with _LOAD_LOCK:  # from_pretrained's meta-device init is process-global: one load at a time
-        target = model_class(kind).from_pretrained(str(target_path), dtype=torch_type)
+        target = from_pretrained_whole(model_class(kind), str(target_path), dtype=torch_type)
     target.to(device).eval().requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(str(target_path))
     draft = None

