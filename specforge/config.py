@@ -202,6 +202,11 @@ class TrainConfig:
     precision: str = "bf16"  # bf16 (fp32 master weights) | fp32
     strategy: str = "single"  # single | ddp | fsdp | deepspeed (launch >1 process for the last three)
     zero_stage: int = 2  # DeepSpeed ZeRO stage (1, 2 or 3) for strategy=deepspeed
+    # Stop after this many epochs in a row whose held-out simulated accept length does not beat the
+    # best so far by more than early_stop_min_delta (0: train every epoch; needs data.eval_files).
+    # The LR schedule stays the one of train.epochs; the best epoch's checkpoint is there either way.
+    early_stop_patience: int = 0
+    early_stop_min_delta: float = 0.0
     log_every: int = 10
     save_state_every: int = 0  # steps; 0: only at epoch ends
     resume: str = "never"  # never | auto | <path to a state dir>
@@ -401,6 +406,8 @@ RANGES = {
         "train.optimizer": _one_of(OPTIMIZERS),
         "train.strategy": _one_of(STRATEGIES),
         "train.zero_stage": _one_of((1, 2, 3)),
+        "train.early_stop_patience": (lambda v: v >= 0, "be >= 0 (0: no early stop)"),
+        "train.early_stop_min_delta": _at_least(0.0),
         "train.log_every": _at_least(1),
         "train.save_state_every": (lambda v: v >= 0, "be >= 0 (0: only at epoch ends)"),
         "train.num_threads": _none_or(_at_least(1)),
@@ -482,6 +489,9 @@ def check_config(cfg) -> None:
         raise ValueError(f"train.optimizer=muon orthogonalises each matrix's update whole, but "
                          f"train.strategy={cfg.train.strategy} shards them; use train.strategy=single or ddp, "
                          "or train.optimizer=adamw")
+    if "train" in cfg.stages and cfg.train.early_stop_patience and not cfg.data.eval_files:
+        raise ValueError("train.early_stop_patience: stopping needs the held-out accept length of every epoch, "
+                         "and there is no held-out split; set data.eval_files, or train.early_stop_patience=0")
     if "train" in cfg.stages and cfg.train.attention == "flex":
         import torch
 

@@ -13,6 +13,7 @@ from data_prep.weather import generate
 from specforge.checkpoint import load_draft
 from specforge.config import register_configs
 from specforge.pipeline import run_pipeline
+from specforge.train.loop import plateaued
 from specforge.utils.io import read_json, write_jsonl
 from specforge.utils.metrics_log import read_metrics
 
@@ -244,3 +245,23 @@ def test_a_second_pipeline_on_the_same_run_directory_is_refused(weather_files, t
         holder.wait()
     assert run_pipeline(cfg)["data"]["train"]["samples"] == 24
     assert json.loads((run_dir / ".lock").read_text())["pid"] != holder.pid
+
+
+def test_early_stop_ends_training_when_the_held_out_accept_length_stalls(weather_files, tiny_target_dir):
+    """train.early_stop_patience=1 with a min delta no epoch can beat: epoch 2 does not improve on
+    epoch 1 by it, so training stops before epoch 3 of 5 with both checkpoints; without held-out
+    data the setting is refused before any stage runs."""
+    tmp_path = weather_files
+    cfg = compose_cfg(tmp_path, tiny_target_dir, "train.epochs=5", "train.early_stop_patience=1",
+                      "train.early_stop_min_delta=10.0")
+    summary = run_pipeline(cfg)["train"]
+    run_dir = tmp_path / "outputs" / "smollm2_weather"
+    assert [e["epoch"] for e in summary["epochs"]] == [1, 2] and summary["steps"] == 2 * 6
+    assert summary["stopped_early"].startswith("held-out sim accept length has not beaten ")
+    assert sorted(p.name for p in run_dir.glob("epoch_*")) == ["epoch_1", "epoch_2"]
+    assert plateaued([{"epoch": 1, "sim_accept_length": 2.0}, {"epoch": 2, "sim_accept_length": 2.5},
+                      {"epoch": 3, "sim_accept_length": 2.49}], 1, 0.0) is not None
+    assert plateaued([{"epoch": 1, "sim_accept_length": 2.0}, {"epoch": 2, "sim_accept_length": 2.5}], 1, 0.0) is None
+    no_eval = compose_cfg(tmp_path, tiny_target_dir, "train.early_stop_patience=2", "data.eval_files=[]")
+    with pytest.raises(ValueError, match="train.early_stop_patience: stopping needs the held-out accept length"):
+        run_pipeline(no_eval)

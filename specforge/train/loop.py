@@ -257,6 +257,20 @@ def optimizer_step(strategy, micro_batches: list[list[int]], samples: TeacherMem
     return strategy.step()
 
 
+def plateaued(epochs: list[dict], patience: int, min_delta: float) -> str | None:
+    """Why training stops here (train.early_stop_patience), or None: the last `patience` epochs'
+    held-out sim accept length none above the best before them by more than `min_delta`."""
+    scores = [e.get("sim_accept_length") for e in epochs]
+    if not patience or len(scores) <= patience or None in scores:
+        return None
+    best_before = max(scores[:-patience])
+    if max(scores[-patience:]) > best_before + min_delta:
+        return None
+    best = max(range(len(scores)), key=lambda i: scores[i])
+    return (f"held-out sim accept length has not beaten {best_before:.4f} by more than {min_delta} for {patience} "
+            f"epoch(s); the best is epoch {epochs[best]['epoch']} ({scores[best]:.4f})")
+
+
 def diverged_message(tc, epoch: int, position, in_a_row: int, layout: RunLayout) -> str:
     kept = [str(e["checkpoint"]) for e in position.epochs] or ["none yet"]
     return (f"train: {in_a_row} optimizer steps in a row had an inf/nan gradient norm (epoch {epoch}, step "
@@ -363,6 +377,14 @@ def train(cfg, run_dir: Path, fingerprint: str) -> dict:
     try:
         with StopRequests() as stop, progress_bar(disable=not main) as bar:
             for epoch in range(position.epoch, tc.epochs + 1):
+                # rank 0 holds the held-out metrics; a resumed run decides from the epochs before it too
+                plateau = dist.run_on_main(plateaued, position.epochs, tc.early_stop_patience,
+                                           tc.early_stop_min_delta, what="the early-stop check")
+                if plateau:
+                    position.stopped_early = plateau
+                    if main:
+                        print(f"[train] early stop before epoch {epoch}: {plateau}", flush=True)
+                    break
                 mine = epoch_batches(train_store.lengths, tc.batch_size, cfg.seed, epoch, rank=env.rank,
                                      world_size=env.world_size, pack_tokens=tc.pack_tokens)
                 start = position.step_in_epoch if epoch == position.epoch else 0
@@ -419,6 +441,7 @@ def train(cfg, run_dir: Path, fingerprint: str) -> dict:
         logger.close()
         strategy.close()
     return {"epochs": position.epochs, "steps": position.step, "skipped_steps": position.skipped_steps,
+            **({"stopped_early": position.stopped_early} if position.stopped_early else {}),
             "seconds": round(seconds, 1),
             "train_tokens_per_s": round(meter.tokens / seconds, 1) if seconds else None,
             "world_size": env.world_size, "global_batch": global_batch, "strategy": strategy.name}

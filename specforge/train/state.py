@@ -191,6 +191,7 @@ class Position:
     epochs: list = field(default_factory=list)  # per-epoch summaries so far
     wandb_run_id: str | None = None
     skipped_steps: int = 0  # optimizer steps skipped for an inf/nan gradient norm
+    stopped_early: str | None = None  # why training stopped before train.epochs (early stop)
 
 
 class TrainState:
