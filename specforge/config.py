@@ -116,6 +116,9 @@ class DataConfig:
     image_max_pixels: Optional[int] = None
     max_length: int = 2048
     overlength: str = "truncate"  # truncate | drop
+    # A message whose text spells a special token of the target's tokenizer ("<|im_end|>"), which it
+    # would read as that control token: quarantine the row (special_token_text) | keep it as it tokenizes.
+    special_token_text: str = "quarantine"
     max_samples: Optional[int] = None  # per split, for quick runs
     # An eval row whose prompt (the turns before its first answer) a train sample has: quarantine
     # (in_train; an eval file that IS a train file is refused at start) | keep (counted in the
@@ -373,6 +376,7 @@ RANGES = {
         "data.max_chars_per_row": _none_or(_at_least(1)),
         "data.max_quarantined_share": _within(0.0, 1.0),
         "data.eval_in_train": _one_of(("quarantine", "keep")),
+        "data.special_token_text": _one_of(("quarantine", "keep")),
         "data.num_proc": (lambda v: v >= 0, "be >= 0 (0: no worker processes)"),
         "data.image_min_pixels": _none_or(_at_least(1)),
         "data.image_max_pixels": _none_or(_at_least(1)),

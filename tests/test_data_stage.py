@@ -326,3 +326,27 @@ def test_glob_patterns_name_shards(tmp_path, tiny_target_dir):
     twice.data.train_files = [str(shards / "*.jsonl"), str(shards / "a.jsonl")]
     with pytest.raises(ValueError, match=rf"data.train_files: {shards}/a.jsonl is listed twice"):
         stage.check(twice)
+
+
+@pytest.mark.parametrize("num_proc", [0, 2])
+def test_text_that_spells_a_special_token_is_quarantined(tmp_path, tiny_target_dir, tiny_tokenizer, num_proc):
+    """'<|im_end|>' typed in a message tokenizes as the control token (a turn ending mid-answer, a
+    fake turn after it): the row is quarantined naming the message and token, in-process and in
+    workers alike; data.special_token_text=keep tokenizes it as it comes."""
+    rows = generate(4, seed=0, split="train")
+    rows[1]["messages"][-1]["content"] += "<|im_end|>\n<|im_start|>user\nand now?"
+    rows[2]["messages"][1]["content"] = [{"type": "text", "text": "Weather <|im_start|> in Oslo?"}]
+    train = tmp_path / "raw" / "train.jsonl"
+    write_jsonl(train, rows)
+    cfg = make_cfg(tmp_path, tiny_target_dir, train, None, num_proc=num_proc, max_quarantined_share=1.0)
+    counts = stage.run(cfg, tmp_path / "out" / "t")["train"]
+    assert counts["samples"] == 2 and counts["by_reason"] == {"special_token_text": 2}
+    held = list(read_jsonl(tmp_path / "out" / "t" / "data" / "quarantine.jsonl"))
+    last = len(rows[1]["messages"])
+    assert [(q["line"], q["reason"]) for q in held] == [
+        (2, f"special_token_text: assistant message {last} holds '<|im_end|>', which the tokenizer reads as its "
+            "control token, not as text"),
+        (3, "special_token_text: user message 2 holds '<|im_start|>', which the tokenizer reads as its control "
+            "token, not as text")]
+    keep = make_cfg(tmp_path, tiny_target_dir, train, None, num_proc=num_proc, special_token_text="keep")
+    assert stage.run(keep, tmp_path / "out" / "keep")["train"]["samples"] == 4

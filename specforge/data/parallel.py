@@ -48,7 +48,8 @@ def normalise_split(cfg, files: list[str], max_chars: int, tokenizer=None,
         check_config(fix_cfg)
     cache = Path(cfg.cache_dir) / "datasets"
     rows, rows_key = _rows_dataset(files, cache)
-    render = _Render(tokenizer, vl, cfg.data.max_length, cfg.data.overlength) if tokenizer is not None else None
+    render = (_Render(tokenizer, vl, cfg.data.max_length, cfg.data.overlength, cfg.data.special_token_text)
+              if tokenizer is not None else None)
     step = _Normalise(fix_cfg, cfg.data.format, cfg.data.image_root, max_chars, render)
     if len(rows) == 0:
         return 0, [], [], [] if render else None
@@ -88,7 +89,7 @@ def render_split(cfg, convs: list[dict], tokenizer, vl=None) -> list[RowRender]:
     messages = pa.array([json.dumps(c["messages"]) for c in convs], pa.large_string())
     batch = pa.record_batch([messages], names=["messages"])
     rows, rows_key = _write_rows(cache, [batch])
-    step = _Render(tokenizer, vl, cfg.data.max_length, cfg.data.overlength)
+    step = _Render(tokenizer, vl, cfg.data.max_length, cfg.data.overlength, cfg.data.special_token_text)
     key = fingerprint(rows_key, step.key(), _code_key())
     out = _map(rows, step, step.features(), cache / f"render-{key}.arrow", key, cfg.data.num_proc)
     with _no_gc():
@@ -98,13 +99,14 @@ def render_split(cfg, convs: list[dict], tokenizer, vl=None) -> list[RowRender]:
 class _Render:
     """The map function of the render step (and the render half of a fused _Normalise)."""
 
-    def __init__(self, tokenizer, vl, max_length: int, overlength: str) -> None:
+    def __init__(self, tokenizer, vl, max_length: int, overlength: str, special_token_text: str) -> None:
         self.tokenizer, self.vl, self.max_length, self.overlength = tokenizer, vl, max_length, overlength
+        self.special_token_text = special_token_text
 
     def key(self) -> dict:
         vl = None if self.vl is None else (self.vl[0].to_dict(), repr(self.vl[1]))
-        return {"tokenizer": _tokenizer_key(self.tokenizer), "vl": vl,
-                "max_length": self.max_length, "overlength": self.overlength}
+        return {"tokenizer": _tokenizer_key(self.tokenizer), "vl": vl, "max_length": self.max_length,
+                "overlength": self.overlength, "special_token_text": self.special_token_text}
 
     @staticmethod
     def features() -> dict:
@@ -117,7 +119,8 @@ class _Render:
         """Output columns for these conversations (None: quarantined before rendering)."""
         out: dict[str, list] = {k: [] for k in ("ids", "mask", "truncated", "rreason", "images")}
         for m in messages:
-            r = RowRender() if m is None else render_row(self.tokenizer, m, self.max_length, self.overlength, self.vl)
+            r = RowRender() if m is None else render_row(self.tokenizer, m, self.max_length, self.overlength, self.vl,
+                                                         self.special_token_text)
             out["ids"].append(r.input_ids)
             out["mask"].append(r.loss_mask)
             out["truncated"].append(r.truncated)

@@ -3,6 +3,8 @@
 give the same samples and the same reasons."""
 from __future__ import annotations
 
+import re
+import weakref
 from dataclasses import dataclass, field
 
 from specforge.data.fix import Quarantine, fix_row
@@ -33,9 +35,14 @@ class RowRender:
     images: dict = field(default_factory=dict)  # {"images", "image_grid_thw"} of a VL sample with images
 
 
-def render_row(tokenizer, messages: list[dict], max_length: int, overlength: str, vl=None) -> RowRender:
+def render_row(tokenizer, messages: list[dict], max_length: int, overlength: str, vl=None,
+               special_token_text: str = "quarantine") -> RowRender:
     """Tokenize one conversation with the chat template (`vl`: (image processor, VLInfo) of a
-    vision-language target); over-length and template errors become a reason, not a crash."""
+    vision-language target); over-length and template errors become a reason, not a crash, and so
+    does text that spells a special token (data.special_token_text=keep: tokenized as it comes)."""
+    if special_token_text == "quarantine" and (where := special_token_in_text(tokenizer, messages)):
+        return RowRender(reason=f"special_token_text: {where}, which the tokenizer reads as its control token, "
+                                "not as text")
     images = {}
     try:
         if vl is None:
@@ -51,4 +58,29 @@ def render_row(tokenizer, messages: list[dict], max_length: int, overlength: str
     return RowRender(r.input_ids, r.loss_mask, r.truncated, None, images)
 
 
-__all__ = ["Quarantine", "RowRender", "normalise_row", "render_row"]
+_SPECIALS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> compiled pattern or None
+
+
+def special_token_in_text(tokenizer, messages: list[dict]) -> str | None:
+    """Where a message's text spells one of the tokenizer's special tokens ("assistant message 2
+    holds '<|im_end|>'"), or None. The tokenizer turns such text into the control token itself: a
+    turn that ends mid-answer, a fake turn after it (a chat log dumped with its template, scraped
+    text); the draft would learn to predict turn ends where the target never stops."""
+    if tokenizer not in _SPECIALS:
+        specials = set(tokenizer.all_special_tokens)
+        specials |= {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special}
+        specials = sorted((t for t in specials if t), key=len, reverse=True)
+        _SPECIALS[tokenizer] = re.compile("|".join(map(re.escape, specials))) if specials else None
+    pattern = _SPECIALS[tokenizer]
+    if pattern is None:
+        return None
+    for i, message in enumerate(messages, 1):
+        content = message["content"]
+        texts = [content] if isinstance(content, str) else [p.get("text") or "" for p in content if p.get("type") == "text"]
+        for text in texts:
+            if hit := pattern.search(text):
+                return f"{message['role']} message {i} holds {hit.group()!r}"
+    return None
+
+
+__all__ = ["Quarantine", "RowRender", "normalise_row", "render_row", "special_token_in_text"]

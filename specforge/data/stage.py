@@ -35,6 +35,8 @@ SHARE_HINTS = {
     "toon_not_a_document": "the answers are prose: set data.fix.toon=false, or data.fix.toon_prose=keep",
     "image_missing": "check data.image_root (now {image_root}; default: the data file's folder)",
     "image_outside_root": "check data.image_root (now {image_root})",
+    "special_token_text": "the texts spell the tokenizer's special tokens (a chat log saved with its template "
+                          "applied?); data.special_token_text=keep tokenizes them as control tokens",
     "in_train": "the eval files repeat the training prompts: hold out other conversations, or set "
                 "data.eval_in_train=keep to evaluate on training prompts",
 }
@@ -247,7 +249,8 @@ def process_split(cfg, split: str, files: list[str], tokenizer, progress=None, r
     if renders is None:
         renders = []
         for conv in convs:
-            renders.append(render_row(tokenizer, conv["messages"], cfg.data.max_length, cfg.data.overlength, vl))
+            renders.append(render_row(tokenizer, conv["messages"], cfg.data.max_length, cfg.data.overlength, vl,
+                                      cfg.data.special_token_text))
             if task is not None:
                 progress.advance(task)
     elif task is not None:
