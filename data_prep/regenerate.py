@@ -28,7 +28,8 @@ from specforge.utils.io import write_jsonl
 def main(argv: list[str] | None = None) -> int:
     d = RegenerateConfig()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("input", help="dataset file (.jsonl or .json, maybe compressed: .gz .bz2 .xz .zst; .parquet, .arrow; ShareGPT, messages or conversations rows)")
+    p.add_argument("input", help="dataset file (.jsonl or .json, maybe compressed: .gz .bz2 .xz .zst; .parquet, "
+                                 ".arrow; ShareGPT, messages or conversations rows)")
     p.add_argument("--out", required=True, help="regenerated JSONL to write ({'id', 'messages'} rows)")
     p.add_argument("--work-dir", help="resume log, failures, skipped rows and report (default: --out's folder)")
     p.add_argument("--target", help="target model directory (required for --backend embedded)")

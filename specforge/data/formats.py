@@ -5,8 +5,9 @@ quarantine it with its file and line. A file that is not UTF-8 text (binary, ano
 raises `DataFileError` naming the file, line and byte instead: quarantining its "lines" one by one
 would only hide that the wrong file was given. Text inputs may be compressed, said by a last
 suffix (`rows.jsonl.gz`, `.bz2`, `.xz`, `.zst`); a compressed file without one is refused with the
-name to give it, and a corrupt or truncated stream raises naming the file and the last whole line. `to_conversation` raises `DataError`
-naming the offending field, which the fix step (or the stage) turns into a quarantine reason.
+name to give it, and a corrupt or truncated stream raises naming the file and the last whole line.
+`to_conversation` raises `DataError` naming the offending field, which the fix step (or the stage)
+turns into a quarantine reason.
 
 Tables (Parquet, Arrow, `datasets.save_to_disk` folders, hub datasets) are read by
 `specforge.data.sources`; `read_raw_rows` takes any of them.

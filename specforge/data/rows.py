@@ -76,7 +76,8 @@ def special_token_in_text(tokenizer, messages: list[dict]) -> str | None:
         return None
     for i, message in enumerate(messages, 1):
         content = message["content"]
-        texts = [content] if isinstance(content, str) else [p.get("text") or "" for p in content if p.get("type") == "text"]
+        texts = ([content] if isinstance(content, str)
+                 else [part.get("text") or "" for part in content if part.get("type") == "text"])
         for text in texts:
             if hit := pattern.search(text):
                 return f"{message['role']} message {i} holds {hit.group()!r}"

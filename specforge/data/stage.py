@@ -135,8 +135,9 @@ def check(cfg) -> None:
         for e in splits.get("eval", []):
             same = next((t for t in splits["train"] if _same_source(e, t)), None)
             if same is not None:
-                raise ValueError(f"data.eval_files: {e} is also a training file ({same}): no held-out row would be "
-                                 "left; name another file, or set data.eval_in_train=keep to evaluate on training prompts")
+                raise ValueError(f"data.eval_files: {e} is also a training file ({same}): no held-out row would "
+                                 "be left; name another file, or set data.eval_in_train=keep to evaluate on training "
+                                 "prompts")
 
 
 def _same_source(a: str, b: str) -> bool:
