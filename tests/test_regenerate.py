@@ -146,7 +146,13 @@ def test_embedded_regenerates_deterministically(target, tmp_path):
 
 def test_progress_counts_turns_between_the_groups_it_journals(target, tmp_path):
     """The embedded backend journals a group of 4 x batch_size conversations at a time (minutes
-    apart on a CPU): a log still hears of every answered turn before its group ends."""
+    apart on a CPU): the bar counts turns, so a log hears of every answered one before its group
+    ends (a canned greeting before any user turn is copied, not asked)."""
+    from specforge.data.regen.replay import turns_to_answer
+
+    greeting = [{"role": "assistant", "content": "Hi!"}, {"role": "user", "content": "Oslo?"},
+                {"role": "assistant", "content": "Sunny."}]
+    assert turns_to_answer(greeting) == 1 and turns_to_answer(chat("Oslo", 0, True)) == 2
     import io
 
     from rich.console import Console
@@ -156,12 +162,19 @@ def test_progress_counts_turns_between_the_groups_it_journals(target, tmp_path):
     out = io.StringIO()
     with progress_bar(console=Console(file=out, force_terminal=False, width=200), every=0) as bar:
         _, report = regenerate_conversations(dataset(8), cfg(batch_size=1), target, tmp_path, "train", progress=bar)
-    lines = [line for line in out.getvalue().splitlines() if line.startswith("regenerate train: ")]
-    before_first_group = [re.search(r"\d+ turns? answered", line) for line in lines
-                          if line.startswith("regenerate train: 0/8")]
-    assert [m.group() for m in before_first_group[:3]] == ["1 turn answered", "2 turns answered", "3 turns answered"]
-    assert "8/8 (100%)" in lines[-1] and "12 turns answered" in lines[-1]
+    lines = [line for line in out.getvalue().splitlines() if line.startswith("regenerate train (turns): ")]
+    counts = [re.match(r"regenerate train \(turns\): (\d+)/12", line).group(1) for line in lines]
+    assert counts[:4] == ["1", "2", "3", "4"]  # the first group of 4 journals after its 6 turns
+    assert lines[-1].startswith("regenerate train (turns): 12/12 (100%)") and lines[-1].endswith(" tok/s")
     assert report["turns_regenerated"] == 12
+    # every first answer cut at 2 tokens: the follow-ups are never asked, and the bar still ends full
+    cut = io.StringIO()
+    with progress_bar(console=Console(file=cut, force_terminal=False, width=200), every=0) as bar:
+        _, report = regenerate_conversations(dataset(8), cfg(batch_size=1, max_new_tokens=2), target,
+                                             tmp_path / "cut", "train", progress=bar)
+    assert report["failures_by_reason"] == {"regen_truncated": 8}
+    last = [line for line in cut.getvalue().splitlines() if line.startswith("regenerate train (turns): ")][-1]
+    assert last.startswith("regenerate train (turns): 12/12 (100%)")
 
 
 def test_sampling_is_seeded(target, tmp_path):

@@ -57,6 +57,16 @@ def conversation_key(conv: dict) -> str:
     return fingerprint(conv["id"], conv["messages"])
 
 
+def turns_to_answer(messages: list[dict]) -> int:
+    """The assistant turns the target is asked for: those after a user turn (a canned greeting
+    before any is copied as it is)."""
+    asked, user_seen = 0, False
+    for message in messages:
+        user_seen = user_seen or message["role"] == "user"
+        asked += message["role"] == "assistant" and user_seen
+    return asked
+
+
 class Replay:
     """Walks one conversation turn by turn; backends call `prompt()` then `answer()` or `fail()`."""
 
@@ -69,6 +79,8 @@ class Replay:
         self.messages: list[dict] = []  # the new conversation so far
         self.pos = 0  # next source message to copy or answer
         self.turns = 0  # assistant turns regenerated
+        self.asked = turns_to_answer(self.source)  # at most this many answers (a failure ends it early)
+        self.answers = 0  # answers received, usable or not
         self.tokens = 0
         self.failure: RegenFailure | None = None
         self.unusable: str | None = None  # the empty/truncated answer, kept for the failures file
@@ -90,6 +102,7 @@ class Replay:
 
     def answer(self, answer: Answer) -> None:
         turn = self.turns + 1
+        self.answers += 1
         self.tokens += answer.tokens
         if answer.truncated and self.keep_truncated and answer.text.strip():
             # Kept as the last turn: later turns would build on an answer the target never finished.

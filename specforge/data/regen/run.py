@@ -25,7 +25,7 @@ from specforge.config import FixConfig
 from specforge.data.fix import fix_dataset, reason_code
 from specforge.data.formats import RawRow
 from specforge.data.regen.journal import Journal
-from specforge.data.regen.replay import Replay, conversation_key
+from specforge.data.regen.replay import Replay, conversation_key, turns_to_answer
 from specforge.utils.io import fingerprint, write_json, write_jsonl
 from specforge.utils.progress import progress_bar
 
@@ -71,21 +71,21 @@ def regenerate_conversations(
         unique = len(set(keys))
         if todo:
             backend = make_backend(cfg, target_cfg, seed)  # loaded only when there is work
+            # The bar counts turns as they are answered: the embedded backend journals a group of
+            # conversations at a time (minutes apart on a CPU), the turns come steadily.
+            every = {k: turns_to_answer(c["messages"]) for c, k in zip(conversations, keys)}
+            total = sum(every.values())
             with nullcontext(progress) if progress is not None else progress_bar() as bar:
-                task = bar.add_task(f"regenerate {split}", total=unique, completed=unique - len(todo), info="")
+                task = bar.add_task(f"regenerate {split} (turns)", total=total,
+                                    completed=total - sum(r.asked for r in todo), info="")
                 t0 = time.monotonic()
-                live = {"turns": 0, "tokens": 0}  # every answered turn, journaled or not yet
-                lock = threading.Lock()
+                live_tokens, lock = [0], threading.Lock()
 
-                def on_answer(n_tokens: int) -> None:
-                    # The embedded backend journals a group of conversations at a time (minutes
-                    # apart on a CPU): the live turn count shows the work between them.
+                def on_answer(n_tokens: int) -> None:  # from the openai backend's threads too
                     with lock:
-                        live["turns"] += 1
-                        live["tokens"] += n_tokens
-                        speed = live["tokens"] / max(time.monotonic() - t0, 1e-9)
-                        turns = f"{live['turns']} turn{'s' if live['turns'] != 1 else ''}"
-                        bar.update(task, info=f"{turns} answered, {speed:.0f} tok/s")
+                        live_tokens[0] += n_tokens
+                        speed = live_tokens[0] / max(time.monotonic() - t0, 1e-9)
+                        bar.update(task, advance=1, info=f"{speed:.0f} tok/s")
 
                 for replay in backend.run(todo, on_answer):
                     record = replay.record()
@@ -94,7 +94,8 @@ def regenerate_conversations(
                     tokens += record["tokens"]
                     asked += 1
                     generating = time.monotonic() - t0
-                    bar.update(task, advance=1)
+                    with lock:  # the turns a failure or a kept truncated answer left unasked
+                        bar.update(task, advance=replay.asked - replay.answers)
     finally:
         journal.close()
     seconds = time.monotonic() - started
