@@ -294,6 +294,11 @@ def test_an_eval_file_that_is_a_training_file_is_refused_before_any_work(tmp_pat
                                              r"input\); name it once"):
             stage.check(cfg)
 
+    hub = make_cfg(tmp_path, tiny_target_dir, "hub:org/chats", "hub:org/chats:train")
+    with pytest.raises(ValueError, match=r"data.eval_files: hub:org/chats:train is also a training file"):
+        stage.check(hub)
+    stage.check(make_cfg(tmp_path, tiny_target_dir, "hub:org/chats", "hub:org/chats:test"))
+
     reserialised = tmp_path / "raw" / "reserialised.jsonl"
     write_jsonl(reserialised, generate(N_TRAIN, seed=0, split="train"))
     cfg = make_cfg(tmp_path, tiny_target_dir, train_file, reserialised)

@@ -17,7 +17,7 @@ from specforge.data.fix import fix_dataset, quarantine_entry, reason_code
 from specforge.data.fix.conversations import ImageChecker, Quarantine, prompt_key
 from specforge.data.formats import RawRow, read_raw_rows
 from specforge.data.rows import normalise_row, render_row
-from specforge.data.sources import check_source, is_hub, source_fingerprint
+from specforge.data.sources import check_source, hub_name_split, is_hub, source_fingerprint
 from specforge.data.vocab import cached_vocab_mapping, save_vocab, vocab_cache_key
 from specforge.run_layout import RunLayout
 from specforge.utils.io import file_fingerprint, fingerprint, write_json, write_jsonl, write_text
@@ -142,8 +142,8 @@ def check(cfg) -> None:
 
 def _same_source(a: str, b: str) -> bool:
     """The same input under either name: one path, or two files with the same bytes."""
-    if is_hub(a) or is_hub(b):
-        return a == b
+    if is_hub(a) or is_hub(b):  # hub:a/b is hub:a/b:train
+        return is_hub(a) and is_hub(b) and hub_name_split(a) == hub_name_split(b)
     pa, pb = Path(a), Path(b)
     if not (pa.exists() and pb.exists()):
         return False
