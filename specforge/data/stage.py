@@ -6,8 +6,8 @@ in `run_dir/data/` (see docs/design.md).
 """
 from __future__ import annotations
 
-import filecmp
 import glob
+import hashlib
 import json
 from collections import Counter
 from pathlib import Path
@@ -126,30 +126,49 @@ def check(cfg) -> None:
     if cfg.data.regenerate.enabled:
         check_regen(cfg.data.regenerate)
     splits = split_files(cfg)
+    ids = _identities([f for files in splits.values() for f in files])
     for split, files in splits.items():  # the second copy's rows would all be quarantined as duplicates
-        for i, f in enumerate(files):
-            again = next((g for g in files[i + 1:] if _same_source(f, g)), None)
-            if again is not None:
-                raise ValueError(f"data.{split}_files: {f} is listed twice ({again} is the same input); name it once")
+        first: dict[tuple, str] = {}
+        for f in (f for f in files if f in ids):
+            if ids[f] in first:
+                raise ValueError(f"data.{split}_files: {first[ids[f]]} is listed twice ({f} is the same input); "
+                                 "name it once")
+            first[ids[f]] = f
     if cfg.data.eval_in_train == "quarantine":
-        for e in splits.get("eval", []):
-            same = next((t for t in splits["train"] if _same_source(e, t)), None)
-            if same is not None:
-                raise ValueError(f"data.eval_files: {e} is also a training file ({same}): no held-out row would "
-                                 "be left; name another file, or set data.eval_in_train=keep to evaluate on training "
-                                 "prompts")
+        train: dict[tuple, str] = {}
+        for t in (t for t in splits["train"] if t in ids):
+            train.setdefault(ids[t], t)
+        for e in (e for e in splits.get("eval", []) if e in ids):
+            if ids[e] in train:
+                raise ValueError(f"data.eval_files: {e} is also a training file ({train[ids[e]]}): no held-out row "
+                                 "would be left; name another file, or set data.eval_in_train=keep to evaluate on "
+                                 "training prompts")
 
 
-def _same_source(a: str, b: str) -> bool:
-    """The same input under either name: one path, or two files with the same bytes."""
-    if is_hub(a) or is_hub(b):  # hub:a/b is hub:a/b:train
-        return is_hub(a) and is_hub(b) and hub_name_split(a) == hub_name_split(b)
-    pa, pb = Path(a), Path(b)
-    if not (pa.exists() and pb.exists()):
-        return False
-    if pa.resolve() == pb.resolve():
-        return True
-    return pa.is_file() and pb.is_file() and filecmp.cmp(pa, pb, shallow=False)  # sizes first, then bytes
+def _identities(entries: list[str]) -> dict[str, tuple]:
+    """What makes two inputs one: the hub split (hub:a/b is hub:a/b:train), else the resolved path,
+    or for a file whose size another file shares, its bytes (hashed: each read at most once, and
+    only then, so many shards cost a stat each). Missing files have none: the stage says they are."""
+    paths = {e: Path(e) for e in entries if not is_hub(e)}
+    files = {e: p for e, p in paths.items() if p.is_file()}
+    sizes = Counter(files[e].stat().st_size for e in entries if e in files)  # a name listed twice: twice
+    ids: dict[str, tuple] = {}
+    for e in dict.fromkeys(entries):  # each name once
+        if is_hub(e):
+            ids[e] = ("hub", *hub_name_split(e))
+        elif e in files and sizes[files[e].stat().st_size] > 1:
+            ids[e] = ("bytes", _bytes_hash(files[e]))
+        elif paths[e].exists():
+            ids[e] = ("path", str(paths[e].resolve()))
+    return ids
+
+
+def _bytes_hash(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def _parse_only(rows: list[RawRow], fmt: str, image_root: str | None = None,
