@@ -134,15 +134,12 @@ def _text_file(path: str | Path) -> Path:
     if kind not in TEXT_SUFFIXES:
         raise ValueError(f"{path}: unsupported data file type {''.join(path.suffixes[-2:]) or kind!r}; "
                          f"expected {SUPPORTED}")
-    if path.suffix.lower() not in COMPRESSIONS:
-        with open(path, "rb") as f:
-            head = f.read(SNIFF_BYTES)
-        compression = next((c for magic, c in MAGIC.items() if head.startswith(magic)), None)
-        if compression is not None:
-            raise DataFileError(f"{path}: {compression[1:]}-compressed data under a plain {kind} name; "
-                                f"name it {path.name}{compression} to have it decompressed")
     with _reading(path) as f:
         head = f.read(SNIFF_BYTES)
+    compression = next((c for magic, c in MAGIC.items() if head.startswith(magic)), None)
+    if compression is not None and path.suffix.lower() not in COMPRESSIONS:
+        raise DataFileError(f"{path}: {compression[1:]}-compressed data under a plain {kind} name; "
+                            f"name it {path.name}{compression} to have it decompressed")
     _check_text(path, head, 0, 1, sniff=True)
     return path
 
