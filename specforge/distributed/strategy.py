@@ -231,12 +231,14 @@ class DeepSpeedStrategy(Strategy):
         if not self.engine.is_gradient_accumulation_boundary():
             self.engine.step()  # advances DeepSpeed's micro-step counter; no update
 
-    def step(self) -> float:
+    def step(self) -> float | None:
+        """The engine's step; its gradient norm, or None where DeepSpeed computes none (not a
+        diverged step: the loop stops only on a known inf/nan norm)."""
         if not self.engine.is_gradient_accumulation_boundary():
             raise RuntimeError("deepspeed: step() off a gradient accumulation boundary")
         self.engine.step()
         norm = self.engine.get_global_grad_norm()
-        return float(norm) if norm is not None else float("nan")
+        return float(norm) if norm is not None else None
 
     def full_state_dict(self):
         import deepspeed

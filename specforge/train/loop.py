@@ -244,8 +244,8 @@ def override_token(cfg, store: HiddenStateStore) -> int | None:
 
 
 def optimizer_step(strategy, micro_batches: list[list[int]], samples: TeacherMemo, device, amp,
-                   meter: Meter, image_token_id: int | None = None, pack_tokens: int = 0) -> float:
-    """One optimizer step over this rank's micro-batches; returns the gradient norm."""
+                   meter: Meter, image_token_id: int | None = None, pack_tokens: int = 0) -> float | None:
+    """One optimizer step over this rank's micro-batches; returns the gradient norm (None: unknown)."""
     for j, idx in enumerate(micro_batches):
         batch = {k: v.to(device) for k, v in collate(samples.samples(idx), image_token_id=image_token_id,
                                                      pack_tokens=pack_tokens).items()}
@@ -280,7 +280,8 @@ def diverged_message(tc, epoch: int, position, in_a_row: int, layout: RunLayout)
             f"{', '.join(kept)}")
 
 
-def train_row(tc, epoch: int, step: int, lr: float, grad_norm: float, meter: Meter, seconds: float) -> dict:
+def train_row(tc, epoch: int, step: int, lr: float, grad_norm: float | None, meter: Meter,
+              seconds: float) -> dict:
     row = {"split": "train", "epoch": epoch, "step": step, "lr": lr, "grad_norm": grad_norm,
            "tokens_per_s": meter.tokens / seconds, **summarize(meter.window)}
     row["loss"] = sum(tc.step_weight**k * row[f"loss_{k}"] for k in range(tc.ttt_length))
@@ -395,7 +396,8 @@ def train(cfg, run_dir: Path, fingerprint: str) -> dict:
                                                tc.pack_tokens)
                     scheduler.step()
                     position.step += 1
-                    skipped_in_a_row = 0 if math.isfinite(grad_norm) else skipped_in_a_row + 1
+                    diverged = grad_norm is not None and not math.isfinite(grad_norm)  # None: not known
+                    skipped_in_a_row = skipped_in_a_row + 1 if diverged else 0
                     position.skipped_steps += skipped_in_a_row > 0
                     if skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:
                         raise RuntimeError(diverged_message(tc, epoch, position, skipped_in_a_row, layout))
