@@ -38,3 +38,21 @@ def test_a_draft_named_as_the_target_is_refused(tmp_path):
     with pytest.raises(ValueError, match=rf"target.path: {ckpt} holds a speculative draft \({ckpt}/config.json: "
                                          r"architectures \['LlamaForCausalLMEagle3'\]\), not a target model"):
         resolve_target_path(TargetConfig(name="oops", path=str(ckpt)))
+
+
+def test_deepseek_targets_need_the_first_aux_id_to_be_one():
+    """SGLang adds its +1 to a DeepSeek-V3 target's ids only when the first is 1: [2, 5, 8] would be
+    served as the inputs of layers 2, 5, 8, one layer earlier than trained. Refused at config time."""
+    from transformers import DeepseekV3Config, LlamaConfig
+
+    from specforge.targets.loader import aux_layer_ids
+
+    deepseek = DeepseekV3Config(num_hidden_layers=12, architectures=["DeepseekV3ForCausalLM"])
+    cfg = lambda ids: TargetConfig(name="t", path="unused", aux_layer_ids=ids)  # noqa: E731
+    assert aux_layer_ids(cfg(None), deepseek) == [1, 5, 8]  # the default starts at 1
+    assert aux_layer_ids(cfg([1, 4, 9]), deepseek) == [1, 4, 9]
+    with pytest.raises(ValueError, match=r"target.aux_layer_ids: \[2, 5, 8\]: SGLang .* DeepseekV3ForCausalLM"
+                                         r".*start the ids at 1 \(e.g. \[1, 5, 8\]\)"):
+        aux_layer_ids(cfg([2, 5, 8]), deepseek)
+    llama = LlamaConfig(num_hidden_layers=12, architectures=["LlamaForCausalLM"])
+    assert aux_layer_ids(cfg([2, 5, 8]), llama) == [2, 5, 8]  # SGLang's llama always adds +1

@@ -272,11 +272,19 @@ def default_aux_layer_ids(num_layers: int, first: int = 1) -> list[int]:
     return [first, num_layers // 2 - 1, num_layers - 4]
 
 
+# Targets whose SGLang model adds its +1 to a draft's ids only when the first id is 1 (SGLang 0.5.23's
+# deepseek_v2.py, glm4_moe_lite.py and their subclasses): other ids it takes as layer inputs.
+SGLANG_FIRST_ID_ONE = frozenset({
+    "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "MistralLarge3ForCausalLM",
+    "GlmMoeDsaForCausalLM", "Glm4MoeLiteForCausalLM", "KimiK25ForConditionalGeneration"})
+
+
 def aux_layer_ids(target_cfg, model_config, kind: str | None = None) -> list[int]:
     """The three decoder layers whose outputs the draft reads (`kind` defaults to target.kind).
 
     Qwen3-VL adds deepstack visual features to the outputs of its first D layers; SGLang captures
-    after them, so ids below D would train the draft on features the server never gives it."""
+    after them, so ids below D would train the draft on features the server never gives it.
+    DeepSeek-style targets (SGLANG_FIRST_ID_ONE) need the first id to be 1 (docs/contract.md §2)."""
     kind = kind or target_kind(target_cfg)
     n = text_config(model_config).num_hidden_layers
     d = deepstack_layers(model_config) if kind == "qwen3_vl" else 0
@@ -285,8 +293,15 @@ def aux_layer_ids(target_cfg, model_config, kind: str | None = None) -> list[int
     formula = "[1, N//2-1, N-4] needs N >= 8" if d <= 1 else f"[{d}, N//2-1, N-4] needs more"
     hint = "" if explicit else f" (the default {formula} layers; this target has {n}: set them)"
     deepstack = f"its output carries the deepstack visual features of this {kind} target (layers 0..{d - 1})"
-    return check_aux_layer_ids(ids, n, what="target.aux_layer_ids", count=3, hint=hint,
-                               min_id=d, why_min=deepstack if d > 0 else None)
+    ids = check_aux_layer_ids(ids, n, what="target.aux_layer_ids", count=3, hint=hint,
+                              min_id=d, why_min=deepstack if d > 0 else None)
+    arch = next(iter(getattr(model_config, "architectures", None) or []), None)
+    if arch in SGLANG_FIRST_ID_ONE and ids[0] != 1:
+        raise ValueError(
+            f"target.aux_layer_ids: {ids}: SGLang serves a {arch} target's draft the output of layer L for id L "
+            f"only when the first id is 1; otherwise it reads each id as a layer's input, one layer earlier "
+            f"than the draft was trained on: start the ids at 1 (e.g. [1, {ids[1]}, {ids[2]}])")
+    return ids
 
 
 def target_fingerprint(path: str | Path) -> str:
