@@ -14,7 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from specforge.config import check_eagle31_options
-from specforge.models.draft import ARCHITECTURE, Eagle3Config, Eagle3Draft
+from specforge.models.draft import ARCHITECTURE, VLLM_IDS_KEY, Eagle3Config, Eagle3Draft, vllm_layer_ids
 from specforge.targets.layers import check_aux_layer_ids
 from specforge.targets.loader import deepstack_layers, text_config
 from specforge.targets.vl import is_vl_config
@@ -86,6 +86,10 @@ def validate_config(d: dict, where: str = CONFIG_NAME) -> Eagle3Config:
                             hint=" (any 3 ascending ids: their range is checked against the target when it is loaded)")
     except ValueError as e:
         raise CheckpointError(f"{where}: {e}") from None
+    if VLLM_IDS_KEY in d and d[VLLM_IDS_KEY] != vllm_layer_ids(ids):
+        fail(f"{VLLM_IDS_KEY} (top level, vLLM's numbering: id L is the input of layer L) must be "
+             f"eagle_config's ids + 1 = {vllm_layer_ids(ids)}, got {d[VLLM_IDS_KEY]!r}: vLLM would feed the "
+             "draft other layers than SGLang reads and the draft was trained on (docs/contract.md §2)")
     if (d.get("eagle_config") or {}).get("use_aux_hidden_state") is not True:
         fail("eagle_config.use_aux_hidden_state must be true")
     try:

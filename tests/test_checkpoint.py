@@ -30,6 +30,8 @@ def test_config_is_what_sglang_reads(ckpt):
     assert cfg["tie_word_embeddings"] is False and cfg["num_hidden_layers"] == 1
     assert cfg["draft_vocab_size"] == 20 and cfg["vocab_size"] == 50
     assert cfg["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [0, 1, 2], "use_aux_hidden_state": True}
+    # vLLM (0.33) reads the top-level key, numbering the input of each layer: the same layers
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
     names = set(load_file(ckpt / "model.safetensors"))
     assert {"fc.weight", "midlayer.hidden_norm.weight", "lm_head.weight", "d2t", "t2d"} <= names
     assert load_file(ckpt / "model.safetensors")["d2t"].dtype == torch.int64
@@ -55,11 +57,22 @@ def edit_weights(ckpt, fn):
     ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [3, 1, 2], "use_aux_hidden_state": True}},
      "3 ascending ids"),
     ({"model_type": "qwen2"}, "model_type must be 'llama'"),
+    # the ids as SGLang numbers them, copied to the key vLLM reads: vLLM would take each layer one early
+    ({"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}, r"must be eagle_config's ids \+ 1 = \[1, 2, 3\]"),
 ])
 def test_bad_config_is_refused(ckpt, changes, message):
     edit_config(ckpt, **changes)
     with pytest.raises(CheckpointError, match=message):
         read_checkpoint(ckpt)
+
+
+def test_a_checkpoint_without_vllm_ids_still_reads(ckpt, tmp_path):
+    """Checkpoints written before the key are read as they are, and a re-save adds it."""
+    cfg = json.loads((ckpt / "config.json").read_text())
+    del cfg["eagle_aux_hidden_state_layer_ids"]
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    again = save_checkpoint(load_draft(ckpt), tmp_path / "again")
+    assert json.loads((again / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
 
 
 def test_invalid_json_names_the_file(ckpt):

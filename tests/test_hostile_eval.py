@@ -92,6 +92,7 @@ def test_aux_layers_beyond_the_target_are_refused(run):
     path = run / "epoch_1" / "config.json"
     config = json.loads(path.read_text())
     config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [0, 1, 9]
+    config["eagle_aux_hidden_state_layer_ids"] = [1, 2, 10]  # vLLM's numbering, kept consistent
     path.write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=r"eagle_aux_hidden_state_layer_ids.*the target has 4 decoder layers"):
         run_evaluation(load_run_config(run), run, eval_cfg(run))

@@ -26,6 +26,14 @@ from specforge.models.attention import TTTMask, attend, causal_mask, take
 from specforge.models.head_loss import DraftHead
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
+# Top-level config key that vLLM reads the aux layers from (docs/contract.md §2)
+VLLM_IDS_KEY = "eagle_aux_hidden_state_layer_ids"
+
+
+def vllm_layer_ids(ids: list[int]) -> list[int]:
+    """Our aux ids (id L = the output of decoder layer L, as SGLang reads eagle_config) in vLLM's
+    numbering (id L = the input of decoder layer L): the same layers, each id one higher."""
+    return [int(i) + 1 for i in ids]
 
 
 @dataclass
@@ -150,13 +158,15 @@ class Eagle3Config:
             "mlp_bias": False,
             "torch_dtype": "bfloat16",
             "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
+            # the same layers in vLLM's numbering, which SGLang does not read (docs/contract.md §2)
+            VLLM_IDS_KEY: vllm_layer_ids(ids),
         }
 
     @classmethod
     def from_json_dict(cls, d: dict) -> "Eagle3Config":
         known = set(cls.__dataclass_fields__) - {"aux_layer_ids", "extra"}
         fixed = {"architectures", "model_type", "num_hidden_layers", "tie_word_embeddings",
-                 "attention_bias", "mlp_bias", "torch_dtype", "eagle_config"}
+                 "attention_bias", "mlp_bias", "torch_dtype", "eagle_config", VLLM_IDS_KEY}
         return cls(
             **{k: d[k] for k in known if k in d},
             aux_layer_ids=list(d["eagle_config"]["eagle_aux_hidden_state_layer_ids"]),
@@ -366,4 +376,5 @@ class Eagle3Draft(nn.Module):
         return [p for n, p in self.named_parameters() if not n.startswith("embed_tokens")]
 
 
-__all__ = ["Eagle3Config", "Eagle3Draft", "TTTMask", "ARCHITECTURE", "EAGLE31_OPTIONS"]
+__all__ = ["Eagle3Config", "Eagle3Draft", "TTTMask", "ARCHITECTURE", "EAGLE31_OPTIONS", "VLLM_IDS_KEY",
+           "vllm_layer_ids"]
