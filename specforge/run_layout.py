@@ -127,8 +127,8 @@ class RunLayout:
 
     @property
     def eval_choice(self) -> Path:
-        """{"epoch", "tree"}: what the last evaluation recommends shipping (the run report's
-        command that serves it)."""
+        """{"epoch", "tree", "chain"}: what the last evaluation recommends shipping (the run report's
+        commands that serve it; "chain" is the epoch's fastest chain, for vLLM, or null)."""
         return self.eval_dir / "ship.json"
 
     @property

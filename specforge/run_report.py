@@ -89,7 +89,7 @@ def _data_rows(summary: dict) -> list[str]:
 
 def _serve_lines(layout: RunLayout, evals: list[dict]) -> list[str]:
     """The SGLang command that serves the run's draft: the evaluation's epoch and tree when it ran
-    (`RunLayout.eval_choice`), else the best simulated epoch with SGLang's own tree."""
+    (`RunLayout.eval_choice`), else the best simulated epoch with SGLang's own tree; then vLLM's."""
     from specforge.launch.sglang_commands import NEWEST_CHECKED, eagle3_options, render_options
 
     best = read_json(layout.eval_choice) if layout.eval_choice.exists() else None
@@ -109,7 +109,25 @@ def _serve_lines(layout: RunLayout, evals: list[dict]) -> list[str]:
     else:
         why = (f"`epoch_{epoch}` (best simulated accept length) with SGLang's own tree; "
                f"`python evaluate.py ckpt={layout.root}` measures the speed-up and picks the tree")
-    return ["", "## Serve it", "", f"{why} (SGLang {NEWEST_CHECKED}'s flags):", "", "```bash", command, "```"]
+    return ["", "## Serve it", "", f"{why} (SGLang {NEWEST_CHECKED}'s flags):", "", "```bash", command, "```",
+            *_vllm_lines(layout.checkpoint(epoch), target_path, options["trust_remote_code"], best)]
+
+
+def _vllm_lines(checkpoint, target_path, trust_remote_code: bool, best: dict | None) -> list[str]:
+    """vLLM drafts chains only: the evaluation's fastest chain of the chosen epoch, when it measured one."""
+    from specforge.launch.vllm_commands import VLLM_CHECKED, vllm_serve_command
+
+    chain = (best or {}).get("chain")
+    if not chain:
+        return ["", "vLLM drafts a chain, not a tree: an evaluation that measures chains (`T_1_(T+1)`; the "
+                "default `eval.trees` has `5_1_6`) gives its command here."]
+    speed = chain.get("speedup", chain.get("predicted_speedup"))
+    measured = "speed-up" if "speedup" in chain else "predicted speed-up"
+    command = shlex.join(vllm_serve_command(target_path, checkpoint, chain["tree"],
+                                            trust_remote_code=trust_remote_code))
+    return ["", f"With vLLM ({VLLM_CHECKED}'s options, not run here), which drafts a chain, not a tree: the "
+            f"fastest chain of that epoch, `{chain['tree']}` (accept length {chain['accept_length']:.2f}, "
+            f"{measured} {speed:.2f}x on our engine):", "", "```bash", command, "```"]
 
 
 def write_run_report(run_dir: str | Path) -> Path:

@@ -204,3 +204,26 @@ def test_one_suite_keeps_the_report_as_it_was(tiny_run):
     report = (tiny_run / "eval" / "report.md").read_text()
     assert "2 held-out prompts" in report and "Per suite" not in report
     shutil.rmtree(tiny_run / "eval")
+
+
+def test_the_run_report_serves_the_fastest_chain_with_vllm(tiny_run):
+    """vLLM drafts chains only: the evaluation records the chosen epoch's fastest chain, and the run's
+    report gives vLLM's command with its length beside SGLang's with the chosen tree."""
+    import json
+    import shlex
+
+    run_cfg, ev = configs(tiny_run, "dtype=float32", "trees=['2_1_3','3_1_4','2_2_4']")
+    run_evaluation(run_cfg, tiny_run, ev)
+    results = read_json(tiny_run / "eval" / "results.json")
+    choice = read_json(RunLayout(tiny_run).eval_choice)
+    chains = [c for c in results["configs"] if c["tree"] in ("2_1_3", "3_1_4")]
+    fastest = max(chains, key=lambda c: c["speedup"])
+    assert choice["chain"] == {"tree": fastest["tree"], "accept_length": fastest["accept_length"],
+                               "speedup": fastest["speedup"]}
+    serve = (tiny_run / "report.md").read_text().split("## Serve it")[1]
+    assert f"--speculative-draft-model-path {tiny_run / 'epoch_1'}" in serve
+    vllm = next(line for line in serve.splitlines() if line.startswith("vllm serve"))
+    args = shlex.split(vllm)
+    assert args[2] == run_cfg.target.path and args[3] == "--speculative-config"
+    assert json.loads(args[4]) == {"method": "eagle3", "model": str(tiny_run / "epoch_1"),
+                                   "num_speculative_tokens": int(fastest["tree"].split("_")[0])}

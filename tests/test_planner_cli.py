@@ -18,6 +18,7 @@ from specforge.eval.engine_eval import load_run_config
 from specforge.eval.planner import RequestPlan
 from specforge.eval.planner_eval import fastest_tree
 from specforge.eval.stage import run_evaluation
+from specforge.run_layout import RunLayout
 from specforge.utils.io import read_json
 
 GRID = ["1_1_2", "3_1_4", "2_2_3", "3_2_6", "4_3_8"]
@@ -214,6 +215,10 @@ def test_eval_stage_plans_every_epoch_and_tree_and_recommends_the_best(planner_r
     assert (f"epoch_1 --speculative-num-steps {steps} --speculative-eagle-topk {topk} "
             f"--speculative-num-draft-tokens {tokens}") in (planner_run / "report.md").read_text().split("## Serve it")[1]
     assert f"**{best['tree']}** (recommended)" in capsys.readouterr().out
+    chain = max((r for r in rows if r["epoch"] == best["epoch"] and r["tree"] in ("1_1_2", "3_1_4")),
+                key=lambda r: r["predicted_speedup"])  # vLLM drafts chains: the fastest one is served there
+    assert read_json(RunLayout(planner_run).eval_choice)["chain"]["tree"] == chain["tree"]
+    assert f'"num_speculative_tokens": {chain["tree"].split("_")[0]}' in (planner_run / "report.md").read_text()
 
     # the same key again (one epoch, no confirmation): the stored cost model is reused
     run_evaluation(load_run_config(planner_run), planner_run, planner_cfg(planner_run, "epochs=[2]"))

@@ -98,3 +98,17 @@ def test_extraction_commands_refuse_what_sglang_cannot_capture():
         sl.sglang_extraction_command(TARGET, 1, num_layers=36, version="0.5.23", options={"chunked_prefill_size": 8})
     with pytest.raises(sl.SGLangVersionError, match="not installed"):  # this CPU machine
         sl.sglang_extraction_command(TARGET, 1, [1, 15, 28], num_layers=36)
+
+
+def test_golden_vllm_serve_command():
+    """vLLM drafts chains: num_speculative_tokens is the chain's T; a tree (topk > 1) is refused."""
+    import json
+
+    from specforge.launch.vllm_commands import vllm_serve_command
+
+    cmd = vllm_serve_command(TARGET, DRAFT, "5_1_6")
+    assert cmd[:4] == ["vllm", "serve", TARGET, "--speculative-config"] and len(cmd) == 5
+    assert json.loads(cmd[4]) == {"method": "eagle3", "model": DRAFT, "num_speculative_tokens": 5}
+    assert vllm_serve_command(TARGET, DRAFT, TreeSpec(3, 1, 4), trust_remote_code=True)[-1] == "--trust-remote-code"
+    with pytest.raises(ValueError, match=r"tree 8_2_16: vLLM drafts a chain \(topk 1, e.g. '8_1_9'\)"):
+        vllm_serve_command(TARGET, DRAFT, "8_2_16")

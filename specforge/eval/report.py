@@ -41,6 +41,19 @@ def best_config(results: dict) -> dict | None:
     return {**best, "all_lossy": not lossless}
 
 
+def best_chain(rows: list[dict], epoch: int, key: str) -> dict | None:
+    """For servers that draft chains only (vLLM): the chain (topk 1) of `epoch` with the highest
+    `key` (the engine's `speedup`, or the planner's `predicted_speedup`), lossless ones first as in
+    best_config; None when no chain of that epoch was measured."""
+    from specforge.engine.tree_spec import TreeSpec
+
+    chains = [r for r in rows if r["epoch"] == epoch and TreeSpec.parse(r["tree"]).topk == 1
+              and not _nan(r.get(key))]
+    lossless = [r for r in chains if r.get("lossless") in (None, 1.0)]
+    best = max(lossless or chains, key=lambda r: r[key], default=None)
+    return None if best is None else {"tree": best["tree"], "accept_length": best["accept_length"], key: best[key]}
+
+
 def _nan(v) -> bool:
     return not isinstance(v, (int, float)) or math.isnan(v)
 
