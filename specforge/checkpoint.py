@@ -78,6 +78,10 @@ def validate_config(d: dict, where: str = CONFIG_NAME) -> Eagle3Config:
                 "num_attention_heads", "num_key_value_heads", "head_dim", "target_hidden_size"):
         if not isinstance(d.get(key), int) or d[key] <= 0:
             fail(f"{key} must be a positive integer, got {d.get(key)!r}")
+    theta = d.get("rope_theta")
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
+        # absent, our reader would take 10000 where a server reads the key (or rope_parameters)
+        fail(f"rope_theta must be a positive number, got {d.get('rope_theta')!r}")
     if d["draft_vocab_size"] > d["vocab_size"]:
         fail(f"draft_vocab_size {d['draft_vocab_size']} > vocab_size {d['vocab_size']}")
     ids = (d.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")

@@ -1,10 +1,12 @@
 """`specforge` command line: `specforge serve ...` (the embedded engine as an SGLang-compatible
-HTTP server) and `specforge bench ...` (the streaming serving benchmark against any server).
+HTTP server), `specforge bench ...` (the streaming serving benchmark against any server) and
+`specforge import-draft SRC DST --target T` (another trainer's draft as our checkpoint).
 Training and evaluation stay in train.py / evaluate.py (Hydra)."""
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def main(argv=None) -> None:
@@ -17,11 +19,32 @@ def main(argv=None) -> None:
     app.add_serve_args(p_serve)
     p_bench = sub.add_parser("bench", help="streaming serving benchmark (sglang.bench_serving figures)")
     bench_client.add_bench_args(p_bench)
+    p_import = sub.add_parser("import-draft", help="a SpecForge / EAGLE / speculators EAGLE-3 draft as our checkpoint")
+    p_import.add_argument("src", help="the draft's directory (config.json + model.safetensors or pytorch_model.bin)")
+    p_import.add_argument("dst", help="a new directory for our checkpoint")
+    p_import.add_argument("--target", required=True, help="the target's directory (its layer count, vocab, embedding)")
+    p_import.add_argument("--kind", default="causal_lm", help="target.kind: causal_lm | qwen3_vl | qwen2_5_vl")
+    p_import.add_argument("--trust-remote-code", action="store_true")
     args = parser.parse_args(argv)
     if args.command == "serve":
         app.serve(args)
-    else:
+    elif args.command == "bench":
         bench_client.bench(args)
+    else:
+        import_draft_command(args)
+
+
+def import_draft_command(args) -> None:
+    from specforge.config import TargetConfig
+    from specforge.draft_import import import_draft
+
+    target = TargetConfig(name=Path(args.target).name, path=args.target, kind=args.kind,
+                          trust_remote_code=args.trust_remote_code)
+    try:
+        dst = import_draft(args.src, args.dst, target)
+    except (ValueError, OSError) as e:  # CheckpointError is a ValueError: the message is the report
+        sys.exit(f"import-draft: {e}")
+    print(f"import-draft: {args.src} -> {dst} (measure it: python evaluate.py ckpt={dst} out_dir=...)")
 
 
 if __name__ == "__main__":

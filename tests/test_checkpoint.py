@@ -57,6 +57,8 @@ def edit_weights(ckpt, fn):
     ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [3, 1, 2], "use_aux_hidden_state": True}},
      "3 ascending ids"),
     ({"model_type": "qwen2"}, "model_type must be 'llama'"),
+    # transformers 5 writes RoPE as rope_parameters: without rope_theta we would have read 10000
+    ({"rope_theta": None, "rope_parameters": {"rope_theta": 1e6}}, "rope_theta must be a positive number"),
     # the ids as SGLang numbers them, copied to the key vLLM reads: vLLM would take each layer one early
     ({"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}, r"must be eagle_config's ids \+ 1 = \[1, 2, 3\]"),
 ])

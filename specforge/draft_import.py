@@ -1,0 +1,187 @@
+"""A draft trained elsewhere, written as our checkpoint: `specforge import-draft SRC DST --target T`.
+
+Why: measuring another trainer's draft with our engine on the same prompts as ours
+(`python evaluate.py ckpt=DST out_dir=...`) or fine-tuning it (`draft.init_from=DST`) needs a
+checkpoint our strict reader accepts, meaning exactly what a server makes of the original. What a
+layout leaves implicit is filled in as the server fills it, never guessed:
+- SpecForge / the EAGLE repository (`LlamaForCausalLMEagle3`): without `eagle_config` ids SGLang
+  captures its default layers, our [1, N//2-1, N-4] (docs/contract.md §2); `target_hidden_size`
+  defaults to `hidden_size` and `head_dim` to hidden / heads, as the servers read them; weights in
+  model.safetensors or pytorch_model.bin.
+- vLLM's speculators (`speculators_model_type: eagle3`): the Llama layer's config under
+  `transformer_layer_config`, ids in vLLM's numbering (ours + 1), `layers.0.*` names
+  (specforge/speculators_format.py); `norm_before_residual: true` has no SGLang form and is refused.
+- `t2d` is rebuilt from `d2t`; a reduced vocab without `d2t` is refused (a server would read its
+  draft ids as target ids). Without `embed_tokens` the target's embedding is used, as servers do
+  (the target is loaded once for it).
+"""
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+
+from specforge.checkpoint import (CONFIG_NAME, WEIGHTS_NAME, CheckpointError, check_fits_target, load_draft,
+                                  save_checkpoint)
+from specforge.models.draft import ARCHITECTURE, VLLM_IDS_KEY
+from specforge.speculators_format import from_speculators, options_of
+from specforge.targets.loader import default_aux_layer_ids, deepstack_layers, text_config
+from specforge.targets.vl import is_vl_config
+
+
+def import_draft(src: str | Path, dst: str | Path, target_cfg) -> Path:
+    """Write the draft in directory `src` as our checkpoint `dst`, checked against the target of
+    `target_cfg` (a TargetConfig: path, kind, trust_remote_code)."""
+    from transformers import AutoConfig
+
+    from specforge.targets.loader import resolve_target_path
+
+    src, dst = Path(src), Path(dst)
+    if dst.exists():
+        raise FileExistsError(f"{dst}: exists; give a new directory")
+    config, where = _read_config(src)
+    tensors = _read_weights(src)
+    target_config = AutoConfig.from_pretrained(resolve_target_path(target_cfg),
+                                               trust_remote_code=bool(target_cfg.trust_remote_code))
+    if config.get("speculators_model_type") is not None:
+        config, tensors = _speculators_layout(config, tensors, where)
+    elif config.get("architectures") != [ARCHITECTURE]:
+        raise ValueError(f"{where}: architectures {config.get('architectures')!r}: not an EAGLE-3 draft "
+                         f"([{ARCHITECTURE!r}], or a speculators config with speculators_model_type eagle3)")
+    config = _as_served(config, target_config, where)
+    tensors = _vocab_maps(config, tensors, where)
+    if "embed_tokens.weight" not in tensors:
+        if config["target_hidden_size"] != config["hidden_size"]:
+            raise ValueError(f"{src}: no embed_tokens.weight, and the target's embedding is "
+                             f"{config['target_hidden_size']} wide where the draft's is {config['hidden_size']}")
+        tensors["embed_tokens.weight"] = _target_embedding(target_cfg)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dst.parent, prefix=f".{dst.name}.") as tmp:  # for the strict reader
+        from safetensors.torch import save_file
+
+        (Path(tmp) / CONFIG_NAME).write_text(json.dumps(config))
+        save_file({k: v.contiguous() for k, v in tensors.items()}, Path(tmp) / WEIGHTS_NAME)
+        try:
+            draft = load_draft(tmp)
+        except CheckpointError as e:  # name the source, not the scratch copy
+            raise CheckpointError(str(e).replace(tmp, str(src))) from None
+        check_fits_target(draft.config, target_config, src)
+        save_checkpoint(draft, dst, dtype=tensors["fc.weight"].dtype)  # the source's precision
+    return dst
+
+
+def _read_config(src: Path) -> tuple[dict, Path]:
+    where = src / CONFIG_NAME
+    if not where.is_file():
+        raise FileNotFoundError(f"{where}: missing (a draft directory holds config.json and its weights)")
+    try:
+        config = json.loads(where.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{where}: invalid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{where}: must hold a JSON object")
+    return config, where
+
+
+def _read_weights(src: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    if (src / WEIGHTS_NAME).is_file():
+        return load_file(src / WEIGHTS_NAME)
+    if (src / "pytorch_model.bin").is_file():  # the EAGLE repository's releases
+        state = torch.load(src / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        return {k: v for k, v in state.items()}
+    raise FileNotFoundError(f"{src}: neither {WEIGHTS_NAME} nor pytorch_model.bin")
+
+
+def _speculators_layout(config: dict, tensors: dict, where: Path) -> tuple[dict, dict]:
+    """Its config and tensors in SGLang's layout (vLLM reads the same draft this way: contract §7b)."""
+    if config["speculators_model_type"] != "eagle3":
+        raise ValueError(f"{where}: speculators_model_type {config['speculators_model_type']!r}: only eagle3 "
+                         "drafts have SGLang's EAGLE-3 layout")
+    try:
+        options = options_of(config)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    layer = dict(config.get("transformer_layer_config") or {})
+    if layer.get("model_type", "llama") != "llama":
+        raise ValueError(f"{where}: transformer_layer_config.model_type {layer.get('model_type')!r}: vLLM serves it "
+                         "with its own layer (e.g. Qwen3's q/k norms); SGLang's EAGLE-3 layer is Llama's")
+    ours = {**layer, **options, "architectures": [ARCHITECTURE], "model_type": "llama", "num_hidden_layers": 1,
+            "draft_vocab_size": config.get("draft_vocab_size"), "tie_word_embeddings": False}
+    if config.get("target_hidden_size") is not None:
+        ours["target_hidden_size"] = config["target_hidden_size"]
+    ids = config.get("eagle_aux_hidden_state_layer_ids")
+    if ids:  # vLLM's numbering: the input of layer L is the output of our layer L - 1
+        ours["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [int(i) - 1 for i in ids],
+                                "use_aux_hidden_state": True}
+    try:
+        return ours, from_speculators(tensors)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+
+
+def _as_served(config: dict, target_config, where: Path) -> dict:
+    """The keys a server assumes when they are absent, written out; ids as SGLang captures them."""
+    config = dict(config)
+    hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
+    config.setdefault("target_hidden_size", hidden)
+    config.setdefault("tie_word_embeddings", False)
+    rope = config.pop("rope_parameters", None)  # transformers 5 writes RoPE as one dict
+    if isinstance(rope, dict):
+        if rope.get("rope_theta") is not None:
+            config.setdefault("rope_theta", rope["rope_theta"])
+        rest = {k: v for k, v in rope.items() if k != "rope_theta"}
+        if rest.get("rope_type", rest.get("type", "default")) != "default" or "mrope_section" in rest:
+            config.setdefault("rope_scaling", rest)
+    config.setdefault("rope_theta", 10000.0)  # LlamaConfig's default: what a server reads then
+    if config.get("head_dim") is None and isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
+        config["head_dim"] = hidden // heads
+    if config.get("draft_vocab_size") is None:  # servers take the whole vocab then
+        config["draft_vocab_size"] = config.get("vocab_size")
+    eagle = dict(config.get("eagle_config") or {})
+    if not eagle.get("eagle_aux_hidden_state_layer_ids"):
+        if config.get(VLLM_IDS_KEY):
+            raise ValueError(f"{where}: {VLLM_IDS_KEY} {config[VLLM_IDS_KEY]} at the top level only: SGLang ignores "
+                             "it (its default layers) where vLLM reads it (layer inputs); add eagle_config's ids, "
+                             "the outputs of the layers the draft was trained on (docs/contract.md §2)")
+        if is_vl_config(target_config):
+            raise ValueError(f"{where}: no eagle_config.eagle_aux_hidden_state_layer_ids: for a vision-language "
+                             "target SGLang has no default layers (contract §1); add the ids the draft was trained on")
+        n = text_config(target_config).num_hidden_layers
+        eagle["eagle_aux_hidden_state_layer_ids"] = default_aux_layer_ids(n, first=max(1, deepstack_layers(target_config)))
+    eagle.setdefault("use_aux_hidden_state", True)
+    config["eagle_config"] = eagle  # a top-level key beside it must agree (the reader checks)
+    return config
+
+
+def _vocab_maps(config: dict, tensors: dict, where: Path) -> dict:
+    """d2t (draft id -> target id offset) and t2d as our reader wants them."""
+    tensors = dict(tensors)
+    vocab, draft_vocab = config.get("vocab_size"), config.get("draft_vocab_size")
+    if not (isinstance(vocab, int) and isinstance(draft_vocab, int) and 0 < draft_vocab <= vocab):
+        raise ValueError(f"{where}: vocab_size {vocab!r} and draft_vocab_size {draft_vocab!r} must be positive "
+                         "integers, the draft's no larger")
+    if "d2t" not in tensors:
+        if draft_vocab != vocab:
+            raise ValueError(f"{where}: draft_vocab_size {draft_vocab} < vocab_size {vocab} but the weights have "
+                             "no d2t: a server would read its draft ids as target ids")
+        tensors["d2t"] = torch.zeros(vocab, dtype=torch.int64)
+    d2t = tensors["d2t"].to(torch.int64)
+    target_ids = torch.arange(len(d2t)) + d2t
+    if len(d2t) != draft_vocab or (len(d2t) and (target_ids.min() < 0 or target_ids.max() >= vocab)):
+        raise ValueError(f"{where}: d2t has {len(d2t)} entries for draft_vocab_size {draft_vocab}, mapping to target "
+                         f"ids [{int(target_ids.min())}, {int(target_ids.max())}] of a vocab of {vocab}")
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[torch.arange(len(d2t)) + d2t] = True
+    tensors.update(d2t=d2t, t2d=t2d)
+    return tensors
+
+
+def _target_embedding(target_cfg) -> torch.Tensor:
+    from specforge.targets.loader import load_target
+
+    target = load_target(target_cfg)
+    return target.get_input_embeddings().weight.detach().float().cpu()

@@ -1,0 +1,153 @@
+"""Another trainer's draft as our checkpoint (specforge/draft_import.py, `specforge import-draft`):
+the same function as a server computes it, measured by our evaluation like our own epochs."""
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from specforge.checkpoint import load_draft
+from specforge.cli import main as cli
+from specforge.config import TargetConfig
+from specforge.draft_import import import_draft
+from specforge.eval.engine_eval import load_run_config
+from specforge.eval.stage import run_evaluation
+from specforge.speculators_format import to_speculators
+from specforge.utils.io import read_json
+from tests.test_eval_prompts import configs
+from tests.test_eval_profile import tiny_run  # noqa: F401 - the fixture: a run dir with one random draft
+
+
+@pytest.fixture(scope="module")
+def deep_target(tmp_path_factory):
+    """A tiny Llama deep enough (8 layers) for the default aux layers [1, 3, 4]."""
+    from specforge.targets.tiny import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("deep_target"), num_hidden_layers=8)
+
+
+def ours(deep_target, tmp_path):
+    """Our checkpoint of a random draft for `deep_target` with the default layers, and its tensors."""
+    from transformers import AutoModelForCausalLM
+
+    from specforge.checkpoint import save_checkpoint
+    from specforge.models.draft import Eagle3Config, Eagle3Draft
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(deep_target)
+    vocab = model.config.vocab_size
+    draft = Eagle3Draft(Eagle3Config.from_target(model.config, [1, 3, 4], draft_vocab_size=vocab // 2))
+    used = torch.randperm(vocab)[: vocab // 2].sort().values  # a reduced vocab: draft id i is target id used[i]
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[used] = True
+    draft.set_vocab_mapping(used - torch.arange(vocab // 2), t2d)
+    with torch.no_grad():  # trained drafts carry the target's embedding (frozen)
+        draft.embed_tokens.weight.copy_(model.get_input_embeddings().weight)
+    path = save_checkpoint(draft, tmp_path / "ours")
+    return path, load_file(path / "model.safetensors"), json.loads((path / "config.json").read_text())
+
+
+def target(path):
+    return TargetConfig(name="deep", path=str(path))
+
+
+def test_a_specforge_draft_imports_as_sglang_serves_it(deep_target, tmp_path):
+    """A SpecForge / EAGLE-repository directory: no eagle_config (SGLang's default layers), no
+    target_hidden_size / head_dim / t2d / embed_tokens, RoPE as transformers 5 writes it, weights
+    in pytorch_model.bin. Imported, it is our checkpoint with the same tensors."""
+    path, tensors, config = ours(deep_target, tmp_path)
+    src = tmp_path / "specforge"
+    src.mkdir()
+    theirs = {k: v for k, v in config.items() if k not in (
+        "eagle_config", "eagle_aux_hidden_state_layer_ids", "target_hidden_size", "head_dim", "rope_theta",
+        "rope_scaling", "specforge_target")}
+    theirs["rope_parameters"] = {"rope_theta": config["rope_theta"], "rope_type": "default"}
+    (src / "config.json").write_text(json.dumps(theirs))
+    torch.save({k: v for k, v in tensors.items() if k not in ("t2d", "embed_tokens.weight")}, src / "pytorch_model.bin")
+
+    dst = import_draft(src, tmp_path / "imported", target(deep_target))
+    again = load_file(dst / "model.safetensors")
+    assert again.keys() == tensors.keys() and all(torch.equal(again[k], tensors[k]) for k in tensors)
+    imported = json.loads((dst / "config.json").read_text())
+    assert imported["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]  # SGLang's default capture
+    assert imported["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # the same layers for vLLM
+    assert imported["rope_theta"] == config["rope_theta"] and imported["head_dim"] == config["head_dim"]
+    assert "specforge_target" not in imported  # not trained here: checked by shapes alone
+    assert load_draft(dst).config.aux_layer_ids == [1, 3, 4]
+
+
+def test_a_speculators_draft_imports_with_its_layers_renumbered(deep_target, tmp_path):
+    """speculators' layout: `layers.0.*`, the layer config nested, ids in vLLM's numbering."""
+    path, tensors, config = ours(deep_target, tmp_path)
+    src = tmp_path / "speculators"
+    src.mkdir()
+    layer = {k: config[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                                    "head_dim", "hidden_act", "rms_norm_eps", "rope_theta", "max_position_embeddings",
+                                    "vocab_size")}
+    (src / "config.json").write_text(json.dumps({
+        "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "model_type": "speculators",
+        "draft_vocab_size": config["draft_vocab_size"], "norm_before_residual": False,
+        "eagle_aux_hidden_state_layer_ids": [2, 4, 5], "transformer_layer_config": {**layer, "model_type": "llama"},
+        "speculators_config": {"algorithm": "eagle3", "verifier": {"name_or_path": str(deep_target)}}}))
+    save_file(to_speculators(tensors), src / "model.safetensors")
+    dst = import_draft(src, tmp_path / "imported", target(deep_target))
+    again = load_file(dst / "model.safetensors")
+    assert all(torch.equal(again[k], tensors[k]) for k in tensors) and again.keys() == tensors.keys()
+    assert load_draft(dst).config.aux_layer_ids == [1, 3, 4]
+
+    # its default residual (after hidden_norm) is not SGLang's layer: refused, naming the key
+    spec = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**spec, "norm_before_residual": True}))
+    with pytest.raises(ValueError, match=r"speculators/config.json: norm_before_residual: true"):
+        import_draft(src, tmp_path / "refused", target(deep_target))
+    assert not (tmp_path / "refused").exists()
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c, t: t.pop("d2t"), r"draft_vocab_size \d+ < vocab_size \d+ but the weights have no d2t"),
+    (lambda c, t: c.update(architectures=["LlamaForCausalLM"]), r"not an EAGLE-3 draft"),
+    # ids only where vLLM reads them: which numbering the draft was trained in is not knowable
+    (lambda c, t: c.pop("eagle_config"), r"eagle_aux_hidden_state_layer_ids \[2, 4, 5\] at the top level only"),
+    (lambda c, t: c.update(eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 3, 9], "use_aux_hidden_state": True},
+                           eagle_aux_hidden_state_layer_ids=[2, 4, 10]),
+     r"bad/config.json: the draft does not fit the target: .*the target has 8 decoder layers"),
+    (lambda c, t: c.update(hidden_size=32, head_dim=8), r"bad/model.safetensors: .*fc.weight: \(64, 192\) != expected"),
+])
+def test_what_a_server_would_misread_is_refused(deep_target, tmp_path, edit, message):
+    path, tensors, config = ours(deep_target, tmp_path)
+    src = tmp_path / "bad"
+    shutil.copytree(path, src)
+    config = {k: v for k, v in config.items() if k != "target_hidden_size"}
+    tensors = dict(tensors)
+    edit(config, tensors)
+    (src / "config.json").write_text(json.dumps(config))
+    save_file(tensors, src / "model.safetensors")
+    with pytest.raises(ValueError, match=message):
+        import_draft(src, tmp_path / "dst", target(deep_target))
+    assert not (tmp_path / "dst").exists() and [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_an_imported_draft_is_measured_like_our_own(tiny_run, tmp_path, capsys):
+    """`specforge import-draft` then `evaluate.py ckpt=... out_dir=...`: the same accept length as
+    the draft it came from, and the run's own evaluation untouched."""
+    src = tmp_path / "theirs"
+    shutil.copytree(tiny_run / "epoch_1", src)
+    config = json.loads((src / "config.json").read_text())
+    for key in ("eagle_aux_hidden_state_layer_ids", "target_hidden_size", "specforge_target"):
+        config.pop(key, None)
+    (src / "config.json").write_text(json.dumps(config))  # eagle_config kept: 4 layers have no default
+    cli(["import-draft", str(src), str(tiny_run / "theirs"), "--target", load_run_config(tiny_run).target.path])
+    assert "measure it: python evaluate.py" in capsys.readouterr().out
+
+    run_cfg, ev = configs(tiny_run, "dtype=float32")
+    run_evaluation(run_cfg, tiny_run, ev)
+    run_evaluation(run_cfg, tiny_run / "theirs", ev, tmp_path / "eval_theirs")
+    ours_, theirs = read_json(tiny_run / "eval" / "results.json"), read_json(tmp_path / "eval_theirs" / "results.json")
+    (a,), (b,) = ours_["configs"], theirs["configs"]
+    assert b["accept_length"] == a["accept_length"] and b["completion_tokens"] == a["completion_tokens"]
+    assert b["epoch"] is None and b["checkpoint"] == str(tiny_run / "theirs")
+    assert read_json(tiny_run / "eval" / "results.json") == ours_  # the run's own results untouched
+
+    with pytest.raises(SystemExit, match=r"import-draft: .*theirs: exists"):
+        cli(["import-draft", str(src), str(tiny_run / "theirs"), "--target", run_cfg.target.path])
