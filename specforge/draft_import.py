@@ -10,7 +10,9 @@ layout leaves implicit is filled in as the server fills it, never guessed:
   model.safetensors or pytorch_model.bin.
 - vLLM's speculators (`speculators_model_type: eagle3`): the Llama layer's config under
   `transformer_layer_config`, ids in vLLM's numbering (ours + 1), `layers.0.*` names
-  (specforge/speculators_format.py); `norm_before_residual: true` has no SGLang form and is refused.
+  (specforge/speculators_format.py); `norm_before_residual: true` has no SGLang form and is refused;
+  a sliding window (`layer_types`) stays in config.json for vLLM, with a warning (SGLang has none).
+  Checked on what speculators 0.9.0's save_pretrained writes.
 - `t2d` is rebuilt from `d2t`; a reduced vocab without `d2t` is refused (a server would read its
   draft ids as target ids). Without `embed_tokens` the target's embedding is used, as servers do
   (the target is loaded once for it).
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -109,6 +112,10 @@ def _speculators_layout(config: dict, tensors: dict, where: Path) -> tuple[dict,
     if layer.get("model_type", "llama") != "llama":
         raise ValueError(f"{where}: transformer_layer_config.model_type {layer.get('model_type')!r}: vLLM serves it "
                          "with its own layer (e.g. Qwen3's q/k norms); SGLang's EAGLE-3 layer is Llama's")
+    if "sliding_attention" in (layer.get("layer_types") or []):  # kept in config.json: vLLM applies it
+        warnings.warn(f"{where}: the draft attends within a sliding window of {layer.get('sliding_window')} tokens "
+                      "(as speculators trained it and vLLM serves it); SGLang and our engine attend to the whole "
+                      "context, the same numbers on shorter ones", stacklevel=2)
     ours = {**layer, **options, "architectures": [ARCHITECTURE], "model_type": "llama", "num_hidden_layers": 1,
             "draft_vocab_size": config.get("draft_vocab_size"), "tie_word_embeddings": False}
     if config.get("target_hidden_size") is not None:

@@ -78,23 +78,30 @@ def test_a_specforge_draft_imports_as_sglang_serves_it(deep_target, tmp_path):
 
 
 def test_a_speculators_draft_imports_with_its_layers_renumbered(deep_target, tmp_path):
-    """speculators' layout: `layers.0.*`, the layer config nested, ids in vLLM's numbering."""
+    """speculators' layout as its save_pretrained writes it (0.9.0, checked): `layers.0.*`, the layer
+    config nested with RoPE as rope_parameters and its verifier's sliding window, target_hidden_size
+    null, ids in vLLM's numbering."""
     path, tensors, config = ours(deep_target, tmp_path)
     src = tmp_path / "speculators"
     src.mkdir()
     layer = {k: config[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-                                    "head_dim", "hidden_act", "rms_norm_eps", "rope_theta", "max_position_embeddings",
-                                    "vocab_size")}
+                                    "head_dim", "hidden_act", "rms_norm_eps", "max_position_embeddings", "vocab_size")}
+    layer.update(model_type="llama", num_hidden_layers=1, layer_types=["sliding_attention"], sliding_window=2048,
+                 rope_parameters={"rope_theta": config["rope_theta"], "rope_type": "default"})
     (src / "config.json").write_text(json.dumps({
-        "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "model_type": "speculators",
-        "draft_vocab_size": config["draft_vocab_size"], "norm_before_residual": False,
-        "eagle_aux_hidden_state_layer_ids": [2, 4, 5], "transformer_layer_config": {**layer, "model_type": "llama"},
+        "architectures": ["Eagle3DraftModel"], "speculators_model_type": "eagle3", "draft_vocab_size":
+        config["draft_vocab_size"], "norm_before_residual": False, "target_hidden_size": None,
+        "eagle_aux_hidden_state_layer_ids": [2, 4, 5], "transformer_layer_config": layer,
         "speculators_config": {"algorithm": "eagle3", "verifier": {"name_or_path": str(deep_target)}}}))
     save_file(to_speculators(tensors), src / "model.safetensors")
-    dst = import_draft(src, tmp_path / "imported", target(deep_target))
+    with pytest.warns(UserWarning, match="sliding window of 2048 tokens"):
+        dst = import_draft(src, tmp_path / "imported", target(deep_target))
     again = load_file(dst / "model.safetensors")
     assert all(torch.equal(again[k], tensors[k]) for k in tensors) and again.keys() == tensors.keys()
-    assert load_draft(dst).config.aux_layer_ids == [1, 3, 4]
+    assert load_draft(dst).config.aux_layer_ids == [1, 3, 4] and load_draft(dst).config.rope_theta == config["rope_theta"]
+    imported = json.loads((dst / "config.json").read_text())
+    assert imported["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # vLLM reads our copy as it read theirs
+    assert imported["layer_types"] == ["sliding_attention"] and imported["sliding_window"] == 2048
 
     # its default residual (after hidden_norm) is not SGLang's layer: refused, naming the key
     spec = json.loads((src / "config.json").read_text())
