@@ -5,7 +5,8 @@ Why: measuring another trainer's draft with our engine on the same prompts as ou
 checkpoint our strict reader accepts, meaning exactly what a server makes of the original. What a
 layout leaves implicit is filled in as the server fills it, never guessed:
 - SpecForge / the EAGLE repository (`LlamaForCausalLMEagle3`): without `eagle_config` ids SGLang
-  captures its default layers, our [1, N//2-1, N-4] (docs/contract.md §2); `target_hidden_size`
+  captures its default layers, our [1, N//2-1, N-4]; ids it takes as layer inputs (DeepSeek-style
+  targets whose first id is not 1) become ours minus one (docs/contract.md §2); `target_hidden_size`
   defaults to `hidden_size` and `head_dim` to hidden / heads, as the servers read them; weights in
   model.safetensors or pytorch_model.bin.
 - vLLM's speculators (`speculators_model_type: eagle3`): the Llama layer's config under
@@ -30,7 +31,7 @@ from specforge.checkpoint import (CONFIG_NAME, WEIGHTS_NAME, CheckpointError, ch
                                   save_checkpoint)
 from specforge.models.draft import ARCHITECTURE, VLLM_IDS_KEY
 from specforge.speculators_format import from_speculators, options_of
-from specforge.targets.loader import default_aux_layer_ids, deepstack_layers, text_config
+from specforge.targets.loader import default_aux_layer_ids, deepstack_layers, sglang_adds_one, text_config
 from specforge.targets.vl import is_vl_config
 
 
@@ -95,12 +96,12 @@ def _read_weights(src: Path) -> dict[str, torch.Tensor]:
         return load_file(src / WEIGHTS_NAME)
     if (src / "pytorch_model.bin").is_file():  # the EAGLE repository's releases
         state = torch.load(src / "pytorch_model.bin", map_location="cpu", weights_only=True)
-        return {k: v for k, v in state.items()}
+        return dict(state)
     raise FileNotFoundError(f"{src}: neither {WEIGHTS_NAME} nor pytorch_model.bin")
 
 
 def _speculators_layout(config: dict, tensors: dict, where: Path) -> tuple[dict, dict]:
-    """Its config and tensors in SGLang's layout (vLLM reads the same draft this way: contract §7b)."""
+    """Its config and tensors in SGLang's layout (vLLM reads the same draft this way: docs/contract.md §7b)."""
     if config["speculators_model_type"] != "eagle3":
         raise ValueError(f"{where}: speculators_model_type {config['speculators_model_type']!r}: only eagle3 "
                          "drafts have SGLang's EAGLE-3 layout")
@@ -149,16 +150,24 @@ def _as_served(config: dict, target_config, where: Path) -> dict:
     if config.get("draft_vocab_size") is None:  # servers take the whole vocab then
         config["draft_vocab_size"] = config.get("vocab_size")
     eagle = dict(config.get("eagle_config") or {})
-    if not eagle.get("eagle_aux_hidden_state_layer_ids"):
+    ids = eagle.get("eagle_aux_hidden_state_layer_ids")
+    valid = isinstance(ids, list) and ids and all(isinstance(i, int) for i in ids)
+    if valid and not sglang_adds_one(target_config, ids):
+        # SGLang takes these ids as layer inputs for this target (docs/contract.md §2): ours are one lower
+        eagle["eagle_aux_hidden_state_layer_ids"] = [i - 1 for i in ids]
+        config.pop(VLLM_IDS_KEY, None)  # rewritten from them on save
+    if not ids:
         if config.get(VLLM_IDS_KEY):
             raise ValueError(f"{where}: {VLLM_IDS_KEY} {config[VLLM_IDS_KEY]} at the top level only: SGLang ignores "
                              "it (its default layers) where vLLM reads it (layer inputs); add eagle_config's ids, "
                              "the outputs of the layers the draft was trained on (docs/contract.md §2)")
         if is_vl_config(target_config):
             raise ValueError(f"{where}: no eagle_config.eagle_aux_hidden_state_layer_ids: for a vision-language "
-                             "target SGLang has no default layers (contract §1); add the ids the draft was trained on")
+                             "target SGLang has no default layers (docs/contract.md §1); add the ids the draft "
+                             "was trained on")
         n = text_config(target_config).num_hidden_layers
-        eagle["eagle_aux_hidden_state_layer_ids"] = default_aux_layer_ids(n, first=max(1, deepstack_layers(target_config)))
+        first = max(1, deepstack_layers(target_config))
+        eagle["eagle_aux_hidden_state_layer_ids"] = default_aux_layer_ids(n, first=first)
     eagle.setdefault("use_aux_hidden_state", True)
     config["eagle_config"] = eagle  # a top-level key beside it must agree (the reader checks)
     return config
@@ -182,7 +191,7 @@ def _vocab_maps(config: dict, tensors: dict, where: Path) -> dict:
         raise ValueError(f"{where}: d2t has {len(d2t)} entries for draft_vocab_size {draft_vocab}, mapping to target "
                          f"ids [{int(target_ids.min())}, {int(target_ids.max())}] of a vocab of {vocab}")
     t2d = torch.zeros(vocab, dtype=torch.bool)
-    t2d[torch.arange(len(d2t)) + d2t] = True
+    t2d[target_ids] = True
     tensors.update(d2t=d2t, t2d=t2d)
     return tensors
 

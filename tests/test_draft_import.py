@@ -98,7 +98,8 @@ def test_a_speculators_draft_imports_with_its_layers_renumbered(deep_target, tmp
         dst = import_draft(src, tmp_path / "imported", target(deep_target))
     again = load_file(dst / "model.safetensors")
     assert all(torch.equal(again[k], tensors[k]) for k in tensors) and again.keys() == tensors.keys()
-    assert load_draft(dst).config.aux_layer_ids == [1, 3, 4] and load_draft(dst).config.rope_theta == config["rope_theta"]
+    loaded = load_draft(dst).config
+    assert loaded.aux_layer_ids == [1, 3, 4] and loaded.rope_theta == config["rope_theta"]
     imported = json.loads((dst / "config.json").read_text())
     assert imported["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # vLLM reads our copy as it read theirs
     assert imported["layer_types"] == ["sliding_attention"] and imported["sliding_window"] == 2048
@@ -109,6 +110,31 @@ def test_a_speculators_draft_imports_with_its_layers_renumbered(deep_target, tmp
     with pytest.raises(ValueError, match=r"speculators/config.json: norm_before_residual: true"):
         import_draft(src, tmp_path / "refused", target(deep_target))
     assert not (tmp_path / "refused").exists()
+
+
+def test_ids_sglang_takes_as_layer_inputs_are_renumbered(deep_target, tmp_path):
+    """SpecForge's DeepSeek-style drafts (e.g. Kimi-K2.5's [2, 30, 58]) give ids SGLang takes as layer
+    inputs (no +1 when the first id is not 1): ours are one lower, and SGLang's +1 restores them."""
+    from transformers import AutoConfig, DeepseekV3Config
+
+    path, tensors, config = ours(deep_target, tmp_path)
+    llama = AutoConfig.from_pretrained(deep_target)
+    deepseek = tmp_path / "deepseek_target"
+    DeepseekV3Config(num_hidden_layers=8, hidden_size=llama.hidden_size, vocab_size=llama.vocab_size,
+                     architectures=["DeepseekV3ForCausalLM"]).save_pretrained(deepseek)
+    src = tmp_path / "specforge_kimi"
+    shutil.copytree(path, src)
+    theirs = {k: v for k, v in config.items() if k not in ("eagle_aux_hidden_state_layer_ids", "specforge_target")}
+    theirs["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [2, 4, 5], "use_aux_hidden_state": True}
+    (src / "config.json").write_text(json.dumps(theirs))
+    dst = import_draft(src, tmp_path / "imported", target(deepseek))
+    imported = json.loads((dst / "config.json").read_text())
+    assert imported["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+    assert imported["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # vLLM: the inputs of layers 2, 4, 5
+
+    # on a Llama target SGLang always adds its +1: the same ids are already ours
+    dst = import_draft(src, tmp_path / "llama", target(deep_target))
+    assert load_draft(dst).config.aux_layer_ids == [2, 4, 5]
 
 
 @pytest.mark.parametrize("edit, message", [

@@ -273,10 +273,23 @@ def default_aux_layer_ids(num_layers: int, first: int = 1) -> list[int]:
 
 
 # Targets whose SGLang model adds its +1 to a draft's ids only when the first id is 1 (SGLang 0.5.23's
-# deepseek_v2.py, glm4_moe_lite.py and their subclasses): other ids it takes as layer inputs.
+# deepseek_v2.py, glm4_moe_lite.py and their subclasses): other ids it takes as layer inputs
+# (sglang_adds_one).
 SGLANG_FIRST_ID_ONE = frozenset({
     "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "MistralLarge3ForCausalLM",
     "GlmMoeDsaForCausalLM", "Glm4MoeLiteForCausalLM", "KimiK25ForConditionalGeneration"})
+
+
+def sglang_adds_one(model_config, ids: list[int]) -> bool:
+    """Whether SGLang 0.5.23 serves a draft's explicit id L as the output of layer L (it captures at
+    the input of layer L+1), as we number them; otherwise it takes the ids as layer inputs: for
+    SGLANG_FIRST_ID_ONE targets unless the first id is 1, for gpt-oss when the last id is N."""
+    arch = next(iter(getattr(model_config, "architectures", None) or []), None)
+    if arch in SGLANG_FIRST_ID_ONE:
+        return ids[0] == 1
+    if arch == "GptOssForCausalLM":
+        return max(ids) != text_config(model_config).num_hidden_layers
+    return True
 
 
 def aux_layer_ids(target_cfg, model_config, kind: str | None = None) -> list[int]:
@@ -295,8 +308,8 @@ def aux_layer_ids(target_cfg, model_config, kind: str | None = None) -> list[int
     deepstack = f"its output carries the deepstack visual features of this {kind} target (layers 0..{d - 1})"
     ids = check_aux_layer_ids(ids, n, what="target.aux_layer_ids", count=3, hint=hint,
                               min_id=d, why_min=deepstack if d > 0 else None)
-    arch = next(iter(getattr(model_config, "architectures", None) or []), None)
-    if arch in SGLANG_FIRST_ID_ONE and ids[0] != 1:
+    if not sglang_adds_one(model_config, ids):
+        arch = model_config.architectures[0]
         raise ValueError(
             f"target.aux_layer_ids: {ids}: SGLang serves a {arch} target's draft the output of layer L for id L "
             f"only when the first id is 1; otherwise it reads each id as a layer's input, one layer earlier "
