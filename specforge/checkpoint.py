@@ -151,8 +151,8 @@ def save_checkpoint(draft: Eagle3Draft, out_dir: str | Path, dtype=torch.bfloat1
     return out_dir
 
 
-def read_config(path: str | Path) -> Eagle3Config:
-    """The validated config.json of a checkpoint directory, without reading its weights."""
+def read_config_json(path: str | Path) -> dict:
+    """The config.json of a draft directory as a dict (a JSON object), not yet validated."""
     cfg_path = Path(path) / CONFIG_NAME
     if not cfg_path.exists():
         raise CheckpointError(f"{cfg_path}: missing (a checkpoint is config.json + model.safetensors)")
@@ -162,7 +162,12 @@ def read_config(path: str | Path) -> Eagle3Config:
         raise CheckpointError(f"{cfg_path}: invalid JSON ({e})") from None
     if not isinstance(cfg_dict, dict):
         raise CheckpointError(f"{cfg_path}: must hold a JSON object")
-    return validate_config(cfg_dict, str(cfg_path))
+    return cfg_dict
+
+
+def read_config(path: str | Path) -> Eagle3Config:
+    """The validated config.json of a checkpoint directory, without reading its weights."""
+    return validate_config(read_config_json(path), str(Path(path) / CONFIG_NAME))
 
 
 def read_checkpoint(path: str | Path, weights: bool = True) -> tuple[Eagle3Config, dict[str, torch.Tensor]]:

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from specforge.checkpoint import (CONFIG_NAME, WEIGHTS_NAME, CheckpointError, check_fits_target, load_draft,
-                                  save_checkpoint)
+                                  read_config_json, save_checkpoint)
 from specforge.models.draft import ARCHITECTURE, VLLM_IDS_KEY
 from specforge.speculators_format import from_speculators, options_of
 from specforge.targets.loader import default_aux_layer_ids, deepstack_layers, sglang_adds_one, text_config
@@ -45,7 +45,7 @@ def import_draft(src: str | Path, dst: str | Path, target_cfg) -> Path:
     src, dst = Path(src), Path(dst)
     if dst.exists():
         raise FileExistsError(f"{dst}: exists; give a new directory")
-    config, where = _read_config(src)
+    config, where = read_config_json(src), src / CONFIG_NAME
     tensors = _read_weights(src)
     target_config = AutoConfig.from_pretrained(resolve_target_path(target_cfg),
                                                trust_remote_code=bool(target_cfg.trust_remote_code))
@@ -74,19 +74,6 @@ def import_draft(src: str | Path, dst: str | Path, target_cfg) -> Path:
         check_fits_target(draft.config, target_config, src)
         save_checkpoint(draft, dst, dtype=tensors["fc.weight"].dtype)  # the source's precision
     return dst
-
-
-def _read_config(src: Path) -> tuple[dict, Path]:
-    where = src / CONFIG_NAME
-    if not where.is_file():
-        raise FileNotFoundError(f"{where}: missing (a draft directory holds config.json and its weights)")
-    try:
-        config = json.loads(where.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{where}: invalid JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{where}: must hold a JSON object")
-    return config, where
 
 
 def _read_weights(src: Path) -> dict[str, torch.Tensor]:
