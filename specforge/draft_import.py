@@ -20,16 +20,14 @@ layout leaves implicit is filled in as the server fills it, never guessed:
 """
 from __future__ import annotations
 
-import json
-import tempfile
 import warnings
 from pathlib import Path
 
 import torch
 
-from specforge.checkpoint import (CONFIG_NAME, WEIGHTS_NAME, CheckpointError, check_fits_target, load_draft,
-                                  read_config_json, save_checkpoint)
-from specforge.models.draft import ARCHITECTURE, VLLM_IDS_KEY
+from specforge.checkpoint import (CONFIG_NAME, WEIGHTS_NAME, check_fits_target, read_config_json, save_checkpoint,
+                                  validate_config, validate_tensors, validate_vocab)
+from specforge.models.draft import ARCHITECTURE, VLLM_IDS_KEY, Eagle3Draft
 from specforge.speculators_format import from_speculators, options_of
 from specforge.targets.loader import default_aux_layer_ids, deepstack_layers, sglang_adds_one, text_config
 from specforge.targets.vl import is_vl_config
@@ -46,7 +44,7 @@ def import_draft(src: str | Path, dst: str | Path, target_cfg) -> Path:
     if dst.exists():
         raise FileExistsError(f"{dst}: exists; give a new directory")
     config, where = read_config_json(src), src / CONFIG_NAME
-    tensors = _read_weights(src)
+    tensors, weights_path = _read_weights(src)
     target_config = AutoConfig.from_pretrained(resolve_target_path(target_cfg),
                                                trust_remote_code=bool(target_cfg.trust_remote_code))
     if config.get("speculators_model_type") is not None:
@@ -61,29 +59,24 @@ def import_draft(src: str | Path, dst: str | Path, target_cfg) -> Path:
             raise ValueError(f"{src}: no embed_tokens.weight, and the target's embedding is "
                              f"{config['target_hidden_size']} wide where the draft's is {config['hidden_size']}")
         tensors["embed_tokens.weight"] = _target_embedding(target_cfg)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=dst.parent, prefix=f".{dst.name}.") as tmp:  # for the strict reader
-        from safetensors.torch import save_file
-
-        (Path(tmp) / CONFIG_NAME).write_text(json.dumps(config))
-        save_file({k: v.contiguous() for k, v in tensors.items()}, Path(tmp) / WEIGHTS_NAME)
-        try:
-            draft = load_draft(tmp)
-        except CheckpointError as e:  # name the source, not the scratch copy
-            raise CheckpointError(str(e).replace(tmp, str(src))) from None
-        check_fits_target(draft.config, target_config, src)
-        save_checkpoint(draft, dst, dtype=tensors["fc.weight"].dtype)  # the source's precision
-    return dst
+    # the checkpoint reader's checks, on the source's names
+    cfg = validate_config(config, str(where))
+    validate_tensors(cfg, {k: tuple(v.shape) for k, v in tensors.items()}, str(weights_path))
+    validate_vocab(tensors["d2t"], tensors["t2d"], str(weights_path))
+    check_fits_target(cfg, target_config, src)
+    draft = Eagle3Draft(cfg)
+    draft.load_state_dict(tensors, strict=True)
+    return save_checkpoint(draft, dst, dtype=tensors["fc.weight"].dtype)  # the source's precision
 
 
-def _read_weights(src: Path) -> dict[str, torch.Tensor]:
+def _read_weights(src: Path) -> tuple[dict[str, torch.Tensor], Path]:
     from safetensors.torch import load_file
 
     if (src / WEIGHTS_NAME).is_file():
-        return load_file(src / WEIGHTS_NAME)
+        return load_file(src / WEIGHTS_NAME), src / WEIGHTS_NAME
     if (src / "pytorch_model.bin").is_file():  # the EAGLE repository's releases
         state = torch.load(src / "pytorch_model.bin", map_location="cpu", weights_only=True)
-        return dict(state)
+        return dict(state), src / "pytorch_model.bin"
     raise FileNotFoundError(f"{src}: neither {WEIGHTS_NAME} nor pytorch_model.bin")
 
 
