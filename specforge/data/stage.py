@@ -150,14 +150,14 @@ def _identities(entries: list[str]) -> dict[str, tuple]:
     or for a file whose size another file shares, its bytes (hashed: each read at most once, and
     only then, so many shards cost a stat each). Missing files have none: the stage says they are."""
     paths = {e: Path(e) for e in entries if not is_hub(e)}
-    files = {e: p for e, p in paths.items() if p.is_file()}
-    sizes = Counter(files[e].stat().st_size for e in entries if e in files)  # a name listed twice: twice
+    size = {e: p.stat().st_size for e, p in paths.items() if p.is_file()}
+    shared = Counter(size[e] for e in entries if e in size)  # a name listed twice: twice
     ids: dict[str, tuple] = {}
     for e in dict.fromkeys(entries):  # each name once
         if is_hub(e):
             ids[e] = ("hub", *hub_name_split(e))
-        elif e in files and sizes[files[e].stat().st_size] > 1:
-            ids[e] = ("bytes", _bytes_hash(files[e]))
+        elif e in size and shared[size[e]] > 1:
+            ids[e] = ("bytes", _bytes_hash(paths[e]))
         elif paths[e].exists():
             ids[e] = ("path", str(paths[e].resolve()))
     return ids
