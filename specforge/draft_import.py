@@ -16,7 +16,7 @@ layout leaves implicit is filled in as the server fills it, never guessed:
   Checked on what speculators 0.9.0's save_pretrained writes.
 - `t2d` is rebuilt from `d2t`; a reduced vocab without `d2t` is refused (a server would read its
   draft ids as target ids). Without `embed_tokens` the target's embedding is used, as servers do
-  (the target is loaded once for it).
+  (read from the target's weights).
 """
 from __future__ import annotations
 
@@ -177,7 +177,6 @@ def _vocab_maps(config: dict, tensors: dict, where: Path) -> dict:
 
 
 def _target_embedding(target_cfg) -> torch.Tensor:
-    from specforge.targets.loader import load_target
+    from specforge.targets.loader import load_embedding_and_head
 
-    target = load_target(target_cfg)
-    return target.get_input_embeddings().weight.detach().float().cpu()
+    return load_embedding_and_head(target_cfg)[0]

@@ -5,12 +5,13 @@ from __future__ import annotations
 import shutil
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from specforge.checkpoint import save_checkpoint
 from specforge.config import TargetConfig
 from specforge.serving.model import load_model
-from specforge.targets.loader import load_target, resolve_target_path
+from specforge.targets.loader import load_embedding_and_head, load_target, resolve_target_path
 from tests.test_ttt import tiny_draft
 
 
@@ -56,3 +57,77 @@ def test_deepseek_targets_need_the_first_aux_id_to_be_one():
         aux_layer_ids(cfg([2, 5, 8]), deepseek)
     llama = LlamaConfig(num_hidden_layers=12, architectures=["LlamaForCausalLM"])
     assert aux_layer_ids(cfg([2, 5, 8]), llama) == [2, 5, 8]  # SGLang's llama always adds +1
+
+
+def _whole(cfg):
+    target = load_target(cfg)
+    return target.get_input_embeddings().weight.float(), target.get_output_embeddings().weight
+
+
+def test_the_embedding_and_head_are_read_alone_as_the_whole_target_gives_them(tmp_path, tiny_target_dir, capsys):
+    """Training and import-draft take only these two matrices: read from the safetensors without the
+    rest (a partial checkpoint, which load_target refuses, still gives them), equal to load_target's."""
+    cfg = TargetConfig(name="tiny", path=str(tiny_target_dir), dtype="float32")
+    embed, head, config = load_embedding_and_head(cfg)
+    want_embed, want_head = _whole(cfg)
+    assert torch.equal(embed, want_embed) and torch.equal(head, want_head) and embed.dtype == torch.float32
+    assert config.tie_word_embeddings and config.num_hidden_layers == 4
+    partial = target_without(tmp_path, tiny_target_dir, "layers.1.mlp.down_proj")
+    got = load_embedding_and_head(TargetConfig(name="tiny", path=str(partial), dtype="float32"))
+    assert torch.equal(got[0], want_embed) and "whole target" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_an_untied_head_in_a_sharded_bf16_checkpoint(tmp_path, dtype):
+    """Shards found through the index, the head apart from the embedding, each cast as load_target casts."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, tie_word_embeddings=False, bos_token_id=None, eos_token_id=1)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path, max_shard_size="8KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    cfg = TargetConfig(name="untied", path=str(tmp_path), dtype=dtype)
+    embed, head, _ = load_embedding_and_head(cfg)
+    want_embed, want_head = _whole(cfg)
+    assert not torch.equal(embed, head.float())
+    assert torch.equal(embed, want_embed) and torch.equal(head, want_head) and head.dtype == want_head.dtype
+
+
+def test_a_vl_target_and_a_checkpoint_whose_keys_transformers_renames(tmp_path, tiny_vl_dir):
+    """Qwen3-VL's keys are the model's names; Qwen2.5-VL checkpoints keep the older layout
+    (`model.embed_tokens`, loaded as `model.language_model.embed_tokens`): the one tensor of that
+    module and shape."""
+    from safetensors import safe_open
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    cfg = TargetConfig(name="vl", path=str(tiny_vl_dir), kind="qwen3_vl", dtype="float32")
+    embed, head, config = load_embedding_and_head(cfg)
+    assert (torch.equal(embed, _whole(cfg)[0]) and torch.equal(head, _whole(cfg)[1])
+            and type(config).__name__ == "Qwen3VLConfig")
+    config = Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, bos_token_id=None, eos_token_id=2, pad_token_id=0,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
+                           window_size=56, fullatt_block_indexes=[0]),
+        image_token_id=5, video_token_id=6, vision_start_token_id=3, vision_end_token_id=4, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    Qwen2_5_VLForConditionalGeneration(config).save_pretrained(tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        assert "model.embed_tokens.weight" in f.keys() and "model.language_model.embed_tokens.weight" not in f.keys()
+    cfg = TargetConfig(name="vl25", path=str(tmp_path), kind="qwen2_5_vl", dtype="float32")
+    embed, head, _ = load_embedding_and_head(cfg)
+    assert torch.equal(embed, _whole(cfg)[0]) and torch.equal(head, _whole(cfg)[1]) and not torch.equal(embed, head)
+
+
+def test_without_safetensors_the_whole_target_is_loaded_and_says_so(tmp_path, tiny_target_dir, capsys):
+    out = tmp_path / "bin"
+    shutil.copytree(tiny_target_dir, out)
+    torch.save(load_file(out / "model.safetensors"), out / "pytorch_model.bin")
+    (out / "model.safetensors").unlink()
+    cfg = TargetConfig(name="tiny", path=str(out), dtype="float32")
+    embed, head, _ = load_embedding_and_head(cfg)
+    assert f"loading the whole target for its embedding and head: {out} has no model.safetensors" in capsys.readouterr().out
+    want = _whole(TargetConfig(name="tiny", path=str(tiny_target_dir), dtype="float32"))
+    assert torch.equal(embed, want[0]) and torch.equal(head, want[1])

@@ -166,6 +166,19 @@ def load_target(target_cfg, device: str | torch.device = "cpu"):
     """The target as a transformers model in eval mode, without gradients (`target.kind` picks
     the class: causal_lm, qwen3_vl or qwen2_5_vl), in `target.dtype` where `device` computes in it
     (compute_dtype)."""
+    kind, path = _kind_and_path(target_cfg)
+    model = from_pretrained_whole(
+        model_class(kind),
+        path,
+        dtype=compute_dtype(torch_dtype(target_cfg.dtype), device),
+        trust_remote_code=target_cfg.trust_remote_code,
+    )
+    model.to(device).eval().requires_grad_(False)
+    return model
+
+
+def _kind_and_path(target_cfg) -> tuple[str, Path]:
+    """`target.kind` and the target's directory, refusing a directory of another kind."""
     kind = target_kind(target_cfg)
     path = resolve_target_path(target_cfg)
     if kind != "causal_lm":
@@ -175,14 +188,83 @@ def load_target(target_cfg, device: str | torch.device = "cpu"):
             raise ValueError(
                 f"target.kind: {kind!r} but {path}/config.json has model_type {model_type!r}"
             )
-    model = from_pretrained_whole(
-        model_class(kind),
-        path,
-        dtype=compute_dtype(torch_dtype(target_cfg.dtype), device),
-        trust_remote_code=target_cfg.trust_remote_code,
-    )
-    model.to(device).eval().requires_grad_(False)
-    return model
+    return kind, path
+
+
+def load_embedding_and_head(target_cfg) -> tuple[torch.Tensor, torch.Tensor, object]:
+    """The target's input embedding (fp32) and output head, as load_target would give them, and
+    its config. Training and import-draft need only these two matrices: they are read from the
+    target's safetensors alone (a 30B target is not loaded on the CPU for them: minutes and 60 GB).
+    Where the checkpoint does not name them unambiguously (pytorch_model.bin, quantized, keys
+    transformers renames on loading that match more than one tensor) the whole target is loaded."""
+    kind, path = _kind_and_path(target_cfg)
+    dtype = compute_dtype(torch_dtype(target_cfg.dtype))
+    found = _read_embedding_and_head(kind, path, target_cfg)
+    if isinstance(found, str):
+        print(f"[target] loading the whole target for its embedding and head: {found}", flush=True)
+        target = load_target(target_cfg)
+        return (target.get_input_embeddings().weight.detach().float(),
+                target.get_output_embeddings().weight.detach(), target.config)
+    embed, head, config = found
+    return embed.to(dtype).float(), head.to(dtype), config
+
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+PLAIN_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _read_embedding_and_head(kind: str, path: Path, target_cfg):
+    """(embed, head, config) in the checkpoint's dtype, or why they cannot be read alone. The names
+    come from the model itself, built on the meta device (no memory): a checkpoint key equal to one
+    of the weight's names, else the one key with the same module name and shape (a prefix that
+    transformers renames on loading, e.g. older VL checkpoints' `model.embed_tokens`)."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    if (path / SAFETENSORS_INDEX).is_file():
+        weight_map = json.loads((path / SAFETENSORS_INDEX).read_text()).get("weight_map") or {}
+        files = {key: path / name for key, name in weight_map.items()}
+    elif (path / "model.safetensors").is_file():
+        with safe_open(str(path / "model.safetensors"), "pt") as f:
+            files = dict.fromkeys(f.keys(), path / "model.safetensors")
+    else:
+        return f"{path} has no model.safetensors or {SAFETENSORS_INDEX}"
+    config = AutoConfig.from_pretrained(path, trust_remote_code=bool(target_cfg.trust_remote_code))
+    cls = model_class(kind)
+    try:
+        with torch.device("meta"):
+            model = (cls.from_config(config, trust_remote_code=bool(target_cfg.trust_remote_code))
+                     if hasattr(cls, "from_config") else cls._from_config(config))
+    except Exception as e:  # remote code that computes on its tensors at init: the whole load still works
+        return f"its model cannot be built on the meta device ({type(e).__name__}: {e})"
+    named = list(model.named_parameters(remove_duplicate=False))
+
+    def shape_of(key: str) -> tuple[int, ...]:
+        with safe_open(str(files[key]), "pt") as f:
+            return tuple(f.get_slice(key).get_shape())
+
+    def key_of(weight: torch.Tensor) -> str | None:
+        names = [name for name, p in named if p is weight]
+        for name in names:
+            if name in files:
+                return name if shape_of(name) == tuple(weight.shape) else None
+        modules = {".".join(name.split(".")[-2:]) for name in names}
+        alike = [k for k in files if ".".join(k.split(".")[-2:]) in modules and shape_of(k) == tuple(weight.shape)]
+        return alike[0] if len(alike) == 1 else None
+
+    weights = {"input embedding": model.get_input_embeddings().weight,
+               "output head": model.get_output_embeddings().weight}
+    keys = {what: key_of(weight) for what, weight in weights.items()}
+    tensors = {}  # by key: a tied head is the embedding, read once
+    for what, key in keys.items():
+        if key is None:
+            return f"no single tensor of {path} is its {what} {tuple(weights[what].shape)}"
+        if key not in tensors:
+            with safe_open(str(files[key]), "pt") as f:
+                tensors[key] = f.get_tensor(key)
+        if tensors[key].dtype not in PLAIN_FLOATS:
+            return f"its {what} ({key}) is stored as {tensors[key].dtype}"
+    return tensors[keys["input embedding"]], tensors[keys["output head"]], model.config
 
 
 def last_position(input_ids: torch.Tensor) -> torch.Tensor:

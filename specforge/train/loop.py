@@ -23,7 +23,7 @@ from specforge.distributed.preemption import StopRequests, TrainingInterrupted
 from specforge.distributed.strategy import make_strategy
 from specforge.extract.store import HiddenStateStore
 from specforge.models.draft import EAGLE31_OPTIONS, Eagle3Config, Eagle3Draft
-from specforge.targets.loader import compute_dtype, load_target, torch_dtype
+from specforge.targets.loader import compute_dtype, load_embedding_and_head, torch_dtype
 from specforge.train.batches import collate, epoch_batches, eval_batches, global_batches, steps_per_epoch
 from specforge.run_layout import RunLayout
 from specforge.train.state import StateManager, TrainState
@@ -130,16 +130,12 @@ def init_layer_as_identity(draft: Eagle3Draft) -> None:
 
 def target_head(cfg) -> tuple[torch.Tensor, torch.Tensor, object]:
     """The target's input embedding (fp32) and output head (its dtype), on CPU, with its config.
-    Rank 0 loads the target and sends the two matrices to the other ranks: a large target is not
-    loaded once per GPU for them."""
+    Rank 0 reads them (from the target's safetensors alone where it can) and sends them to the
+    other ranks."""
     env = dist.current()
     embed = head = config = None
     if env.is_main:
-        target = load_target(cfg.target)
-        embed = target.get_input_embeddings().weight.detach().float().cpu()
-        head = target.get_output_embeddings().weight.detach().cpu()
-        config = target.config
-        del target
+        embed, head, config = load_embedding_and_head(cfg.target)
     if not env.distributed:
         return embed, head, config
     shapes = dist.broadcast_object((embed.shape, head.shape, head.dtype, config) if env.is_main else None)
