@@ -31,6 +31,7 @@ class ExtractBackend(_Choice):
     embedded = "embedded"  # the target through transformers in this process
     server = "server"  # two running servers (extract.aux_url, extract.final_url)
     sglang = "sglang"  # two SGLang servers launched on this process's GPU
+    online = "online"  # no store: the train stage runs the target over each micro-batch, every epoch
 
 
 class HeadInit(_Choice):
@@ -496,6 +497,13 @@ def check_config(cfg) -> None:
     if "train" in cfg.stages and cfg.train.early_stop_patience and not cfg.data.eval_files:
         raise ValueError("train.early_stop_patience: stopping needs the held-out accept length of every epoch, "
                          "and there is no held-out split; set data.eval_files, or train.early_stop_patience=0")
+    if cfg.extract.backend == "online":
+        if cfg.target.kind not in (None, "causal_lm"):
+            raise ValueError(f"extract.backend=online: text targets only (target.kind={cfg.target.kind}); a "
+                             "vision-language target needs its images' states stored: extract.backend=embedded")
+        if cfg.extract.dtype == "fp8":
+            raise ValueError("extract.backend=online: fp8 is a storage format and nothing is stored online; "
+                             "extract.dtype=bfloat16 (the rounding training would read from a store) or float32")
     if "train" in cfg.stages and cfg.train.attention == "flex":
         import torch
 

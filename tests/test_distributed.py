@@ -130,6 +130,22 @@ def test_two_ranks_run_the_whole_pipeline_like_one_process(prep):
     assert [s["name"] for s in HiddenStateStore(run / "extract" / "train").shards] == shards
 
 
+def test_two_ranks_train_online_like_one_process_from_the_store(prep):
+    """extract=online under torchrun: no store; each rank loads the target and computes the states of
+    its own micro-batches. The training is the one-process run's from the bf16 store (states rounded
+    to bf16 alike; a store's batches pad otherwise, which may move a rounding: relative 1e-4)."""
+    ref = one_process(prep)
+    out = launch(prep, "ddp_online", 2, "train.strategy=ddp", "extract=online", stages="[data,extract,train]")
+    run = prep.outputs / "ddp_online"
+    assert "extract: running on 2 processes" in out and not (run / "extract" / "train").exists()
+    m_ref, m_run = metrics(ref), metrics(run)
+    assert [(m["split"], m["step"]) for m in m_run] == [(m["split"], m["step"]) for m in m_ref]
+    for a, b in zip(m_ref, m_run):
+        key = "loss" if a["split"] == "train" else "loss_0"
+        assert b[key] == pytest.approx(a[key], rel=1e-4), (a, b)
+        assert b.get("positions") == a.get("positions")
+
+
 def test_deepspeed_zero2_matches_and_writes_a_servable_checkpoint(prep):
     from specforge.checkpoint import load_draft
 

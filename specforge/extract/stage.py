@@ -146,10 +146,15 @@ def rank_dir_name(rank: int, world_size: int) -> str:
     return f"rank{rank:05d}of{world_size:05d}"
 
 
+def store_order(rows: list[dict]) -> list[int]:
+    """Row indices in the order a store holds them: longest first, ties by index (Extractor.batches')."""
+    return sorted(range(len(rows)), key=lambda i: (-len(rows[i]["input_ids"]), i))
+
+
 def chunk_plan(rows: list[dict], shard_samples: int) -> list[list[int]]:
-    """Row indices, longest first (ties by index), cut into chunks of `shard_samples`: exactly the
-    order and chunks of Extractor.run(rows, chunk=shard_samples) in one process."""
-    order = sorted(range(len(rows)), key=lambda i: (-len(rows[i]["input_ids"]), i))
+    """Row indices in store order, cut into chunks of `shard_samples`: exactly the order and chunks
+    of Extractor.run(rows, chunk=shard_samples) in one process."""
+    order = store_order(rows)
     return [order[c : c + shard_samples] for c in range(0, len(order), shard_samples)]
 
 
@@ -255,7 +260,26 @@ def extract_splits(cfg, run_dir: Path, splits: dict, extractor: Extractor, base_
     return summaries
 
 
-BACKENDS = ("embedded", "server", "sglang")
+BACKENDS = ("embedded", "server", "sglang", "online")
+
+
+def store_meta(cfg, model_config, target_path: Path) -> dict:
+    """What produced a store's states (or, online, the states training computes): a store from
+    another target, aux layers, dtype or backend is extracted again rather than resumed."""
+    from specforge.targets.loader import aux_layer_ids, target_fingerprint, text_config
+
+    tcfg = text_config(model_config)
+    return {
+        "backend": cfg.extract.backend,
+        "target_fingerprint": target_fingerprint(target_path),
+        "model_type": tcfg.model_type,
+        "aux_layer_ids": aux_layer_ids(cfg.target, model_config),
+        "hidden_size": tcfg.hidden_size,
+        "num_layers": tcfg.num_hidden_layers,
+        "vocab_size": tcfg.vocab_size,
+        "target_dtype": cfg.target.dtype,
+        **store_layout(cfg.extract.dtype),  # a dtype switch extracts again, never mixes dtypes in a store
+    }
 
 
 @contextlib.contextmanager
@@ -263,8 +287,7 @@ def open_backend(cfg, run_dir: Path, env):
     """(extractor, store meta) for `extract.backend`; servers a backend starts are stopped when
     the block ends. The meta names what produced the states: a store from another target,
     aux layers, dtype or backend is extracted again rather than resumed."""
-    from specforge.targets.loader import (aux_layer_ids, load_target, resolve_target_path, target_fingerprint,
-                                          text_config, torch_dtype)
+    from specforge.targets.loader import load_target, resolve_target_path, text_config, torch_dtype
     from specforge.targets.vl import is_vl
 
     backend = cfg.extract.backend
@@ -282,19 +305,8 @@ def open_backend(cfg, run_dir: Path, env):
                              "the merged image embeddings, which SGLang's hidden states do not carry; use "
                              "extract.backend=embedded")
         model_config = AutoConfig.from_pretrained(target_path, trust_remote_code=cfg.target.trust_remote_code)
-    tcfg = text_config(model_config)
-    aux = aux_layer_ids(cfg.target, model_config)
-    meta = {
-        "backend": backend,
-        "target_fingerprint": target_fingerprint(target_path),
-        "model_type": tcfg.model_type,
-        "aux_layer_ids": aux,
-        "hidden_size": tcfg.hidden_size,
-        "num_layers": tcfg.num_hidden_layers,
-        "vocab_size": tcfg.vocab_size,
-        "target_dtype": cfg.target.dtype,
-        **store_layout(cfg.extract.dtype),  # a dtype switch extracts again, never mixes dtypes in a store
-    }
+    meta = store_meta(cfg, model_config, target_path)
+    aux, tcfg = meta["aux_layer_ids"], text_config(model_config)
     if backend == "embedded":
         if is_vl(cfg.target.kind):
             from specforge.extract.vl import VLExtractor
@@ -336,6 +348,8 @@ def run(cfg, run_dir, fingerprint: str | None = None) -> dict:
         splits[split] = path
 
     env = dist.current()  # several processes: each extracts its share (extract_split_sharded)
+    if cfg.extract.backend == "online":
+        return check_online(cfg, run_dir, splits, env)
     with open_backend(cfg, run_dir, env) as (extractor, base_meta):
         summaries = extract_splits(cfg, run_dir, splits, extractor, base_meta, env)
 
@@ -363,3 +377,27 @@ def run(cfg, run_dir, fingerprint: str | None = None) -> dict:
             flush=True,
         )
     return summary
+
+
+def check_online(cfg, run_dir: Path, splits: dict, env) -> dict:
+    """extract=online stores nothing (the train stage computes the states: specforge/extract/online.py);
+    this stage still reads every row against the target's vocab, so bad data is refused before
+    training loads anything, and removes the stores of an earlier offline extraction."""
+    from transformers import AutoConfig
+
+    from specforge.targets.loader import resolve_target_path
+
+    target_path = resolve_target_path(cfg.target)
+    model_config = AutoConfig.from_pretrained(target_path, trust_remote_code=cfg.target.trust_remote_code)
+    meta = store_meta(cfg, model_config, target_path)
+    counts = {}
+    for split, path in splits.items():
+        rows = load_rows(path, vocab_size=meta["vocab_size"])
+        if not rows and split == "train":
+            raise ValueError(f"{path}: no rows; nothing to train on")
+        counts[split] = {"samples": len(rows), "tokens": total_tokens(rows)}
+    if env.is_main:
+        for split in SPLITS:
+            remove_store(RunLayout(run_dir).store(split))
+    return {"backend": "online", "aux_layer_ids": meta["aux_layer_ids"], "splits": counts,
+            "tokens": sum(c["tokens"] for c in counts.values()), "stored_bytes": 0}

@@ -144,6 +144,33 @@ def target_head(cfg) -> tuple[torch.Tensor, torch.Tensor, object]:
     return embed, head, shapes[3]
 
 
+def open_stores(cfg, layout: RunLayout, device) -> tuple:
+    """The train and (if any) eval split's samples: the extracted stores, or with extract=online the
+    data stage's rows with the target loaded here to compute their states (specforge/extract/online.py)."""
+    if cfg.extract.backend != "online":
+        eval_dir = layout.store("eval")
+        return (HiddenStateStore(layout.store("train")),
+                HiddenStateStore(eval_dir) if (eval_dir / "manifest.json").exists() else None)
+    from specforge.extract.embedded import EmbeddedExtractor
+    from specforge.extract.online import OnlineStates
+    from specforge.extract.stage import load_rows, store_meta, store_order
+    from specforge.targets.loader import load_target, resolve_target_path
+
+    target = load_target(cfg.target, device=device)
+    meta = store_meta(cfg, target.config, resolve_target_path(cfg.target))
+    extractor = EmbeddedExtractor(target, meta["aux_layer_ids"], batch_tokens=cfg.extract.batch_tokens,
+                                  storage_dtype=torch_dtype(cfg.extract.dtype))
+    stores = []
+    for split in ("train", "eval"):
+        path = layout.samples(split)
+        rows = load_rows(path, vocab_size=meta["vocab_size"]) if path.exists() else []
+        rows = [rows[i] for i in store_order(rows)]  # as a store holds them: the same batches and order
+        stores.append(OnlineStates(rows, extractor, dict(meta, split=split)) if rows else None)
+    if stores[0] is None:
+        raise ValueError(f"{layout.samples('train')}: no rows; nothing to train on")
+    return stores[0], stores[1]
+
+
 def noisy_features(aux: torch.Tensor, scale: float) -> torch.Tensor:
     """The target's states with uniform noise of `scale` x each state's RMS per token (EAGLE's
     feature noise, relative because residual streams differ in size by layer and token): the draft
@@ -315,9 +342,7 @@ def train(cfg, run_dir: Path, fingerprint: str) -> dict:
     main = env.is_main
 
     # -- inputs: hidden states, vocab map, the target's embedding and head -------------------------
-    train_store = HiddenStateStore(layout.store("train"))
-    eval_dir = layout.store("eval")
-    eval_store = HiddenStateStore(eval_dir) if (eval_dir / "manifest.json").exists() else None
+    train_store, eval_store = open_stores(cfg, layout, device)
     vocab = load_file(layout.vocab)
     # packed rows differ per epoch (and so may their number): every epoch takes as many steps as the
     # shortest; unpacked, every epoch has the same number of micro-batches

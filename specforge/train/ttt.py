@@ -75,6 +75,8 @@ class TeacherMemo:
         self.known: dict[int, tuple[np.ndarray, torch.Size]] = {}
 
     def samples(self, indices) -> list[dict]:
+        if hasattr(self.store, "prefetch"):  # extract=online: the micro-batch's states in one target forward
+            self.store.prefetch(indices)
         out = []
         for i in indices:
             sample = self.store[i]

@@ -1,0 +1,52 @@
+"""Training without a hidden-state store (`extract=online`): the target's states of a micro-batch
+are computed when training reads it, every epoch.
+
+Why: a store holds 8H bytes per token (4H in fp8); 300M tokens of a 4,096-wide target are ~10 TB.
+Online, nothing is written, at the price of one target forward per sample and epoch (the
+target stays loaded beside the draft). The samples read exactly as a store's (input_ids,
+loss_mask, aux, last; the states rounded to `extract.dtype` as a store would hold them), so
+everything downstream of the store is the same code. Text targets with the embedded backend.
+"""
+from __future__ import annotations
+
+import torch
+
+from specforge.extract.embedded import EmbeddedExtractor
+
+
+class OnlineStates:
+    """A data split's rows as a HiddenStateStore reads them, the states computed on demand.
+    `prefetch(indices)` computes a micro-batch in one forward and keeps it until the next one."""
+
+    vl = False
+
+    def __init__(self, rows: list[dict], extractor: EmbeddedExtractor, meta: dict):
+        self.rows, self.extractor, self.meta = rows, extractor, meta
+        self.lengths = [len(r["input_ids"]) for r in rows]
+        self._states: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.lengths)
+
+    @property
+    def ids(self) -> list[str]:
+        return [r["id"] for r in self.rows]
+
+    def prefetch(self, indices) -> None:
+        indices = [int(i) for i in indices]
+        missing = [i for i in indices if i not in self._states]
+        kept = {i: self._states[i] for i in indices if i in self._states}
+        if missing:
+            kept.update(zip(missing, self.extractor.forward([self.rows[i]["input_ids"] for i in missing])))
+        self._states = kept
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        if i not in self._states:
+            self.prefetch([i])
+        aux, last = self._states[i]
+        row = self.rows[i]
+        return {"input_ids": row["input_ids"].long(), "loss_mask": row["loss_mask"].long(), "aux": aux, "last": last}

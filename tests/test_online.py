@@ -1,0 +1,43 @@
+"""extract=online: no hidden-state store, the train stage computes each micro-batch's states with the
+target. Trained from the same rows, it must be the same training as from an extracted store."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specforge.checkpoint import read_checkpoint
+from specforge.pipeline import run_pipeline
+from specforge.utils.metrics_log import read_metrics
+from tests.test_pipeline import compose_cfg, weather_files  # noqa: F401  (fixture)
+
+
+def test_online_training_is_the_stored_states_training_without_a_store(weather_files, tiny_target_dir, capsys):  # noqa: F811
+    tmp = weather_files
+    common = ["extract.dtype=float32", "train.epochs=2", "train.pack_tokens=0"]
+    offline = compose_cfg(tmp, tiny_target_dir, *common, "run_name=offline")
+    online = compose_cfg(tmp, tiny_target_dir, *common, "run_name=online", "extract=online")
+    run_pipeline(offline)
+    summaries = run_pipeline(online)
+    off_dir, on_dir = tmp / "outputs" / "offline", tmp / "outputs" / "online"
+
+    assert summaries["extract"]["backend"] == "online" and summaries["extract"]["stored_bytes"] == 0
+    assert summaries["extract"]["splits"]["train"]["samples"] == 24
+    assert not (on_dir / "extract" / "train").exists() and (off_dir / "extract" / "train" / "manifest.json").exists()
+    want, got = read_metrics(off_dir / "metrics.jsonl"), read_metrics(on_dir / "metrics.jsonl")
+    assert [m["split"] for m in got] == [m["split"] for m in want]
+    for a, b in zip(want, got):  # padding differs (a store's batches vs micro-batches): float32 rounding only
+        assert b["loss" if "loss" in a else "sim_accept_length"] == pytest.approx(
+            a["loss" if "loss" in a else "sim_accept_length"], rel=1e-4, abs=1e-5)
+        assert b.get("positions") == a.get("positions")  # the same samples in the same batches
+    (cfg_a, w_a), (cfg_b, w_b) = read_checkpoint(off_dir / "epoch_2"), read_checkpoint(on_dir / "epoch_2")
+    assert cfg_a.aux_layer_ids == cfg_b.aux_layer_ids == [0, 1, 3]
+    for key in w_a:  # saved in bf16: at most one rounding step apart
+        torch.testing.assert_close(w_b[key].float(), w_a[key].float(), rtol=2 ** -7, atol=1e-4)
+    assert "| backend | online |" in (on_dir / "report.md").read_text()
+
+
+def test_online_refuses_what_it_cannot_compute(tmp_path, tiny_target_dir):
+    with pytest.raises(ValueError, match=r"extract.backend=online: fp8 is a storage format"):
+        run_pipeline(compose_cfg(tmp_path, tiny_target_dir, "extract=online", "extract.dtype=fp8"))
+    with pytest.raises(ValueError, match=r"extract.backend=online: text targets only \(target.kind=qwen3_vl\)"):
+        run_pipeline(compose_cfg(tmp_path, tiny_target_dir, "extract=online", "target.kind=qwen3_vl"))
