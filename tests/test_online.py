@@ -41,3 +41,29 @@ def test_online_refuses_what_it_cannot_compute(tmp_path, tiny_target_dir):
         run_pipeline(compose_cfg(tmp_path, tiny_target_dir, "extract=online", "extract.dtype=fp8"))
     with pytest.raises(ValueError, match=r"extract.backend=online: text targets only \(target.kind=qwen3_vl\)"):
         run_pipeline(compose_cfg(tmp_path, tiny_target_dir, "extract=online", "target.kind=qwen3_vl"))
+
+
+def test_a_micro_batch_is_computed_in_forwards_of_at_most_batch_tokens(tiny_target_dir):
+    """A packed micro-batch can hold many samples: its forwards are planned as an extraction's, and
+    each sample's states are what a forward of that sample alone gives."""
+    from specforge.config import TargetConfig
+    from specforge.extract.embedded import EmbeddedExtractor
+    from specforge.extract.online import OnlineStates
+    from specforge.targets.loader import load_target
+
+    target = load_target(TargetConfig(name="tiny", path=str(tiny_target_dir), dtype="float32"))
+    lengths = [30, 24, 20, 9, 5]
+    rows = [{"id": f"r{i}", "input_ids": torch.randint(0, 100, (n,), generator=torch.Generator().manual_seed(i)),
+             "loss_mask": torch.ones(n, dtype=torch.uint8)} for i, n in enumerate(lengths)]
+    extractor = EmbeddedExtractor(target, [0, 1, 3], batch_tokens=48, storage_dtype=torch.float32)
+    states = OnlineStates(rows, extractor, {"aux_layer_ids": [0, 1, 3]})
+    states.prefetch(range(5))
+    # longest first: [30], [24, 20] (2 x 24 = 48), [9, 5]: three forwards, none over 48 padded tokens
+    assert extractor.stats["padded_tokens"] == 30 + 48 + 18 and extractor.stats["tokens"] == sum(lengths)
+    alone = EmbeddedExtractor(target, [0, 1, 3], batch_tokens=48, storage_dtype=torch.float32)
+    for i, row in enumerate(rows):
+        aux, last = alone.forward([row["input_ids"]])[0]
+        torch.testing.assert_close(states[i]["aux"], aux, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(states[i]["last"], last, rtol=1e-5, atol=1e-5)
+    assert states.num_tokens == sum(lengths) and states.ids == [r["id"] for r in rows]
+    assert extractor.stats["tokens"] == sum(lengths)  # read from what was prefetched, not computed again

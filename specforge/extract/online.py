@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import torch
 
+from specforge.extract.batching import plan_batches
 from specforge.extract.embedded import EmbeddedExtractor
 
 
 class OnlineStates:
     """A data split's rows as a HiddenStateStore reads them, the states computed on demand.
-    `prefetch(indices)` computes a micro-batch in one forward and keeps it until the next one."""
+    `prefetch(indices)` computes a micro-batch's states and keeps them until the next one."""
 
     vl = False
 
@@ -40,8 +41,11 @@ class OnlineStates:
         indices = [int(i) for i in indices]
         missing = [i for i in indices if i not in self._states]
         kept = {i: self._states[i] for i in indices if i in self._states}
-        if missing:
-            kept.update(zip(missing, self.extractor.forward([self.rows[i]["input_ids"] for i in missing])))
+        # forwards of at most extract.batch_tokens padded tokens, as an extraction's (a packed
+        # micro-batch can hold many samples)
+        for part in plan_batches([self.lengths[i] for i in missing], self.extractor.batch_tokens):
+            chosen = [missing[j] for j in part]
+            kept.update(zip(chosen, self.extractor.forward([self.rows[i]["input_ids"] for i in chosen])))
         self._states = kept
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:

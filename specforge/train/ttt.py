@@ -75,7 +75,7 @@ class TeacherMemo:
         self.known: dict[int, tuple[np.ndarray, torch.Size]] = {}
 
     def samples(self, indices) -> list[dict]:
-        if hasattr(self.store, "prefetch"):  # extract=online: the micro-batch's states in one target forward
+        if hasattr(self.store, "prefetch"):  # extract=online: the micro-batch's states, computed together
             self.store.prefetch(indices)
         out = []
         for i in indices:
