@@ -1,5 +1,5 @@
 """Resume: a run killed in the middle of an epoch and started again with train.resume=auto ends with
-the weights of an uninterrupted run; SIGTERM saves a state first; a half-written or foreign state is
+the weights of an uninterrupted run (from a store, and with extract=online); SIGTERM saves a state first; a half-written or foreign state is
 never picked; resuming does not change the train stage's fingerprint.
 
 The reference is one process, batch_size 2, grad_accum 2 (tests/dist_helpers.py). The resumed run
@@ -55,6 +55,23 @@ def test_sigkill_mid_epoch_then_resume_auto_ends_with_the_uninterrupted_weights(
            [(m["split"], m["step"], round(m.get("loss", 0), 6)) for m in metrics(ref)]
     states = sorted(p.name for p in (run / "state").iterdir())
     assert states == [f"epoch_{e}" for e in range(1, EPOCHS + 1)]  # step states pruned, no temp dirs
+
+
+def test_online_training_killed_mid_epoch_resumes_to_the_uninterrupted_weights(prep):
+    """extract=online: no store to resume from; the resumed run computes the states of the
+    remaining micro-batches again, with the same forwards, and ends where an uninterrupted one does."""
+    online = ("train.grad_accum=2", "extract=online")
+    ref = reference_run(prep, "online_accum2", 1, *online)
+    run = new_run(prep, "online_killed")
+    proc = start(prep, "online_killed", 1, *online, "train.save_state_every=2")
+    wait_for(run / STEP_2, proc)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate()
+    out = launch(prep, "online_killed", 1, *online, "train.save_state_every=2", "train.resume=auto", fresh=False)
+    assert "[train] resuming from" in out and "/state/step_" in out
+    weights, ref_weights = master_weights(run), master_weights(ref)
+    for k in ref_weights:
+        torch.testing.assert_close(weights[k], ref_weights[k], rtol=0, atol=1e-6, msg=k)
 
 
 def test_sigterm_saves_a_state_then_exits_75(prep):
