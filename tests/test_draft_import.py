@@ -77,6 +77,21 @@ def test_a_specforge_draft_imports_as_sglang_serves_it(deep_target, tmp_path):
     assert load_draft(dst).config.aux_layer_ids == [1, 3, 4]
 
 
+def test_our_checkpoint_from_before_vllms_ids_gets_them_by_importing_it(deep_target, tmp_path):
+    """Checkpoints written before config.json carried vLLM's top-level ids read as they are, but vLLM
+    would serve them with other layers: import-draft writes the same checkpoint with the key."""
+    path, tensors, config = ours(deep_target, tmp_path)
+    old = tmp_path / "old"
+    shutil.copytree(path, old)
+    (old / "config.json").write_text(json.dumps({k: v for k, v in config.items()
+                                                 if k != "eagle_aux_hidden_state_layer_ids"}))
+    assert load_draft(old).config.aux_layer_ids == [1, 3, 4]
+    dst = import_draft(old, tmp_path / "new", target(deep_target))
+    assert json.loads((dst / "config.json").read_text()) == config
+    again = load_file(dst / "model.safetensors")
+    assert again.keys() == tensors.keys() and all(torch.equal(again[k], tensors[k]) for k in tensors)
+
+
 def test_a_speculators_draft_imports_with_its_layers_renumbered(deep_target, tmp_path):
     """speculators' layout as its save_pretrained writes it (0.9.0, checked): `layers.0.*`, the layer
     config nested with RoPE as rope_parameters and its verifier's sliding window, target_hidden_size
