@@ -11,9 +11,11 @@ from specforge.utils.metrics_log import read_metrics
 from tests.test_pipeline import compose_cfg, weather_files  # noqa: F401  (fixture)
 
 
-def test_online_training_is_the_stored_states_training_without_a_store(weather_files, tiny_target_dir, capsys):  # noqa: F811
+@pytest.mark.parametrize("pack_tokens", [0, 1024])
+def test_online_training_is_the_stored_states_training_without_a_store(weather_files, tiny_target_dir,  # noqa: F811
+                                                                       pack_tokens):
     tmp = weather_files
-    common = ["extract.dtype=float32", "train.epochs=2", "train.pack_tokens=0"]
+    common = ["extract.dtype=float32", "train.epochs=2", f"train.pack_tokens={pack_tokens}"]
     offline = compose_cfg(tmp, tiny_target_dir, *common, "run_name=offline")
     online = compose_cfg(tmp, tiny_target_dir, *common, "run_name=online", "extract=online")
     run_pipeline(offline)
