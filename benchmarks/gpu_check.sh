@@ -7,7 +7,7 @@
 #   verify        benchmarks/verify_cost_bench.py: its verify cost curve t_verify(N), N = 1..64
 #   train_length  benchmarks/train_bench.py --length-scaling: its draft's whole step, sdpa and flex
 #   attention     benchmarks/attention_device_bench.py: the TTT attention kernels alone
-#   stages        the tests that run the stages, the engine and the planner, here on the GPU
+#   stages        the tests that run the stages (extract=online too), the engine and the planner, here on the GPU
 # Our dependencies the GPU image lacks travel as wheels: `make gpu-wheels` fills .cache/gpu-wheels
 # (carry it); they are installed offline here, each only where it is missing.
 #   bash benchmarks/gpu_check.sh [OUT] [SECONDS] [PARTS]    # SECONDS: the whole budget (default 600)
@@ -58,6 +58,6 @@ XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")  # pytest-xdist wh
 # shellcheck disable=SC2086
 part stages 200 "${PYTEST[@]}" $XDIST --junitxml="$OUT/stages.xml" \
   tests/test_pipeline.py tests/test_pipeline_vl.py tests/test_extract.py tests/test_vl_target.py \
-  tests/test_engine.py tests/test_engine_vl.py tests/test_planner.py tests/test_resume.py
+  tests/test_engine.py tests/test_engine_vl.py tests/test_planner.py tests/test_resume.py tests/test_online.py
 python3 benchmarks/gpu_summary.py "$OUT" --out "$OUT/gpu.json"
 echo "== [$(elapsed)s] done: $OUT"
