@@ -69,3 +69,19 @@ def test_a_micro_batch_is_computed_in_forwards_of_at_most_batch_tokens(tiny_targ
         torch.testing.assert_close(states[i]["last"], last, rtol=1e-5, atol=1e-5)
     assert states.num_tokens == sum(lengths) and states.ids == [r["id"] for r in rows]
     assert extractor.stats["tokens"] == sum(lengths)  # read from what was prefetched, not computed again
+
+
+def test_switching_a_run_to_online_keeps_its_store_unread(weather_files, tiny_target_dir, capsys):  # noqa: F811
+    """A store is hours of target forwards: switching the same run to extract=online leaves it (and says
+    so), training reruns from the target; switching back resumes the store, nothing extracted again."""
+    tmp = weather_files
+    run_pipeline(compose_cfg(tmp, tiny_target_dir, "train.epochs=1"))
+    store = tmp / "outputs" / "smollm2_weather" / "extract" / "train"
+    before = sorted(p.name for p in store.iterdir())
+    summaries = run_pipeline(compose_cfg(tmp, tiny_target_dir, "train.epochs=1", "extract=online"))
+    assert summaries["extract"]["backend"] == "online" and summaries["train"]["steps"] == 6
+    assert "from an earlier extraction is kept but not read" in capsys.readouterr().out
+    assert sorted(p.name for p in store.iterdir()) == before
+    again = run_pipeline(compose_cfg(tmp, tiny_target_dir, "train.epochs=1"))
+    assert again["extract"]["extracted_tokens"] == 0 and again["extract"]["splits"]["train"]["resumed_samples"] == 24
+

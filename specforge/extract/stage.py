@@ -382,7 +382,8 @@ def run(cfg, run_dir, fingerprint: str | None = None) -> dict:
 def check_online(cfg, run_dir: Path, splits: dict, env) -> dict:
     """extract=online stores nothing (the train stage computes the states: specforge/extract/online.py);
     this stage still reads every row against the target's vocab, so bad data is refused before
-    training loads anything, and removes the stores of an earlier offline extraction."""
+    training loads anything. A store an earlier extraction wrote is left as it is (hours of target
+    forwards; switching back resumes it), unread, and said so."""
     from transformers import AutoConfig
 
     from specforge.targets.loader import resolve_target_path
@@ -396,8 +397,10 @@ def check_online(cfg, run_dir: Path, splits: dict, env) -> dict:
         if not rows and split == "train":
             raise ValueError(f"{path}: no rows; nothing to train on")
         counts[split] = {"samples": len(rows), "tokens": total_tokens(rows)}
-    if env.is_main:
-        for split in SPLITS:
-            remove_store(RunLayout(run_dir).store(split))
+    stores = [RunLayout(run_dir).store(split) for split in SPLITS]
+    kept = sum(f.stat().st_size for d in stores if d.exists() for f in d.rglob("*") if f.is_file())
+    if kept and env.is_main:
+        print(f"[extract] online: the store in {RunLayout(run_dir).extract_dir} ({kept / 1e9:.2f} GB) from an earlier "
+              "extraction is kept but not read; delete it to free the space", flush=True)
     return {"backend": "online", "aux_layer_ids": meta["aux_layer_ids"], "splits": counts,
             "tokens": sum(c["tokens"] for c in counts.values()), "stored_bytes": 0}
