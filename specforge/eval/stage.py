@@ -37,7 +37,7 @@ def check_eval(eval_cfg) -> None:
 
 
 def run_evaluation(run_cfg, ckpt: str | Path, eval_cfg, out_dir: str | Path | None = None) -> dict:
-    from specforge.eval.report import best_chain, best_config, write_results
+    from specforge.eval.report import best_config, write_results
     from specforge.eval.engine_eval import eval_with_engine, find_checkpoints
     from specforge.run_layout import RunLayout
     from specforge.run_report import write_run_report
@@ -71,8 +71,7 @@ def run_evaluation(run_cfg, ckpt: str | Path, eval_cfg, out_dir: str | Path | No
     best = best_config(results)
     if out_dir == eval_dir:
         if best:
-            write_json(layout.eval_choice, {"epoch": best["epoch"], "tree": best["tree"],
-                                            "chain": best_chain(results["configs"], best["epoch"], "speedup")})
+            record_choice(layout, best, results["configs"], "speedup")
         write_run_report(run_dir)
     print(report.read_text(), flush=True)
     return {"report": str(report), "configs": len(results["configs"]),
@@ -84,7 +83,7 @@ def run_planner(run_cfg, run_dir: Path, ckpts: list[Path], eval_cfg, out_dir: Pa
     """eval.planner=true: planner.json, heatmaps and report.md in `out_dir`; the cost model is
     kept with the run (reused while target, dtype, device and threads stay the same)."""
     from specforge.eval.planner_eval import eval_with_planner
-    from specforge.eval.report import best_chain, write_planner
+    from specforge.eval.report import write_planner
     from specforge.run_layout import RunLayout
     from specforge.run_report import write_run_report
 
@@ -94,8 +93,7 @@ def run_planner(run_cfg, run_dir: Path, ckpts: list[Path], eval_cfg, out_dir: Pa
     report = write_planner(planner, out_dir, results)
     best = planner["recommended"]
     if out_dir == layout.eval_dir:
-        write_json(layout.eval_choice, {"epoch": best["epoch"], "tree": best["tree"],
-                                        "chain": best_chain(planner["rows"], best["epoch"], "predicted_speedup")})
+        record_choice(layout, best, planner["rows"], "predicted_speedup")
         write_run_report(run_dir)
     print(report.read_text(), flush=True)
     return {"report": str(report), "planner": str(out_dir / layout.planner.name), "best_epoch": best["epoch"],
@@ -120,3 +118,13 @@ def check_checkpoints(ckpts: list[Path], target_cfg, allow_other_target: bool) -
 
 def run(cfg, run_dir: Path, fingerprint: str | None = None) -> dict:
     return run_evaluation(cfg, run_dir, cfg.eval)
+
+
+def record_choice(layout, best: dict, rows: list[dict], key: str) -> None:
+    """eval/ship.json (RunLayout.eval_choice): the epoch and tree to ship, and that epoch's fastest
+    chain by `key` for vLLM (the engine's `speedup` or the planner's `predicted_speedup`)."""
+    from specforge.eval.report import best_chain
+
+    write_json(layout.eval_choice, {"epoch": best["epoch"], "tree": best["tree"],
+                                    "chain": best_chain(rows, best["epoch"], key)})
+
