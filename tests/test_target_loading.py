@@ -2,6 +2,7 @@
 weights at random and only warns, and a draft checkpoint named as the target would load so."""
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -92,6 +93,11 @@ def test_an_untied_head_in_a_sharded_bf16_checkpoint(tmp_path, dtype):
     want_embed, want_head = _whole(cfg)
     assert not torch.equal(embed, head.float())
     assert torch.equal(embed, want_embed) and torch.equal(head, want_head) and head.dtype == want_head.dtype
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
+    (tmp_path / index["lm_head.weight"]).unlink()  # a partial download
+    with pytest.raises(FileNotFoundError, match=rf"model.safetensors.index.json: lm_head.weight is in "
+                                                rf"{index['lm_head.weight']}, which is missing \(a partial download\?\)"):
+        load_embedding_and_head(cfg)
 
 
 def test_a_vl_target_and_a_checkpoint_whose_keys_transformers_renames(tmp_path, tiny_vl_dir):

@@ -240,6 +240,9 @@ def _read_embedding_and_head(kind: str, path: Path, target_cfg):
     named = list(model.named_parameters(remove_duplicate=False))
 
     def shape_of(key: str) -> tuple[int, ...]:
+        if not files[key].is_file():
+            raise FileNotFoundError(f"{path / SAFETENSORS_INDEX}: {key} is in {files[key].name}, which is missing "
+                                    "(a partial download?)")
         with safe_open(str(files[key]), "pt") as f:
             return tuple(f.get_slice(key).get_shape())
 
