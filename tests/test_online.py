@@ -67,7 +67,7 @@ def test_a_micro_batch_is_computed_in_forwards_of_at_most_batch_tokens(tiny_targ
         aux, last = alone.forward([row["input_ids"]])[0]
         torch.testing.assert_close(states[i]["aux"], aux, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(states[i]["last"], last, rtol=1e-5, atol=1e-5)
-    assert states.num_tokens == sum(lengths) and states.ids == [r["id"] for r in rows]
+    assert states.num_tokens == sum(lengths) and [r["id"] for r in states.rows] == [r["id"] for r in rows]
     assert extractor.stats["tokens"] == sum(lengths)  # read from what was prefetched, not computed again
 
 

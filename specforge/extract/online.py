@@ -13,17 +13,20 @@ import torch
 
 from specforge.extract.batching import plan_batches
 from specforge.extract.embedded import EmbeddedExtractor
+from specforge.extract.stage import store_order
 
 
 class OnlineStates:
-    """A data split's rows as a HiddenStateStore reads them, the states computed on demand.
+    """A data split's rows as a HiddenStateStore reads them, in its order, the states computed when read.
     `prefetch(indices)` computes a micro-batch's states and keeps them until the next one."""
 
     vl = False
 
     def __init__(self, rows: list[dict], extractor: EmbeddedExtractor, meta: dict):
-        self.rows, self.extractor, self.meta = rows, extractor, meta
-        self.lengths = [len(r["input_ids"]) for r in rows]
+        # in the order a store holds them (longest first): the same batches, in the same order
+        self.rows = [rows[i] for i in store_order(rows)]
+        self.extractor, self.meta = extractor, meta
+        self.lengths = [len(r["input_ids"]) for r in self.rows]
         self._states: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __len__(self) -> int:
@@ -32,10 +35,6 @@ class OnlineStates:
     @property
     def num_tokens(self) -> int:
         return sum(self.lengths)
-
-    @property
-    def ids(self) -> list[str]:
-        return [r["id"] for r in self.rows]
 
     def prefetch(self, indices) -> None:
         indices = [int(i) for i in indices]

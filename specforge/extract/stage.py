@@ -92,6 +92,14 @@ def load_rows(path: Path, vocab_size: int | None = None) -> list[dict]:
     return rows
 
 
+def split_rows(path: Path, split: str, vocab_size: int | None) -> list[dict]:
+    """A split's rows (load_rows); a train split without any is refused."""
+    rows = load_rows(path, vocab_size=vocab_size)
+    if not rows and split == "train":
+        raise ValueError(f"{path}: no rows; nothing to train on")
+    return rows
+
+
 def _progress():
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
@@ -241,11 +249,9 @@ def extract_splits(cfg, run_dir: Path, splits: dict, extractor: Extractor, base_
     summaries = {}
     with _progress() if env.is_main else contextlib.nullcontext() as progress:
         for split, path in splits.items():
-            rows = load_rows(path, vocab_size=vocab_size)
+            rows = split_rows(path, split, vocab_size)
             out_dir = layout.store(split)
             if not rows:
-                if split == "train":
-                    raise ValueError(f"{path}: no rows; nothing to train on")
                 continue
             meta = dict(base_meta, split=split, source=file_fingerprint(path))
             if env.distributed:
@@ -393,9 +399,7 @@ def check_online(cfg, run_dir: Path, splits: dict, env) -> dict:
     meta = store_meta(cfg, model_config, target_path)
     counts = {}
     for split, path in splits.items():
-        rows = load_rows(path, vocab_size=meta["vocab_size"])
-        if not rows and split == "train":
-            raise ValueError(f"{path}: no rows; nothing to train on")
+        rows = split_rows(path, split, meta["vocab_size"])
         counts[split] = {"samples": len(rows), "tokens": total_tokens(rows)}
     stores = [RunLayout(run_dir).store(split) for split in SPLITS]
     kept = sum(f.stat().st_size for d in stores if d.exists() for f in d.rglob("*") if f.is_file())

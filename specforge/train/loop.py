@@ -153,22 +153,18 @@ def open_stores(cfg, layout: RunLayout, device) -> tuple:
                 HiddenStateStore(eval_dir) if (eval_dir / "manifest.json").exists() else None)
     from specforge.extract.embedded import EmbeddedExtractor
     from specforge.extract.online import OnlineStates
-    from specforge.extract.stage import load_rows, store_meta, store_order
+    from specforge.extract.stage import split_rows, store_meta
     from specforge.targets.loader import load_target, resolve_target_path
 
     target = load_target(cfg.target, device=device)
     meta = store_meta(cfg, target.config, resolve_target_path(cfg.target))
     extractor = EmbeddedExtractor(target, meta["aux_layer_ids"], batch_tokens=cfg.extract.batch_tokens,
                                   storage_dtype=torch_dtype(cfg.extract.dtype))
-    stores = []
-    for split in ("train", "eval"):
-        path = layout.samples(split)
-        rows = load_rows(path, vocab_size=meta["vocab_size"]) if path.exists() else []
-        rows = [rows[i] for i in store_order(rows)]  # as a store holds them: the same batches and order
-        stores.append(OnlineStates(rows, extractor, dict(meta, split=split)) if rows else None)
-    if stores[0] is None:
-        raise ValueError(f"{layout.samples('train')}: no rows; nothing to train on")
-    return stores[0], stores[1]
+    train_rows = split_rows(layout.samples("train"), "train", meta["vocab_size"])
+    eval_path = layout.samples("eval")
+    eval_rows = split_rows(eval_path, "eval", meta["vocab_size"]) if eval_path.exists() else []
+    return (OnlineStates(train_rows, extractor, dict(meta, split="train")),
+            OnlineStates(eval_rows, extractor, dict(meta, split="eval")) if eval_rows else None)
 
 
 def noisy_features(aux: torch.Tensor, scale: float) -> torch.Tensor:
