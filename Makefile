@@ -64,7 +64,7 @@ $(SGLANG_TF_DIR)/.installed: | $(STAMP)
 test-sglang-transformers: $(SGLANG_TF_DIR)/.installed
 	PYTHONPATH=$(SGLANG_TF_DIR) SPECFORGE_EXPECT_TRANSFORMERS=$(SGLANG_TRANSFORMERS) $(BIN)/python -m pytest -q \
 		-p no:cacheprovider tests/test_transformers_versions.py tests/test_extract.py tests/test_vl_target.py \
-		tests/test_engine.py tests/test_engine_vl.py
+		tests/test_engine.py tests/test_engine_vl.py tests/test_moe_target.py
 
 FORCE:
 

@@ -1,5 +1,5 @@
 """A tiny random target built locally: a byte-level BPE tokenizer trained on the spot with a
-ChatML template, and a small Llama (or Qwen3-VL) from a config. Tests and quick runs use it where
+ChatML template, and a small Llama (or Qwen3-MoE, or Qwen3-VL) from a config. Tests and quick runs use it where
 SmolLM2 would be too slow; it behaves like a real Hugging Face model directory."""
 from __future__ import annotations
 
@@ -114,6 +114,46 @@ def build_tiny_llama(
     return out_dir
 
 
+def build_tiny_qwen3_moe(
+    out_dir: str | Path,
+    num_hidden_layers: int = 4,
+    hidden_size: int = 64,
+    seed: int = 0,
+) -> Path:
+    """Write a random Qwen3-MoE target + tokenizer to `out_dir`: the architecture of
+    Qwen3-Coder-30B-A3B in miniature (every layer sparse, 8 experts with 2 per token, untied head,
+    QK norm, and a head_dim whose heads do not multiply to the hidden size: 4 x 32 for 64, as
+    32 x 128 for 2,048 there)."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    out_dir = Path(out_dir)
+    tok = build_tiny_tokenizer(out_dir)
+    config = Qwen3MoeConfig(
+        vocab_size=len(tok),
+        hidden_size=hidden_size,
+        intermediate_size=3 * hidden_size,  # unused by the target (no dense layer); the draft's MLP width
+        moe_intermediate_size=hidden_size // 2,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=None,
+    )
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(config)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
 # Image processor defaults of the tiny VL target: 16-pixel patches merged 2x2, so a 64x64 image
 # gives a 4x4 patch grid = 4 image tokens; at most 128x128 pixels (16 tokens) per image.
 TINY_VL_MIN_PIXELS = 32 * 32
@@ -198,10 +238,12 @@ if __name__ == "__main__":
 
     parser = argparse.ArgumentParser(description="Write a tiny random target model directory.")
     parser.add_argument("out_dir")
-    parser.add_argument("--kind", choices=["llama", "qwen3_vl"], default="llama")
+    parser.add_argument("--kind", choices=["llama", "qwen3_moe", "qwen3_vl"], default="llama")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if args.kind == "qwen3_vl":
         print(build_tiny_qwen3vl(args.out_dir, seed=args.seed))
+    elif args.kind == "qwen3_moe":
+        print(build_tiny_qwen3_moe(args.out_dir, seed=args.seed))
     else:
         print(build_tiny_llama(args.out_dir, seed=args.seed))
