@@ -249,6 +249,10 @@ class EvalConfig:
         "8_1_9", "5_2_8", "8_2_16", "8_3_16", "5_4_16", "6_3_16", "10_2_16", "10_2_32", "10_3_32", "8_3_32",
         "6_5_32", "6_10_32", "4_4_16", "4_2_14", "16_1_17", "12_2_16", "12_3_32", "12_2_32", "8_4_32", "9_4_32"])
     planner_confirm: int = 0
+    # vLLM drafts chains only (num_speculative_tokens T): the planner also plans the chains
+    # T_1_(T+1) for T = 1..planner_chains that the grid lacks, and ship.json / the run report's vLLM
+    # command take the fastest chain of them all (0: only the grid's chains).
+    planner_chains: int = 8
     url: Optional[str] = None
     scenario: Optional[str] = None  # serving benchmark preset: code | chat | completion (None: num_prompts x max_new_tokens, one at a time)
     # Serving benchmark (engine=server | sglang), see specforge/eval/server_eval.py
@@ -435,6 +439,7 @@ RANGES = {
         "eval.temperature": _at_least(0.0),
         "eval.timing_repeats": _at_least(1),
         "eval.planner_confirm": _at_least(0),
+        "eval.planner_chains": _within(0, 16),
         "eval.epochs": (lambda v: v is None or (len(v) > 0 and all(e >= 1 for e in v)), "be epochs >= 1 (or null: all)"),
         "eval.prompts": _one_of(("conversations", "random")),
         "eval.bench_backend": _one_of(("sglang", "openai")),

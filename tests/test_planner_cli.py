@@ -177,7 +177,8 @@ def threads():
 
 
 def test_eval_stage_plans_every_epoch_and_tree_and_recommends_the_best(planner_run, threads, capsys):
-    summary = run_evaluation(load_run_config(planner_run), planner_run, planner_cfg(planner_run, "planner_confirm=1"))
+    summary = run_evaluation(load_run_config(planner_run), planner_run,
+                             planner_cfg(planner_run, "planner_confirm=1", "planner_chains=5"))
     eval_dir = planner_run / "eval"
     planner = read_json(eval_dir / "planner.json")
     rows = planner["rows"]
@@ -194,7 +195,12 @@ def test_eval_stage_plans_every_epoch_and_tree_and_recommends_the_best(planner_r
     assert best["epoch"] == 1
 
     assert planner["cost_model"]["measured_now"] and planner["seconds"]["planner"] > 0
-    assert set(planner["cost_model"]["t_verify"]) == {"2", "3", "4", "6", "8"}
+    # beside the grid, the chains of up to 5 drafts it lacks, for vLLM; the recommendation stays in the grid
+    chains = planner["chains"]
+    assert [(r["epoch"], r["tree"]) for r in chains] == [(e, t) for e in (1, 2) for t in ("2_1_3", "4_1_5", "5_1_6")]
+    assert all(r["predicted_speedup"] > 0 and r["verify_rounds"] > 0 for r in chains)
+    assert planner["meta"]["chains"] == ["2_1_3", "4_1_5", "5_1_6"]
+    assert set(planner["cost_model"]["t_verify"]) == {"2", "3", "4", "5", "6", "8"}
     assert len(read_json(eval_dir / "cost_model.json")["models"]) == 1
 
     (confirmed,) = planner["confirmed"]
@@ -215,21 +221,25 @@ def test_eval_stage_plans_every_epoch_and_tree_and_recommends_the_best(planner_r
     assert (f"epoch_1 --speculative-num-steps {steps} --speculative-eagle-topk {topk} "
             f"--speculative-num-draft-tokens {tokens}") in (planner_run / "report.md").read_text().split("## Serve it")[1]
     assert f"**{best['tree']}** (recommended)" in capsys.readouterr().out
-    chain = max((r for r in rows if r["epoch"] == best["epoch"] and r["tree"] in ("1_1_2", "3_1_4")),
+    chain = max((r for r in rows + chains if r["epoch"] == best["epoch"] and r["tree"].split("_")[1] == "1"),
                 key=lambda r: r["predicted_speedup"])  # vLLM drafts chains: the fastest one is served there
     assert read_json(RunLayout(planner_run).eval_choice)["chain"]["tree"] == chain["tree"]
+    assert f"| {chain['tree'].split('_')[0]} | **{chain['tree']}** (vLLM) |" in report
+    assert "| num_speculative_tokens | chain |" in report and "and 3 more chains x 2 checkpoint(s)" in report
     assert f'"num_speculative_tokens": {chain["tree"].split("_")[0]}' in (planner_run / "report.md").read_text()
 
     # the same key again (one epoch, no confirmation): the stored cost model is reused
-    run_evaluation(load_run_config(planner_run), planner_run, planner_cfg(planner_run, "epochs=[2]"))
+    run_evaluation(load_run_config(planner_run), planner_run, planner_cfg(planner_run, "epochs=[2]", "planner_chains=5"))
     planner = read_json(eval_dir / "planner.json")
     assert not planner["cost_model"]["measured_now"] and planner["seconds"]["cost_model"] == 0
     assert {r["epoch"] for r in planner["rows"]} == {2} and "confirmed" not in planner
+    assert [r["tree"] for r in planner["chains"]] == ["2_1_3", "4_1_5", "5_1_6"]
     assert "Confirmed by the engine" not in (eval_dir / "report.md").read_text()
 
 
 @pytest.mark.parametrize("override, message", [
     ("temperature=0.7", "greedy only"), ("planner_trees=['3_1_5']", "chain"), ("planner_trees=[]", "empty"),
+    ("planner_chains=17", r"eval.planner_chains.*\[0, 16\]"),
     ("engine=server", "embedded")])
 def test_planner_refuses_what_it_cannot_run_before_loading(planner_run, tmp_path, override, message):
     with pytest.raises(ValueError, match=message):

@@ -239,8 +239,9 @@ def _ckpt_name(row: dict) -> str:
 
 
 def planner_markdown(planner: dict, plots: list[str] = ()) -> str:
-    """The planner's section: every tree of the recommended epoch (marked), the best tree of every
-    epoch, the cost model's figures, the confirmation by the engine when it ran, and the wall time."""
+    """The planner's section: every tree of the recommended epoch (marked), its chains by length
+    (vLLM's choice), the best tree of every epoch, the cost model's figures, the confirmation by the
+    engine when it ran, and the wall time."""
     meta, best, cost = planner["meta"], planner["recommended"], planner["cost_model"]
     rows = [r for r in planner["rows"] if r["checkpoint"] == best["checkpoint"]]
     confirmed = {r["tree"]: r for r in planner.get("confirmed", [])}
@@ -265,6 +266,7 @@ def planner_markdown(planner: dict, plots: list[str] = ()) -> str:
         if confirmed:
             cells.append(_fmt(confirmed[r["tree"]]["measured_speedup"]) if r["tree"] in confirmed else "")
         lines.append("| " + " | ".join(cells) + " |")
+    lines += _chain_lines(best, planner["rows"] + planner.get("chains", []))
     epochs = list(dict.fromkeys(r["checkpoint"] for r in planner["rows"]))
     if len(epochs) > 1:
         lines += ["", "Best tree per checkpoint:", "", "| checkpoint | tree | accept length | predicted speed-up |",
@@ -290,11 +292,32 @@ def planner_markdown(planner: dict, plots: list[str] = ()) -> str:
                   f"prefix of {cost['key']['prefix_len']} tokens), ms: base step {ms(cost['t_base'])}; verify "
                   f"{verify}; draft step {step}; catch-up over 1..{len(cost['t_extend'])} tokens "
                   f"{ms(min(cost['t_extend']))}-{ms(max(cost['t_extend']))}.", "",
-              f"Planner: {len(meta['trees'])} trees x {len(epochs)} checkpoint(s) in "
+              f"Planner: {len(meta['trees'])} trees"
+              + (f" and {len(meta['chains'])} more chains" if meta.get("chains") else "")
+              + f" x {len(epochs)} checkpoint(s) in "
               f"{seconds['planner']:.1f} s (cost model {seconds['cost_model']:.1f} s)"
               + (f"; engine confirmation {seconds['confirm']:.1f} s." if "confirm" in seconds else ".")]
     lines += [""] + [f"![{Path(p).stem}]({p})" for p in plots]
     return "\n".join(lines) + "\n"
+
+
+def _chain_lines(best: dict, rows: list[dict]) -> list[str]:
+    """The recommended epoch's chains by length, for servers that draft chains only (vLLM's
+    num_speculative_tokens); the one best_chain picks is marked."""
+    from specforge.engine.tree_spec import TreeSpec
+
+    chains = sorted((r for r in rows if r["checkpoint"] == best["checkpoint"] and TreeSpec.parse(r["tree"]).topk == 1),
+                    key=lambda r: TreeSpec.parse(r["tree"]).steps)
+    if not chains:
+        return []
+    pick = best_chain(chains, best["epoch"], "predicted_speedup")
+    lines = ["", f"Chains of `{_ckpt_name(best)}` (vLLM drafts chains only: num_speculative_tokens = T):", "",
+             "| num_speculative_tokens | chain | accept length | ms/round | predicted speed-up |", "|---|---|---|---|---|"]
+    for r in chains:
+        tree = f"**{r['tree']}** (vLLM)" if pick and r["tree"] == pick["tree"] else r["tree"]
+        lines.append(f"| {TreeSpec.parse(r['tree']).steps} | {tree} | {_fmt(r['accept_length'])} | "
+                     f"{r['t_round_ms']:.2f} | {_fmt(r['predicted_speedup'])} |")
+    return lines
 
 
 def plot_planner(planner: dict, plots_dir: Path) -> list[str]:
