@@ -183,3 +183,38 @@ def test_image_parts_in_a_text_template_are_a_row_error(tok):
                 {"role": "assistant", "content": "sky: rainy"}]
     with pytest.raises(TemplateError, match="cannot render"):
         render(tok, messages)
+
+
+# A reasoning template as Qwen3's and DeepSeek-R1's behave: an assistant turn before the last user
+# message is rendered without its <think> block, the turns after it with theirs.
+REASONING_TEMPLATE = (
+    "{% set ns = namespace(last_user=0) %}"
+    "{% for m in messages %}{% if m['role'] == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'assistant' and '</think>' in m['content'] %}"
+    "{% set answer = m['content'].split('</think>')[-1].lstrip('\\n') %}"
+    "{% set reasoning = m['content'].split('</think>')[0].split('<think>')[-1].strip('\\n') %}"
+    "{% if loop.index0 > ns.last_user %}"
+    "{{ '<|im_start|>assistant\\n<think>\\n' + reasoning + '\\n</think>\\n\\n' + answer + '<|im_end|>\\n' }}"
+    "{% else %}{{ '<|im_start|>assistant\\n' + answer + '<|im_end|>\\n' }}{% endif %}"
+    "{% else %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def test_a_reasoning_template_that_drops_earlier_think_blocks_trains_on_what_it_renders(tok):
+    """Multi-turn conversations of a thinking target (regenerated with data.regenerate.thinking=true):
+    the earlier turn is trained as rendered (its answer), the last one with its reasoning."""
+    tok.chat_template = REASONING_TEMPLATE
+    messages = [{"role": "user", "content": "Oslo?"},
+                {"role": "assistant", "content": "<think>\ncold\n</think>\n\nsky: snow"},
+                {"role": "user", "content": "Lima?"},
+                {"role": "assistant", "content": "<think>\nwarm\n</think>\n\nsky: sunny"}]
+    assert masked_text(tok, messages) == f"sky: snow{E}<think>\nwarm\n</think>\n\nsky: sunny{E}"
+    empty = [messages[0], {"role": "assistant", "content": "<think>\ncold\n</think>\n\n"}, *messages[2:]]
+    assert masked_text(tok, empty) == f"{E}<think>\nwarm\n</think>\n\nsky: sunny{E}"  # no answer: its end token
+    rewritten = [messages[0], {"role": "assistant", "content": "<think>\ncold\n</think>\n\nSKY: snow"}, *messages[2:]]
+    tok.chat_template = REASONING_TEMPLATE.replace("+ answer + '<|im_end|>\\n' }}{% endif %}",
+                                                   "+ answer | lower + '<|im_end|>\\n' }}{% endif %}")
+    with pytest.raises(TemplateError, match=r"messages\[1\].content: not found"):
+        render(tok, rewritten)  # a template that changes the answer itself is still refused

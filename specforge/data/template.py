@@ -64,9 +64,14 @@ def _special_ids(tokenizer) -> set[int]:
     return ids
 
 
+THINK_END = "</think>"
+
+
 def assistant_char_spans(tokenizer, messages: list[dict], full: str) -> list[tuple[int, int, int]]:
     """For each assistant turn: (generation start, content end, turn end) as character offsets
-    into `full`. Generation starts where the template's generation prompt ends."""
+    into `full`. Generation starts where the template's generation prompt ends. A template may
+    drop the reasoning (`<think>...</think>`) of a turn before the last user message; that turn's
+    content ends where its answer does."""
     spans = []
     for i, msg in enumerate(messages):
         if msg["role"] != "assistant":
@@ -83,6 +88,11 @@ def assistant_char_spans(tokenizer, messages: list[dict], full: str) -> list[tup
         content = msg["content"]
         if isinstance(content, str) and content:
             at = full.find(content, start, turn_end)
+            if at < 0 and THINK_END in content:
+                # Reasoning templates (Qwen3, DeepSeek-R1) render a turn before the last user message
+                # without its <think> block: the turn is its answer, as the target sees it later on.
+                content = content.rsplit(THINK_END, 1)[1].lstrip("\n")
+                at = full.find(content, start, turn_end) if content else start
             if at < 0:
                 raise TemplateError(
                     f"messages[{i}].content: not found in the rendered text after the generation prompt"
