@@ -28,8 +28,13 @@ from specforge.utils.io import fingerprint
 
 FORMATS = ("auto", "sharegpt", "messages", "conversations")
 
-# Role spellings seen in public datasets -> the three roles chat templates understand.
+# Role spellings seen in public datasets -> the roles chat templates understand (a tool's result:
+# OpenAI's "tool", its older "function", Llama 3's "ipython", glaive's ShareGPT "observation").
 ROLE_MAP = {
+    "tool": "tool",
+    "function": "tool",
+    "ipython": "tool",
+    "observation": "tool",
     "system": "system",
     "developer": "system",
     "human": "user",
@@ -363,16 +368,75 @@ def to_conversation(data: dict, fmt: str = "auto") -> dict:
         role = ROLE_MAP.get(raw_role.strip().lower()) if isinstance(raw_role, str) else None
         if role is None:
             raise DataError(f"{where}.{role_key}: unknown role {raw_role!r}")
-        if content_key not in turn:
+        calls = _tool_calls(turn.get("tool_calls"), f"{where}.tool_calls") if role == "assistant" else None
+        if content_key not in turn and not calls:
             raise DataError(f"{where}.{content_key}: missing")
-        content = _content(turn[content_key], f"{where}.{content_key}", slots=row_images is not None)
-        messages.append({"role": role, "content": content})
+        raw_content = turn.get(content_key)
+        if raw_content is None and calls:
+            raw_content = ""  # OpenAI: an assistant turn that only calls tools has content null
+        if role == "tool" and isinstance(raw_content, dict):
+            raw_content = json.dumps(raw_content, ensure_ascii=False)  # a result stored as an object
+        content = _content(raw_content, f"{where}.{content_key}", slots=row_images is not None)
+        reasoning = turn.get("reasoning_content") if role == "assistant" else None
+        if isinstance(reasoning, str) and reasoning.strip() and isinstance(content, str):
+            # vLLM's and SGLang's reasoning parsers split the thinking off; the target wrote both
+            content = f"<think>\n{reasoning.strip()}\n</think>\n\n{content}"
+        message = {"role": role, "content": content}
+        if calls:
+            message["tool_calls"] = calls
+        if role == "tool":
+            message.update({k: turn[k] for k in ("name", "tool_call_id") if isinstance(turn.get(k), str)})
+        messages.append(message)
     if row_images is not None:
         messages = _place_row_images(messages, *row_images)
     if system and system.strip() and messages[0]["role"] != "system":
         messages.insert(0, {"role": "system", "content": system})
 
-    return {"id": _row_id(data, messages), "messages": messages}
+    tools = _tools(data.get("tools"))
+    return {"id": _row_id(data, messages), "messages": messages, **({"tools": tools} if tools else {})}
+
+
+def _tools(value: Any) -> list[dict] | None:
+    """The row's tool definitions (OpenAI's `tools`: function schemas, or that list as a JSON
+    string as some datasets store it), passed to the chat template as `tools`."""
+    if value is None or value == "":
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise DataError(f"tools: not a JSON list ({e.msg} at character {e.pos})") from None
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        raise DataError(f"tools: expected a list of tool definitions (objects), got {type(value).__name__}")
+    return value or None
+
+
+def _tool_calls(value: Any, where: str) -> list[dict] | None:
+    """An assistant turn's calls as OpenAI writes them ({"type": "function", "function": {"name",
+    "arguments"}}, arguments a JSON string or an object) or bare {"name", "arguments"}; arguments
+    become an object, which chat templates render (a JSON string that does not parse is an error)."""
+    if value is None or value == []:
+        return None
+    if not isinstance(value, list):
+        raise DataError(f"{where}: expected a list of calls, got {type(value).__name__}")
+    calls = []
+    for j, call in enumerate(value):
+        fn = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise DataError(f"{where}[{j}]: expected {{\"function\": {{\"name\", \"arguments\"}}}}")
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError as e:
+                raise DataError(f"{where}[{j}].function.arguments: not JSON ({e.msg} at character {e.pos})") from None
+        if not isinstance(args, dict):
+            raise DataError(f"{where}[{j}].function.arguments: expected an object, got {type(args).__name__}")
+        out = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
+        if isinstance(call.get("id"), str):
+            out["id"] = call["id"]
+        calls.append(out)
+    return calls
 
 
 def _content(value: Any, where: str, slots: bool = False) -> str | list[dict]:

@@ -73,7 +73,8 @@ def normalise_split(cfg, files: list[str], max_chars: int, tokenizer=None,
                 continue
             conv = json.loads(rec["conv"])
             convs.append({"id": conv["id"], "messages": conv["messages"], "fixes": rec["fixes"],
-                          "kept_as_written": conv["kept_as_written"], "file": rec["file"], "line": rec["line"]})
+                          "kept_as_written": conv["kept_as_written"], "file": rec["file"], "line": rec["line"],
+                          **({"tools": conv["tools"]} if conv.get("tools") else {})})
             if render:
                 renders.append(_row_render(rec))
     return len(rows), convs, quarantine, renders if render else None
@@ -86,8 +87,9 @@ def render_split(cfg, convs: list[dict], tokenizer, vl=None) -> list[RowRender]:
     import pyarrow as pa
 
     cache = Path(cfg.cache_dir) / "datasets"
-    messages = pa.array([json.dumps(c["messages"]) for c in convs], pa.large_string())
-    batch = pa.record_batch([messages], names=["messages"])
+    rendered = pa.array([json.dumps({"messages": c["messages"], "tools": c.get("tools")}) for c in convs],
+                        pa.large_string())
+    batch = pa.record_batch([rendered], names=["conv"])
     rows, rows_key = _write_rows(cache, [batch])
     step = _Render(tokenizer, vl, cfg.data.max_length, cfg.data.overlength, cfg.data.special_token_text)
     key = fingerprint(rows_key, step.key(), _code_key())
@@ -115,12 +117,13 @@ class _Render:
         return {"ids": List(Value("int32")), "mask": List(Value("int8")), "truncated": Value("bool"),
                 "rreason": Value("string"), "images": Value("string")}
 
-    def columns(self, messages: list[list[dict] | None]) -> dict[str, list]:
-        """Output columns for these conversations (None: quarantined before rendering)."""
+    def columns(self, convs: list[dict | None]) -> dict[str, list]:
+        """Output columns for these conversations ({"messages", "tools"}; None: quarantined before rendering)."""
         out: dict[str, list] = {k: [] for k in ("ids", "mask", "truncated", "rreason", "images")}
-        for m in messages:
-            r = RowRender() if m is None else render_row(self.tokenizer, m, self.max_length, self.overlength, self.vl,
-                                                         self.special_token_text)
+        for c in convs:
+            r = RowRender() if c is None else render_row(self.tokenizer, c["messages"], self.max_length,
+                                                         self.overlength, self.vl, self.special_token_text,
+                                                         c.get("tools"))
             out["ids"].append(r.input_ids)
             out["mask"].append(r.loss_mask)
             out["truncated"].append(r.truncated)
@@ -129,7 +132,7 @@ class _Render:
         return out
 
     def __call__(self, batch: dict) -> dict:
-        return self.columns([json.loads(m) for m in batch["messages"]])
+        return self.columns([json.loads(c) for c in batch["conv"]])
 
 
 class _Normalise:
@@ -153,7 +156,7 @@ class _Normalise:
 
     def __call__(self, batch: dict) -> dict:
         out: dict[str, list] = {k: [] for k in ("file", "line", "conv", "fixes", "reason", "key")}
-        messages = []
+        convs = []
         for text, error, file, line in zip(batch["raw"], batch["error"], batch["file"], batch["line"]):
             raw = parse_raw_text(file, line, text, error)
             conv, fixes, reason = None, [], None
@@ -166,10 +169,11 @@ class _Normalise:
             out["conv"].append(None if conv is None else json.dumps(conv))
             out["fixes"].append(fixes)
             out["reason"].append(reason)
-            out["key"].append(dedupe_key(conv["messages"]) if conv is not None and self.dedupe else None)
-            messages.append(None if conv is None else conv["messages"])
+            out["key"].append(dedupe_key(conv["messages"], conv.get("tools")) if conv is not None and self.dedupe
+                              else None)
+            convs.append(conv)
         if self.render:
-            out.update(self.render.columns(messages))
+            out.update(self.render.columns(convs))
         return out
 
 

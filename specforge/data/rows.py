@@ -36,19 +36,20 @@ class RowRender:
 
 
 def render_row(tokenizer, messages: list[dict], max_length: int, overlength: str, vl=None,
-               special_token_text: str = "quarantine") -> RowRender:
+               special_token_text: str = "quarantine", tools: list[dict] | None = None) -> RowRender:
     """Tokenize one conversation with the chat template (`vl`: (image processor, VLInfo) of a
-    vision-language target); over-length and template errors become a reason, not a crash, and so
-    does text that spells a special token (data.special_token_text=keep: tokenized as it comes)."""
+    vision-language target; `tools`: the row's tool definitions); over-length and template errors
+    become a reason, not a crash, and so does text that spells a special token
+    (data.special_token_text=keep: tokenized as it comes)."""
     if special_token_text == "quarantine" and (where := special_token_in_text(tokenizer, messages)):
         return RowRender(reason=f"special_token_text: {where}, which the tokenizer reads as its control token, "
                                 "not as text")
     images = {}
     try:
         if vl is None:
-            r = render(tokenizer, messages, max_length, overlength)
+            r = render(tokenizer, messages, max_length, overlength, tools)
         else:
-            r, paths, grids = render_vl(tokenizer, messages, *vl, max_length, overlength)
+            r, paths, grids = render_vl(tokenizer, messages, *vl, max_length, overlength, tools)
             images = {"images": paths, "image_grid_thw": grids} if paths else {}
     except DataError as e:  # TemplateError: the template cannot be mapped for this row
         reason = str(e) if str(e).startswith(("image_", "template_error")) else f"template_error: {e}"

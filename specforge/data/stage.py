@@ -270,7 +270,7 @@ def process_split(cfg, split: str, files: list[str], tokenizer, progress=None, r
         renders = []
         for conv in convs:
             renders.append(render_row(tokenizer, conv["messages"], cfg.data.max_length, cfg.data.overlength, vl,
-                                      cfg.data.special_token_text))
+                                      cfg.data.special_token_text, conv.get("tools")))
             if task is not None:
                 progress.advance(task)
     elif task is not None:
@@ -305,7 +305,8 @@ def _collect(split: str, convs: list[dict], renders: list, quarantine: list[dict
         else:
             kept += 1
         samples.append({"id": conv["id"], "input_ids": r.input_ids, "loss_mask": r.loss_mask, **r.images})
-        conversations.append({"id": conv["id"], "messages": conv["messages"]})
+        conversations.append({"id": conv["id"], "messages": conv["messages"],
+                              **({"tools": conv["tools"]} if conv.get("tools") else {})})
         if key := prompt_key(conv["messages"]):
             prompts.setdefault(key, f"{conv.get('file')} line {conv.get('line')}")
     lengths = [len(s["input_ids"]) for s in samples]

@@ -48,12 +48,13 @@ def _apply(tokenizer, messages: list[dict], **kw):
         raise TemplateError(f"messages: the chat template cannot render this conversation ({e})") from None
 
 
-def _template_text(tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:
-    return _apply(tokenizer, messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+def _template_text(tokenizer, messages: list[dict], add_generation_prompt: bool, tools=None) -> str:
+    return _apply(tokenizer, messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                  **({"tools": tools} if tools else {}))
 
 
-def _template_ids(tokenizer, messages: list[dict]) -> list[int]:
-    out = _apply(tokenizer, messages, tokenize=True)
+def _template_ids(tokenizer, messages: list[dict], tools=None) -> list[int]:
+    out = _apply(tokenizer, messages, tokenize=True, **({"tools": tools} if tools else {}))
     ids = out["input_ids"] if hasattr(out, "keys") else out
     return list(ids)
 
@@ -67,7 +68,7 @@ def _special_ids(tokenizer) -> set[int]:
 THINK_END = "</think>"
 
 
-def assistant_char_spans(tokenizer, messages: list[dict], full: str) -> list[tuple[int, int, int]]:
+def assistant_char_spans(tokenizer, messages: list[dict], full: str, tools=None) -> list[tuple[int, int, int]]:
     """For each assistant turn: (generation start, content end, turn end) as character offsets
     into `full`. Generation starts where the template's generation prompt ends. A template may
     drop the reasoning (`<think>...</think>`) of a turn before the last user message; that turn's
@@ -76,14 +77,14 @@ def assistant_char_spans(tokenizer, messages: list[dict], full: str) -> list[tup
     for i, msg in enumerate(messages):
         if msg["role"] != "assistant":
             continue
-        prefix = _template_text(tokenizer, messages[:i], add_generation_prompt=True)
+        prefix = _template_text(tokenizer, messages[:i], add_generation_prompt=True, tools=tools)
         if not full.startswith(prefix):
             raise TemplateError(
                 f"messages[{i}]: the chat template renders the conversation before this assistant "
                 f"turn differently from the full conversation; cannot locate the turn"
             )
         start = len(prefix)
-        upto = _template_text(tokenizer, messages[: i + 1], add_generation_prompt=False)
+        upto = _template_text(tokenizer, messages[: i + 1], add_generation_prompt=False, tools=tools)
         turn_end = len(upto) if full.startswith(upto) and len(upto) > start else len(full)
         content = msg["content"]
         if isinstance(content, str) and content:
@@ -100,24 +101,36 @@ def assistant_char_spans(tokenizer, messages: list[dict], full: str) -> list[tup
             content_end = at + len(content)
         else:
             content_end = start
+        for call in msg.get("tool_calls") or ():
+            if call["function"]["name"] not in full[start:turn_end]:
+                raise TemplateError(f"messages[{i}].tool_calls: the chat template does not render the call to "
+                                    f"{call['function']['name']!r} (a template without tool support?)")
         spans.append((start, content_end, turn_end))
     return spans
 
 
-def render(tokenizer, messages: list[dict], max_length: int | None = None, overlength: str = "truncate") -> Rendered:
+def render(tokenizer, messages: list[dict], max_length: int | None = None, overlength: str = "truncate",
+           tools: list[dict] | None = None) -> Rendered:
     """Tokenize a conversation with its chat template; loss on assistant content + end of turn.
 
     The loss mask covers every token the model generates after the assistant header up to and
-    including the first special token after the content (`<|im_end|>` in ChatML), never the
-    header, the newline after the end token, or system/user turns. A token straddling the
-    header/content boundary (e.g. "assistant: " + "sky" -> " sky") counts as generated."""
+    including the first special token after the content (`<|im_end|>` in ChatML): the content and
+    whatever the template renders after it in that turn (its tool calls), never the header, the
+    newline after the end token, or system/user/tool turns. A token straddling the header/content
+    boundary (e.g. "assistant: " + "sky" -> " sky") counts as generated. `tools`: the row's tool
+    definitions, which the template renders (usually into the system turn)."""
     if overlength not in OVERLENGTH:
         raise ValueError(f"data.overlength: {overlength!r} is not one of {list(OVERLENGTH)}")
-    full = _template_text(tokenizer, messages, add_generation_prompt=False)
+    full = _template_text(tokenizer, messages, add_generation_prompt=False, tools=tools)
+    names = [str((t.get("function", t) if isinstance(t.get("function", t), dict) else {}).get("name"))
+             for t in tools or ()]
+    if tools and not any(n in full for n in names):
+        raise TemplateError(f"tools: the chat template renders none of the row's tools ({', '.join(names)}): "
+                            "a template without tool support?")
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     input_ids = list(enc["input_ids"])
     offsets = enc["offset_mapping"]
-    expected = _template_ids(tokenizer, messages)
+    expected = _template_ids(tokenizer, messages, tools)
     if input_ids != expected:
         raise TemplateError(
             "chat template: tokenizing the rendered text does not give the template's own token ids"
@@ -125,14 +138,14 @@ def render(tokenizer, messages: list[dict], max_length: int | None = None, overl
 
     specials = _special_ids(tokenizer)
     loss_mask = [0] * len(input_ids)
-    spans = assistant_char_spans(tokenizer, messages, full)
+    spans = assistant_char_spans(tokenizer, messages, full, tools)
     for (start, content_end, turn_end), turn in zip(spans, range(len(spans))):
         closed = False
         for t, (a, b) in enumerate(offsets):
-            if a < content_end and b > start:  # overlaps the generated text (a token may straddle the header)
-                loss_mask[t] = 1
-            elif content_end <= a < turn_end and input_ids[t] in specials:
-                loss_mask[t] = 1  # the end-of-turn token closing this assistant turn
+            if b <= start or a >= turn_end:
+                continue
+            loss_mask[t] = 1  # generated: the content (a token may straddle the header), then its tool calls
+            if a >= content_end and input_ids[t] in specials:  # the end-of-turn token closing this turn
                 closed = True
                 break
         if not closed:

@@ -34,14 +34,14 @@ def prompt_with_pictures(input_ids: list[int], pictures: list, image_processor, 
 
 
 def render_vl(tokenizer, messages: list[dict], image_processor, info, max_length: int | None = None,
-              overlength: str = "truncate") -> tuple[Rendered, list[str], list[list[int]]]:
+              overlength: str = "truncate", tools: list[dict] | None = None) -> tuple[Rendered, list[str], list[list[int]]]:
     """(rendered sample, image paths, image grids [t, h, w]) of one conversation.
 
     Truncation never cuts through an image: the sample ends before the first image that does not
     fit whole, and the images after the cut are dropped with it."""
     if overlength not in OVERLENGTH:
         raise ValueError(f"data.overlength: {overlength!r} is not one of {list(OVERLENGTH)}")
-    text = render(tokenizer, messages)
+    text = render(tokenizer, messages, tools=tools)
     paths = image_paths(messages)
     try:
         images = image_inputs(open_images(paths), image_processor) if paths else None

@@ -29,11 +29,12 @@ HELDOUT, HUMANEVAL = "heldout", "humaneval"
 BUILTIN = (HELDOUT, HUMANEVAL)
 
 
-def render_prompt(head: list[dict], tokenizer, vl=None) -> dict:
+def render_prompt(head: list[dict], tokenizer, vl=None, tools: list[dict] | None = None) -> dict:
     """{"input_ids", "messages"} of prompt turns, rendered with the chat template and its generation
-    prompt; with `vl` (image processor, VLInfo) image placeholders are expanded and the prompt also
-    carries "images": {"pixel_values", "image_grid_thw"}."""
-    ids = tokenizer.apply_chat_template(head, add_generation_prompt=True, tokenize=True)
+    prompt (and the row's tool definitions); with `vl` (image processor, VLInfo) image placeholders
+    are expanded and the prompt also carries "images": {"pixel_values", "image_grid_thw"}."""
+    ids = tokenizer.apply_chat_template(head, add_generation_prompt=True, tokenize=True,
+                                        **({"tools": tools} if tools else {}))
     if hasattr(ids, "keys"):  # BatchEncoding from newer transformers
         ids = ids["input_ids"]
     prompt = {"input_ids": list(ids), "messages": head}
@@ -55,7 +56,7 @@ def heldout_prompts(conversations_file: str | Path, tokenizer, limit: int, vl=No
         head = prompt_turns(row["messages"])
         if not any(m["role"] == "user" for m in head):
             continue
-        prompts.append({"id": row["id"], **render_prompt(head, tokenizer, vl)})
+        prompts.append({"id": row["id"], **render_prompt(head, tokenizer, vl, row.get("tools"))})
         if len(prompts) >= limit:
             break
     if not prompts:
@@ -85,7 +86,7 @@ def file_conversations(path: str) -> list[dict]:
             raise ValueError(f"{where}: {e} (rows are conversations, or {{\"prompt\": text or messages}})") from None
         if not any(m["role"] == "user" for m in head):
             raise ValueError(f"{where}: no user turn before the first assistant turn: nothing to prompt with")
-        rows.append({"id": conv["id"], "messages": head})
+        rows.append({"id": conv["id"], "messages": head, **({"tools": conv["tools"]} if "tools" in conv else {})})
     if not rows:
         raise ValueError(f"eval.suites: {path}: no rows")
     return rows
@@ -168,6 +169,7 @@ def load_suites(run_cfg, eval_cfg, tokenizer, vl=None) -> dict[str, list[dict]]:
                 if with_images is not None:
                     raise ValueError(f"eval.suites: {entry}: prompt {with_images['id']!r} has images but the "
                                      f"target ({run_cfg.target.kind}) is not a vision-language model")
-            prompts = [{"id": r["id"], **render_prompt(r["messages"], tokenizer, vl)} for r in rows[:limit]]
+            prompts = [{"id": r["id"], **render_prompt(r["messages"], tokenizer, vl, r.get("tools"))}
+                       for r in rows[:limit]]
         suites[name] = [{**p, "suite": name} for p in prompts]
     return suites

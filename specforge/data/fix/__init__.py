@@ -82,12 +82,14 @@ def fix_dataset(
         try:
             conv, fixes = fix_row(raw, cfg, fmt, images, max_chars)
             if cfg.enabled and cfg.dedupe:
-                check_duplicate(dedupe_key(conv["messages"]), f"{raw.file}:{raw.line}", first_seen)
+                check_duplicate(dedupe_key(conv["messages"], conv.get("tools")), f"{raw.file}:{raw.line}",
+                                first_seen)
         except Quarantine as q:
             result.quarantined.append(quarantine_entry(raw, q.reason))
             continue
         result.kept.append({"id": conv["id"], "messages": conv["messages"], "fixes": fixes,
-                            "kept_as_written": conv["kept_as_written"], "file": raw.file, "line": raw.line})
+                            "kept_as_written": conv["kept_as_written"], "file": raw.file, "line": raw.line,
+                            **({"tools": conv["tools"]} if "tools" in conv else {})})
     result.counts = _counts(n, result)
     return result
 
@@ -106,8 +108,9 @@ def fix_row(
     except DataError as e:
         raise Quarantine(f"invalid_row: {e}") from None
     check_row_length(conv["messages"], max_chars)
+    tools = {"tools": conv["tools"]} if "tools" in conv else {}  # the row's tool definitions, for the template
     if not cfg.enabled:
-        return {"id": conv["id"], "messages": conv["messages"], "kept_as_written": []}, []
+        return {"id": conv["id"], "messages": conv["messages"], "kept_as_written": [], **tools}, []
     fixes = role_name_fixes(raw.data, fmt)
     messages = conv["messages"]
     messages = images.resolve_images(messages, raw.file)  # not a fix: no name recorded
@@ -128,7 +131,8 @@ def fix_row(
             raise Quarantine(f"toon_unrepairable: {e}") from None
         except ToonNotADocument as e:
             raise Quarantine(f"toon_not_a_document: {e}") from None
-    return {"id": conv["id"], "messages": messages, "kept_as_written": as_written}, fixes + dropped + merged + toon_fixes
+    return ({"id": conv["id"], "messages": messages, "kept_as_written": as_written, **tools},
+            fixes + dropped + merged + toon_fixes)
 
 
 def check_config(cfg: FixConfig) -> None:

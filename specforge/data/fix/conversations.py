@@ -15,7 +15,7 @@ from PIL import Image, UnidentifiedImageError
 
 from specforge.data.formats import detect_format
 
-CANONICAL_ROLES = ("system", "user", "assistant")
+CANONICAL_ROLES = ("system", "user", "assistant", "tool")
 # ShareGPT's own spellings are its format, not a defect; anything else that was mapped is a fix.
 NATIVE_ROLES = {"sharegpt": ("system", "human", "gpt")}
 REMOTE_PREFIXES = ("http://", "https://", "data:")
@@ -65,8 +65,10 @@ def is_empty(content: str | list) -> bool:
 
 
 def drop_empty_turns(messages: list[dict], policy: str) -> tuple[list[dict], list[str]]:
-    """Empty turns carry no signal and break role alternation: drop them or quarantine."""
-    empty = [i for i, m in enumerate(messages) if is_empty(m["content"])]
+    """Empty turns carry no signal and break role alternation: drop them or quarantine. A turn that
+    calls tools is not empty, and a tool's result is kept even when empty (its call needs it)."""
+    empty = [i for i, m in enumerate(messages)
+             if is_empty(m["content"]) and not m.get("tool_calls") and m["role"] != "tool"]
     if not empty:
         return messages, []
     if policy == "quarantine":
@@ -76,11 +78,12 @@ def drop_empty_turns(messages: list[dict], policy: str) -> tuple[list[dict], lis
 
 
 def merge_consecutive(messages: list[dict]) -> tuple[list[dict], list[str]]:
-    """Chat templates expect alternating turns; join runs of one role (text with a blank line)."""
+    """Chat templates expect alternating turns; join runs of one role (text with a blank line).
+    Tool results (one per call) and turns that call tools are never joined."""
     merged: list[dict] = []
     fixes: list[str] = []
     for m in messages:
-        if merged and merged[-1]["role"] == m["role"]:
+        if merged and merged[-1]["role"] == m["role"] and not _tool_turn(m) and not _tool_turn(merged[-1]):
             merged[-1] = {"role": m["role"], "content": _join(merged[-1]["content"], m["content"])}
             name = f"merged_consecutive_{m['role']}"
             if name not in fixes:
@@ -88,6 +91,10 @@ def merge_consecutive(messages: list[dict]) -> tuple[list[dict], list[str]]:
         else:
             merged.append(m)
     return merged, fixes
+
+
+def _tool_turn(message: dict) -> bool:
+    return message["role"] == "tool" or bool(message.get("tool_calls"))
 
 
 def _join(a: str | list, b: str | list) -> str | list:
@@ -106,15 +113,16 @@ def require_assistant(messages: list[dict], policy: str) -> None:
         raise Quarantine("no_assistant_turn: the conversation has no assistant turn")
 
 
-def dedupe_key(messages: list[dict]) -> str:
+def dedupe_key(messages: list[dict], tools: list[dict] | None = None) -> str:
     """Duplicates are judged on the cleaned messages, not the id: copies often get new ids.
 
     Image parts are compared by the absolute path the fix step resolved them to (remote URLs as
     written), not by how the row spelled them: "a.png" and "./a.png" beside the same data file
     are one image, so two rows that differ only in that spelling are duplicates, while the same
     relative spelling in two folders (two different files) is not. The image bytes are not
-    compared: two copies of one picture under different paths are different images here."""
-    text = json.dumps(messages, sort_keys=True, ensure_ascii=False)
+    compared: two copies of one picture under different paths are different images here. A row's
+    tool definitions count too: the same turns offered other tools are another sample."""
+    text = json.dumps(messages if not tools else [messages, tools], sort_keys=True, ensure_ascii=False)
     return hashlib.sha256(text.encode()).hexdigest()
 
 

@@ -157,8 +157,10 @@ def repair_answers(messages: list[dict], where: str, prose: str = "keep",
         return fn(text, prose, kept)
     out, fixes, turn = [], [], 0
     for m in messages:
-        if m["role"] != "assistant":
+        calls_only = bool(m.get("tool_calls")) and isinstance(m["content"], str) and not m["content"].strip()
+        if m["role"] != "assistant" or calls_only:  # a turn that only calls tools holds no answer
             out.append(m)
+            turn += m["role"] == "assistant"
             continue
         turn += 1
         try:

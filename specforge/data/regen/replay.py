@@ -57,9 +57,17 @@ def conversation_key(conv: dict) -> str:
     return fingerprint(conv["id"], conv["messages"])
 
 
-def turns_to_answer(messages: list[dict]) -> int:
+def uses_tools(messages: list[dict], tools=None) -> bool:
+    """A conversation with tool definitions, calls or results is kept as written: the target's own
+    calls would not match the tool results recorded after them."""
+    return bool(tools) or any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
+
+
+def turns_to_answer(messages: list[dict], tools=None) -> int:
     """The assistant turns the target is asked for: those after a user turn (a canned greeting
-    before any is copied as it is)."""
+    before any is copied as it is); none in a conversation that uses tools."""
+    if uses_tools(messages, tools):
+        return 0
     asked, user_seen = 0, False
     for message in messages:
         user_seen = user_seen or message["role"] == "user"
@@ -79,7 +87,10 @@ class Replay:
         self.messages: list[dict] = []  # the new conversation so far
         self.pos = 0  # next source message to copy or answer
         self.turns = 0  # assistant turns regenerated
-        self.asked = turns_to_answer(self.source)  # at most this many answers (a failure ends it early)
+        # at most this many answers (a failure ends it early)
+        self.asked = turns_to_answer(self.source, conv.get("tools"))
+        if uses_tools(self.source, conv.get("tools")):  # copied as it is: "unchanged"
+            self.messages, self.pos = list(self.source), len(self.source)
         self.answers = 0  # answers received, usable or not
         self.tokens = 0
         self.failure: RegenFailure | None = None

@@ -73,7 +73,8 @@ def regenerate_conversations(
             backend = make_backend(cfg, target_cfg, seed)  # loaded only when there is work
             # The bar counts turns as they are answered: the embedded backend journals a group of
             # conversations at a time (minutes apart on a CPU), the turns come steadily.
-            per_key = {k: turns_to_answer(c["messages"]) for c, k in zip(conversations, keys)}  # once each
+            per_key = {k: turns_to_answer(c["messages"], c.get("tools"))  # once each
+                       for c, k in zip(conversations, keys)}
             total = sum(per_key.values())
             with nullcontext(progress) if progress is not None else progress_bar() as bar:
                 task = bar.add_task(f"regenerate {split} (turns)", total=total,
