@@ -10,6 +10,7 @@ import shutil
 import pytest
 
 from specforge.data import stage
+from specforge.data.fix.conversations import role_name_fixes
 from specforge.data.formats import DataError, to_conversation
 from specforge.data.regen.replay import Replay
 from specforge.data.template import TemplateError, render
@@ -66,6 +67,24 @@ def test_openai_tool_rows_are_read_with_their_calls_results_and_tools():
                                              {"role": "assistant", "content": "sky: snow", "reasoning_content": "cold"}]})
     assert thinking["messages"][1]["content"] == "<think>\ncold\n</think>\n\nsky: snow"  # as the target wrote it
     assert "tools" not in thinking
+
+
+def test_sharegpt_function_call_and_observation_turns(tok):
+    """LLaMA-Factory's ShareGPT spelling: the call as JSON text in a `function_call` turn, its result in
+    an `observation` turn, the tools as a JSON string."""
+    row = {"conversations": [{"from": "human", "value": "Weather in Oslo on day 0?"},
+                             {"from": "function_call", "value": json.dumps({"name": "forecast", "arguments": {"day": 0}})},
+                             {"from": "observation", "value": "snow"},
+                             {"from": "gpt", "value": "sky: snow 0"}], "tools": json.dumps(TOOLS)}
+    conv = to_conversation(row)
+    assert conv == to_conversation({**tool_row(), "id": conv["id"], "messages": [
+        tool_row()["messages"][0], {"role": "assistant", "content": None, "tool_calls": [
+            {"type": "function", "function": {"name": "forecast", "arguments": {"day": 0}}}]},
+        {"role": "tool", "content": "snow"}, tool_row()["messages"][4]]})
+    assert role_name_fixes(row, "sharegpt") == []  # its own spelling, not a fix
+    bad = {**row, "conversations": [row["conversations"][0], {"from": "function_call", "value": "forecast(0)"}]}
+    with pytest.raises(DataError, match=r"conversations\[1\].value: a function_call turn holds"):
+        to_conversation(bad)
 
 
 @pytest.mark.parametrize("change, message", [

@@ -365,6 +365,9 @@ def to_conversation(data: dict, fmt: str = "auto") -> dict:
         if role_key not in turn:
             raise DataError(f"{where}.{role_key}: missing")
         raw_role = turn[role_key]
+        if fmt == "sharegpt" and raw_role == "function_call":  # LLaMA-Factory's ShareGPT: the call as JSON
+            calls = _sharegpt_calls(turn.get(content_key), f"{where}.{content_key}")
+            turn, raw_role = {role_key: "gpt", "tool_calls": calls, content_key: None}, "gpt"
         role = ROLE_MAP.get(raw_role.strip().lower()) if isinstance(raw_role, str) else None
         if role is None:
             raise DataError(f"{where}.{role_key}: unknown role {raw_role!r}")
@@ -409,6 +412,20 @@ def _tools(value: Any) -> list[dict] | None:
     if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
         raise DataError(f"tools: expected a list of tool definitions (objects), got {type(value).__name__}")
     return value or None
+
+
+def _sharegpt_calls(value: Any, where: str) -> list[dict]:
+    """A ShareGPT `function_call` turn's value: one call {"name", "arguments"} or a list of them, as JSON."""
+    what = f'{where}: a function_call turn holds {{"name", "arguments"}} (or a list of them) as JSON'
+    try:
+        calls = json.loads(value) if isinstance(value, str) else None
+    except json.JSONDecodeError as e:
+        raise DataError(f"{what} ({e.msg} at character {e.pos})") from None
+    if isinstance(calls, dict):
+        calls = [calls]
+    if not isinstance(calls, list) or not calls:
+        raise DataError(what)
+    return calls
 
 
 def _tool_calls(value: Any, where: str) -> list[dict] | None:

@@ -17,7 +17,7 @@ from specforge.data.formats import detect_format
 
 CANONICAL_ROLES = ("system", "user", "assistant", "tool")
 # ShareGPT's own spellings are its format, not a defect; anything else that was mapped is a fix.
-NATIVE_ROLES = {"sharegpt": ("system", "human", "gpt")}
+NATIVE_ROLES = {"sharegpt": ("system", "human", "gpt", "function_call", "observation")}
 REMOTE_PREFIXES = ("http://", "https://", "data:")
 
 
