@@ -89,7 +89,6 @@ def build_tiny_llama(
     seed: int = 0,
 ) -> Path:
     """Write a random Llama target + tokenizer to `out_dir` (a normal HF model directory)."""
-    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     out_dir = Path(out_dir)
@@ -104,13 +103,21 @@ def build_tiny_llama(
         head_dim=hidden_size // num_attention_heads,
         max_position_embeddings=2048,
         tie_word_embeddings=True,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        bos_token_id=None,
+        **_chatml_ids(tok),
     )
+    return _save_random(LlamaForCausalLM, config, out_dir, seed)
+
+
+def _chatml_ids(tok) -> dict:
+    """The config's token ids from the tiny tokenizer: eos = pad = <|im_end|>, no bos."""
+    return {"eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id, "bos_token_id": None}
+
+
+def _save_random(model_cls, config, out_dir: Path, seed: int) -> Path:
+    import torch
+
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    model.save_pretrained(out_dir, safe_serialization=True)
+    model_cls(config).save_pretrained(out_dir, safe_serialization=True)
     return out_dir
 
 
@@ -124,7 +131,6 @@ def build_tiny_qwen3_moe(
     Qwen3-Coder-30B-A3B in miniature (every layer sparse, 8 experts with 2 per token, untied head,
     QK norm, and a head_dim whose heads do not multiply to the hidden size: 4 x 32 for 64, as
     32 x 128 for 2,048 there)."""
-    import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     out_dir = Path(out_dir)
@@ -144,14 +150,9 @@ def build_tiny_qwen3_moe(
         mlp_only_layers=[],
         max_position_embeddings=2048,
         tie_word_embeddings=False,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        bos_token_id=None,
+        **_chatml_ids(tok),
     )
-    torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(config)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    return out_dir
+    return _save_random(Qwen3MoeForCausalLM, config, out_dir, seed)
 
 
 # Image processor defaults of the tiny VL target: 16-pixel patches merged 2x2, so a 64x64 image
