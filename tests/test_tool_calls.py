@@ -171,3 +171,12 @@ def test_a_template_without_tool_support_is_a_row_error_not_lost_calls():
     with pytest.raises(TemplateError, match=r"messages\[1\].tool_calls: the chat template does not render the call "
                                             r"to 'forecast'"):
         render(plain, conv["messages"])
+
+
+def test_long_tool_calls_count_towards_the_row_length_limit():
+    from specforge.data.fix.conversations import Quarantine, check_row_length
+
+    row = tool_row()
+    row["messages"][1]["tool_calls"][0]["function"]["arguments"] = json.dumps({"code": "x" * 5000})
+    with pytest.raises(Quarantine, match="row_too_long"):
+        check_row_length(to_conversation(row)["messages"], 4000)

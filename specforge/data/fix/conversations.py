@@ -42,9 +42,11 @@ def role_name_fixes(data: dict, fmt: str) -> list[str]:
 
 
 def message_chars(messages: list[dict]) -> int:
-    """Characters of text in the messages: what tokenizing the row will cost."""
-    return sum(len(m["content"]) if isinstance(m["content"], str)
-               else sum(len(p.get("text") or "") for p in m["content"] if p.get("type") == "text")
+    """Characters of text in the messages (tool calls as the JSON they render to): what tokenizing
+    the row will cost."""
+    return sum((len(m["content"]) if isinstance(m["content"], str)
+                else sum(len(p.get("text") or "") for p in m["content"] if p.get("type") == "text"))
+               + (len(json.dumps(m["tool_calls"], ensure_ascii=False)) if m.get("tool_calls") else 0)
                for m in messages)
 
 
