@@ -116,6 +116,7 @@ def main(argv=None) -> int:
     ckpt, run_cfg = ckpts[-1], load_run_config(run_dir)
     eval_cfg = OmegaConf.structured(EvalConfig(num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
                                                dtype=args.dtype, planner=True, planner_trees=list(args.grid),
+                                               planner_chains=0,  # the grid as given, as its records were timed
                                                timing_repeats=args.timing_repeats))
     cost_path = work / "cost_model.json"
     cost_path.unlink(missing_ok=True)  # the grid's time includes measuring its cost model

@@ -250,8 +250,9 @@ class EvalConfig:
         "6_5_32", "6_10_32", "4_4_16", "4_2_14", "16_1_17", "12_2_16", "12_3_32", "12_2_32", "8_4_32", "9_4_32"])
     planner_confirm: int = 0
     # vLLM drafts chains only (num_speculative_tokens T): the planner also plans the chains
-    # T_1_(T+1) for T = 1..planner_chains that the grid lacks, and ship.json / the run report's vLLM
-    # command take the fastest chain of them all (0: only the grid's chains).
+    # T_1_(T+1) for T = 1..planner_chains that the grid lacks; they are candidates for the
+    # recommendation too, and ship.json / the run report's vLLM command take the fastest chain of
+    # them all (0: only the grid's chains).
     planner_chains: int = 8
     url: Optional[str] = None
     scenario: Optional[str] = None  # serving benchmark preset: code | chat | completion (None: num_prompts x max_new_tokens, one at a time)

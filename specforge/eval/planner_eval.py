@@ -1,7 +1,7 @@
 """`eval.planner=true`: every epoch x tree of `eval.planner_trees` from one greedy pass
 per prompt (planner.py), priced by the round costs measured on this machine (cost_model.py), and
-the epoch x tree to ship: the highest predicted speed-up; beside the grid, every chain vLLM could
-serve (`eval.planner_chains`), for its command. `eval.planner_confirm=k` then measures
+the epoch x tree to ship: the highest predicted speed-up, among the grid and every chain vLLM could
+serve (`eval.planner_chains`; SGLang serves them too). `eval.planner_confirm=k` then measures
 the k best trees of that epoch with the engine's own evaluation (`eval_with_engine`: base model
 before and after, same prompts) and records how far the prediction was off.
 
@@ -74,10 +74,11 @@ def fastest_tree(cost, specs: list[TreeSpec]):
 
 
 def plan_epochs(run_cfg, ckpts: list[Path], eval_cfg, cost_path: Path) -> dict:
-    """The planner over every checkpoint x tree: rows with accept figures, the accepted shape
-    (tree_depth: mean deepest node of the built trees; tree_width = (N-1) / tree_depth), the
-    round's cost and the predicted speed-up; the same for the chains vLLM may serve (`chains`: those
-    of `vllm_chains`); the recommended tree of the grid; the cost model; wall times."""
+    """The planner over every checkpoint x tree of the grid and of `vllm_chains` (rows marked
+    `grid` or not): accept figures, the accepted shape (tree_depth: mean deepest node of the built
+    trees; tree_width = (N-1) / tree_depth), the round's cost and the predicted speed-up; the
+    recommended epoch x tree (the highest predicted speed-up of them all: SGLang serves chains
+    too); the cost model; wall times."""
     specs = check_planner(eval_cfg)
     chains = vllm_chains(eval_cfg, specs)
     device, dtype_name, tokenizer, suites, target = load_engine_inputs(run_cfg, eval_cfg)
@@ -85,7 +86,7 @@ def plan_epochs(run_cfg, ckpts: list[Path], eval_cfg, cost_path: Path) -> dict:
     eos, exact = tokenizer.eos_token_id, eval_cfg.exact_ancestor_attention
     prefix = prefix_length(prompts, eval_cfg.max_new_tokens)
     fingerprint = target_fingerprint(resolve_target_path(run_cfg.target))
-    rows, chain_rows, cost, measured, plan_s = [], [], None, False, {}
+    rows, cost, measured, plan_s = [], None, False, {}
     for ckpt in ckpts:
         draft = load_draft(ckpt, device=device, dtype=torch_dtype(dtype_name))
         if cost is None:  # every epoch of a run has the same geometry, so the same costs
@@ -96,14 +97,15 @@ def plan_epochs(run_cfg, ckpts: list[Path], eval_cfg, cost_path: Path) -> dict:
                      trajectory_tree=fastest_tree(cost, specs))
         plan_s[str(ckpt)] = time.perf_counter() - t0
         for spec in specs + chains:
-            row = {"epoch": epoch_of(ckpt), "checkpoint": str(ckpt), **summarize(spec.name, plans[spec.name])}
+            row = {"epoch": epoch_of(ckpt), "checkpoint": str(ckpt), "grid": spec in specs,
+                   **summarize(spec.name, plans[spec.name])}
             rounds = row["verify_rounds"]
             t_round = cost.t_round(spec, row["accept_histogram"]) if rounds else math.nan
             row.update(tree_width=(spec.num_draft_tokens - 1) / row["tree_depth"] if rounds else math.nan,
                        t_round_ms=1000 * t_round,
                        predicted_speedup=cost.speedup(spec, decode_tokens_per_round(row), row["accept_histogram"])
                        if rounds else math.nan)
-            (chain_rows if spec in chains else rows).append(row)
+            rows.append(row)
     return {"meta": {"prompts": len(prompts), "max_new_tokens": eval_cfg.max_new_tokens, "dtype": dtype_name,
                      "device": device, "threads": torch.get_num_threads(), "trees": [s.name for s in specs],
                      "chains": [s.name for s in chains],
@@ -111,7 +113,7 @@ def plan_epochs(run_cfg, ckpts: list[Path], eval_cfg, cost_path: Path) -> dict:
                      "trajectory": "decoding, then the tree predicted fastest so far" if is_vl_config(target.config)
                      else f"batched decoding ({TRAJECTORY_BATCH} prompts at a time)",
                      "exact_ancestor_attention": exact},
-            "rows": rows, "chains": chain_rows, "recommended": _nan_max(rows, "predicted_speedup"),
+            "rows": rows, "recommended": _nan_max(rows, "predicted_speedup"),
             "cost_model": {**cost.to_json(), "measured_now": measured, "path": str(cost_path)},
             "seconds": {"cost_model": cost.measure_s if measured else 0.0, "plan": plan_s,
                         "planner": sum(plan_s.values()) + (cost.measure_s if measured else 0.0)}}

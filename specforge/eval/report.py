@@ -243,7 +243,7 @@ def planner_markdown(planner: dict, plots: list[str] = ()) -> str:
     (vLLM's choice), the best tree of every epoch, the cost model's figures, the confirmation by the
     engine when it ran, and the wall time."""
     meta, best, cost = planner["meta"], planner["recommended"], planner["cost_model"]
-    rows = [r for r in planner["rows"] if r["checkpoint"] == best["checkpoint"]]
+    rows = [r for r in planner["rows"] if r["checkpoint"] == best["checkpoint"] and r.get("grid", True)]
     confirmed = {r["tree"]: r for r in planner.get("confirmed", [])}
     ms = lambda s: f"{1000 * s:.2f}"  # noqa: E731
     lines = ["## Tree planner: every epoch x tree from one greedy pass", "",
@@ -255,7 +255,7 @@ def planner_markdown(planner: dict, plots: list[str] = ()) -> str:
              "this machine (specforge/eval/cost_model.py).", "",
              f"**Ship `{_ckpt_name(best)}` with tree `{best['tree']}`**: predicted speed-up "
              f"{best['predicted_speedup']:.2f}x, accept length {best['accept_length']:.2f}.", "",
-             f"Trees of `{_ckpt_name(best)}`:", "",
+             f"Trees of `{_ckpt_name(best)}` (the grid, eval.planner_trees):", "",
              "| tree | accept length | accept rate | depth | width | ms/round | predicted speed-up |"
              + (" measured speed-up |" if confirmed else ""),
              "|" + "---|" * (7 + bool(confirmed))]
@@ -266,7 +266,7 @@ def planner_markdown(planner: dict, plots: list[str] = ()) -> str:
         if confirmed:
             cells.append(_fmt(confirmed[r["tree"]]["measured_speedup"]) if r["tree"] in confirmed else "")
         lines.append("| " + " | ".join(cells) + " |")
-    lines += _chain_lines(best, planner["rows"] + planner.get("chains", []))
+    lines += _chain_lines(best, planner["rows"])
     epochs = list(dict.fromkeys(r["checkpoint"] for r in planner["rows"]))
     if len(epochs) > 1:
         lines += ["", "Best tree per checkpoint:", "", "| checkpoint | tree | accept length | predicted speed-up |",
@@ -314,7 +314,9 @@ def _chain_lines(best: dict, rows: list[dict]) -> list[str]:
     lines = ["", f"Chains of `{_ckpt_name(best)}` (vLLM drafts chains only: num_speculative_tokens = T):", "",
              "| num_speculative_tokens | chain | accept length | ms/round | predicted speed-up |", "|---|---|---|---|---|"]
     for r in chains:
-        tree = f"**{r['tree']}** (vLLM)" if pick and r["tree"] == pick["tree"] else r["tree"]
+        marks = [m for m, on in (("recommended", r["tree"] == best["tree"]),
+                                  ("vLLM", pick is not None and r["tree"] == pick["tree"])) if on]
+        tree = f"**{r['tree']}** ({', '.join(marks)})" if marks else r["tree"]
         lines.append(f"| {TreeSpec.parse(r['tree']).steps} | {tree} | {_fmt(r['accept_length'])} | "
                      f"{r['t_round_ms']:.2f} | {_fmt(r['predicted_speedup'])} |")
     return lines

@@ -93,7 +93,7 @@ def run_planner(run_cfg, run_dir: Path, ckpts: list[Path], eval_cfg, out_dir: Pa
     report = write_planner(planner, out_dir, results)
     best = planner["recommended"]
     if out_dir == layout.eval_dir:
-        record_choice(layout, best, planner["rows"] + planner.get("chains", []), "predicted_speedup")
+        record_choice(layout, best, planner["rows"], "predicted_speedup")
         write_run_report(run_dir)
     print(report.read_text(), flush=True)
     return {"report": str(report), "planner": str(out_dir / layout.planner.name), "best_epoch": best["epoch"],
