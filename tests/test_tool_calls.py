@@ -132,7 +132,10 @@ def test_the_data_stage_keeps_tool_turns_apart_and_renders_with_the_tools(tmp_pa
     write_jsonl(path, [tool_row(i) for i in range(4)] + [tool_row(9, tools=None)])
     cfg = make_cfg(tmp_path, target, path, None, num_proc=num_proc)
     result = stage.process_split(cfg, "train", [str(path)], tokenizer)
-    assert result["counts"]["kept"] + result["counts"]["fixed"] == 5 and result["counts"]["quarantined"] == 0
+    counts = result["counts"]
+    assert counts["kept"] + counts["fixed"] == 5 and counts["quarantined"] == 0
+    assert (counts["tool_rows"], counts["tool_calls"]) == (5, 5)  # the data report shows them
+    assert "| tool_calls | 5 |" in stage.report_markdown({"train": counts}, None)
     conv = result["conversations"][0]
     assert conv["tools"] == TOOLS and "tools" not in result["conversations"][4]
     roles = [m["role"] for m in conv["messages"]]

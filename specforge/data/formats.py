@@ -399,6 +399,11 @@ def to_conversation(data: dict, fmt: str = "auto") -> dict:
     return {"id": _row_id(data, messages), "messages": messages, **({"tools": tools} if tools else {})}
 
 
+def uses_tools(messages: list[dict], tools=None) -> bool:
+    """A conversation with tool definitions, calls or results (an agentic trace)."""
+    return bool(tools) or any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
+
+
 def _tools(value: Any) -> list[dict] | None:
     """The row's tool definitions (OpenAI's `tools`: function schemas, or that list as a JSON
     string as some datasets store it), passed to the chat template as `tools`."""

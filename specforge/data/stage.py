@@ -15,7 +15,7 @@ from pathlib import Path
 from specforge.config import FixConfig, check_ranges
 from specforge.data.fix import fix_dataset, quarantine_entry, reason_code
 from specforge.data.fix.conversations import ImageChecker, Quarantine, prompt_key
-from specforge.data.formats import RawRow, read_raw_rows
+from specforge.data.formats import RawRow, read_raw_rows, uses_tools
 from specforge.data.rows import normalise_row, render_row
 from specforge.data.sources import check_source, hub_name_split, is_hub, source_fingerprint
 from specforge.data.vocab import cached_vocab_mapping, save_vocab, vocab_cache_key
@@ -291,13 +291,15 @@ def _collect(split: str, convs: list[dict], renders: list, quarantine: list[dict
     prompts: dict[str, str] = {}  # prompt_key -> "file line N" of the first sample opening with it
     fixes: Counter = Counter()
     as_written: Counter = Counter()  # rows with an answer that went through although no valid TOON
-    kept = fixed = truncated = 0
+    kept = fixed = truncated = tool_rows = tool_calls = 0
     for conv, r in zip(convs, renders, strict=True):
         if r.reason is not None:
             quarantine.append({"split": split, "file": conv.get("file"), "line": conv.get("line"), "reason": r.reason,
                                "row": {"id": conv["id"], "messages": conv["messages"]}})
             continue
         truncated += r.truncated
+        tool_rows += uses_tools(conv["messages"], conv.get("tools"))
+        tool_calls += sum(len(m.get("tool_calls") or ()) for m in conv["messages"])
         as_written.update(conv.get("kept_as_written") or ())
         if conv.get("fixes"):
             fixed += 1
@@ -324,6 +326,8 @@ def _collect(split: str, convs: list[dict], renders: list, quarantine: list[dict
         "tokens": sum(lengths),
         "loss_tokens": sum(sum(s["loss_mask"]) for s in samples),
         "images": sum(len(s.get("images", ())) for s in samples),
+        "tool_rows": tool_rows,  # samples with tools, calls or results (agentic traces)
+        "tool_calls": tool_calls,
         "max_tokens": max(lengths, default=0),
     }
     accounted = kept + fixed + len(quarantine) + skipped
@@ -473,6 +477,8 @@ def report_markdown(summary: dict, vocab: dict | None) -> str:
             "samples", "tokens", "loss_tokens", "max_tokens"]
     if any(summary[s].get("images") for s in summary):
         rows.append("images")
+    if any(summary[s].get("tool_rows") for s in summary):
+        rows += ["tool_rows", "tool_calls"]  # agentic traces read as such, not flattened
     if any("in_train" in summary[s] for s in summary):
         rows.append("in_train")  # eval rows opening with a train sample's prompt (data.eval_in_train)
     splits = list(summary)

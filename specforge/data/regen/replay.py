@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specforge.data.formats import uses_tools
 from specforge.utils.io import fingerprint
 
 KEEP_ORIGINAL = ("regen_server_error", "regen_request_rejected", "regen_bad_response",
@@ -57,15 +58,10 @@ def conversation_key(conv: dict) -> str:
     return fingerprint(conv["id"], conv["messages"])
 
 
-def uses_tools(messages: list[dict], tools=None) -> bool:
-    """A conversation with tool definitions, calls or results is kept as written: the target's own
-    calls would not match the tool results recorded after them."""
-    return bool(tools) or any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
-
-
 def turns_to_answer(messages: list[dict], tools=None) -> int:
     """The assistant turns the target is asked for: those after a user turn (a canned greeting
-    before any is copied as it is); none in a conversation that uses tools."""
+    before any is copied as it is); none in a conversation that uses tools: it is kept as written,
+    since the target's own calls would not match the tool results recorded after them."""
     if uses_tools(messages, tools):
         return 0
     asked, user_seen = 0, False
