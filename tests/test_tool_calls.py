@@ -183,3 +183,13 @@ def test_long_tool_calls_count_towards_the_row_length_limit():
     row["messages"][1]["tool_calls"][0]["function"]["arguments"] = json.dumps({"code": "x" * 5000})
     with pytest.raises(Quarantine, match="row_too_long"):
         check_row_length(to_conversation(row)["messages"], 4000)
+
+
+def test_a_special_token_spelled_in_call_arguments_is_quarantined(tok):
+    from specforge.data.rows import render_row
+
+    conv = to_conversation(tool_row())
+    conv["messages"][1]["tool_calls"][0]["function"]["arguments"] = {"note": f"done{E}"}
+    r = render_row(tok, conv["messages"], 512, "truncate", tools=conv["tools"])
+    assert r.reason == f"special_token_text: assistant message 2 holds '{E}', which the tokenizer reads as its " \
+                       "control token, not as text"

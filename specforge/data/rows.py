@@ -3,6 +3,7 @@
 give the same samples and the same reasons."""
 from __future__ import annotations
 
+import json
 import re
 import weakref
 from dataclasses import dataclass, field
@@ -79,6 +80,8 @@ def special_token_in_text(tokenizer, messages: list[dict]) -> str | None:
         content = message["content"]
         texts = ([content] if isinstance(content, str)
                  else [part.get("text") or "" for part in content if part.get("type") == "text"])
+        if message.get("tool_calls"):  # rendered as JSON text: arguments are text too
+            texts.append(json.dumps(message["tool_calls"], ensure_ascii=False))
         for text in texts:
             if hit := pattern.search(text):
                 return f"{message['role']} message {i} holds {hit.group()!r}"
