@@ -395,13 +395,23 @@ def to_conversation(data: dict, fmt: str = "auto") -> dict:
     if system and system.strip() and messages[0]["role"] != "system":
         messages.insert(0, {"role": "system", "content": system})
 
-    tools = _tools(data.get("tools"))
-    return {"id": _row_id(data, messages), "messages": messages, **({"tools": tools} if tools else {})}
+    return {"id": _row_id(data, messages), "messages": messages, **tools_entry(_tools(data.get("tools")))}
+
+
+def tools_entry(tools: list[dict] | None) -> dict:
+    """{"tools": tools} when a row has tool definitions, else {}: the key a conversation (and a
+    chat template call) carries only for such rows."""
+    return {"tools": tools} if tools else {}
+
+
+def is_tool_turn(message: dict) -> bool:
+    """A tool's result, or an assistant turn that calls tools."""
+    return message["role"] == "tool" or bool(message.get("tool_calls"))
 
 
 def uses_tools(messages: list[dict], tools=None) -> bool:
     """A conversation with tool definitions, calls or results (an agentic trace)."""
-    return bool(tools) or any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
+    return bool(tools) or any(is_tool_turn(m) for m in messages)
 
 
 def _tools(value: Any) -> list[dict] | None:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from specforge.data.fix import Quarantine, check_config, check_duplicate, quarantine_entry
 from specforge.data.fix.conversations import ImageChecker, dedupe_key
-from specforge.data.formats import parse_raw_text, read_raw_texts
+from specforge.data.formats import parse_raw_text, read_raw_texts, tools_entry
 from specforge.data.rows import RowRender, normalise_row, render_row
 from specforge.utils.io import file_fingerprint, fingerprint
 
@@ -74,7 +74,7 @@ def normalise_split(cfg, files: list[str], max_chars: int, tokenizer=None,
             conv = json.loads(rec["conv"])
             convs.append({"id": conv["id"], "messages": conv["messages"], "fixes": rec["fixes"],
                           "kept_as_written": conv["kept_as_written"], "file": rec["file"], "line": rec["line"],
-                          **({"tools": conv["tools"]} if conv.get("tools") else {})})
+                          **tools_entry(conv.get("tools"))})
             if render:
                 renders.append(_row_render(rec))
     return len(rows), convs, quarantine, renders if render else None

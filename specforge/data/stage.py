@@ -15,7 +15,7 @@ from pathlib import Path
 from specforge.config import FixConfig, check_ranges
 from specforge.data.fix import fix_dataset, quarantine_entry, reason_code
 from specforge.data.fix.conversations import ImageChecker, Quarantine, prompt_key
-from specforge.data.formats import RawRow, read_raw_rows, uses_tools
+from specforge.data.formats import RawRow, read_raw_rows, tools_entry, uses_tools
 from specforge.data.rows import normalise_row, render_row
 from specforge.data.sources import check_source, hub_name_split, is_hub, source_fingerprint
 from specforge.data.vocab import cached_vocab_mapping, save_vocab, vocab_cache_key
@@ -308,7 +308,7 @@ def _collect(split: str, convs: list[dict], renders: list, quarantine: list[dict
             kept += 1
         samples.append({"id": conv["id"], "input_ids": r.input_ids, "loss_mask": r.loss_mask, **r.images})
         conversations.append({"id": conv["id"], "messages": conv["messages"],
-                              **({"tools": conv["tools"]} if conv.get("tools") else {})})
+                              **tools_entry(conv.get("tools"))})
         if key := prompt_key(conv["messages"]):
             prompts.setdefault(key, f"{conv.get('file')} line {conv.get('line')}")
     lengths = [len(s["input_ids"]) for s in samples]

@@ -12,7 +12,7 @@ from typing import Iterator
 
 import jinja2
 
-from specforge.data.formats import DataError
+from specforge.data.formats import DataError, tools_entry
 
 OVERLENGTH = ("truncate", "drop")
 
@@ -50,11 +50,11 @@ def _apply(tokenizer, messages: list[dict], **kw):
 
 def _template_text(tokenizer, messages: list[dict], add_generation_prompt: bool, tools=None) -> str:
     return _apply(tokenizer, messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                  **({"tools": tools} if tools else {}))
+                  **tools_entry(tools))
 
 
 def _template_ids(tokenizer, messages: list[dict], tools=None) -> list[int]:
-    out = _apply(tokenizer, messages, tokenize=True, **({"tools": tools} if tools else {}))
+    out = _apply(tokenizer, messages, tokenize=True, **tools_entry(tools))
     ids = out["input_ids"] if hasattr(out, "keys") else out
     return list(ids)
 
@@ -109,6 +109,12 @@ def assistant_char_spans(tokenizer, messages: list[dict], full: str, tools=None)
     return spans
 
 
+def _tool_name(tool: dict) -> str:
+    """A tool definition's name ({"type": "function", "function": {"name"}} or bare {"name"})."""
+    fn = tool.get("function", tool)
+    return str(fn.get("name") if isinstance(fn, dict) else None)
+
+
 def render(tokenizer, messages: list[dict], max_length: int | None = None, overlength: str = "truncate",
            tools: list[dict] | None = None) -> Rendered:
     """Tokenize a conversation with its chat template; loss on assistant content + end of turn.
@@ -122,8 +128,7 @@ def render(tokenizer, messages: list[dict], max_length: int | None = None, overl
     if overlength not in OVERLENGTH:
         raise ValueError(f"data.overlength: {overlength!r} is not one of {list(OVERLENGTH)}")
     full = _template_text(tokenizer, messages, add_generation_prompt=False, tools=tools)
-    names = [str((t.get("function", t) if isinstance(t.get("function", t), dict) else {}).get("name"))
-             for t in tools or ()]
+    names = [_tool_name(t) for t in tools or ()]
     if tools and not any(n in full for n in names):
         raise TemplateError(f"tools: the chat template renders none of the row's tools ({', '.join(names)}): "
                             "a template without tool support?")

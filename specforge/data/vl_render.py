@@ -34,7 +34,8 @@ def prompt_with_pictures(input_ids: list[int], pictures: list, image_processor, 
 
 
 def render_vl(tokenizer, messages: list[dict], image_processor, info, max_length: int | None = None,
-              overlength: str = "truncate", tools: list[dict] | None = None) -> tuple[Rendered, list[str], list[list[int]]]:
+              overlength: str = "truncate",
+              tools: list[dict] | None = None) -> tuple[Rendered, list[str], list[list[int]]]:
     """(rendered sample, image paths, image grids [t, h, w]) of one conversation.
 
     Truncation never cuts through an image: the sample ends before the first image that does not

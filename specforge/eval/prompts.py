@@ -20,7 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from specforge.data.fix.conversations import prompt_turns
-from specforge.data.formats import DataError, read_raw_rows, to_conversation
+from specforge.data.formats import DataError, read_raw_rows, to_conversation, tools_entry
 from specforge.data.sources import check_source, is_hub, is_table_source
 from specforge.data.vl_render import image_paths, prompt_with_images
 from specforge.utils.io import read_jsonl
@@ -33,8 +33,7 @@ def render_prompt(head: list[dict], tokenizer, vl=None, tools: list[dict] | None
     """{"input_ids", "messages"} of prompt turns, rendered with the chat template and its generation
     prompt (and the row's tool definitions); with `vl` (image processor, VLInfo) image placeholders
     are expanded and the prompt also carries "images": {"pixel_values", "image_grid_thw"}."""
-    ids = tokenizer.apply_chat_template(head, add_generation_prompt=True, tokenize=True,
-                                        **({"tools": tools} if tools else {}))
+    ids = tokenizer.apply_chat_template(head, add_generation_prompt=True, tokenize=True, **tools_entry(tools))
     if hasattr(ids, "keys"):  # BatchEncoding from newer transformers
         ids = ids["input_ids"]
     prompt = {"input_ids": list(ids), "messages": head}
@@ -86,7 +85,7 @@ def file_conversations(path: str) -> list[dict]:
             raise ValueError(f"{where}: {e} (rows are conversations, or {{\"prompt\": text or messages}})") from None
         if not any(m["role"] == "user" for m in head):
             raise ValueError(f"{where}: no user turn before the first assistant turn: nothing to prompt with")
-        rows.append({"id": conv["id"], "messages": head, **({"tools": conv["tools"]} if "tools" in conv else {})})
+        rows.append({"id": conv["id"], "messages": head, **tools_entry(conv.get("tools"))})
     if not rows:
         raise ValueError(f"eval.suites: {path}: no rows")
     return rows

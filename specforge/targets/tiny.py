@@ -1,6 +1,6 @@
 """A tiny random target built locally: a byte-level BPE tokenizer trained on the spot with a
-ChatML template, and a small Llama (or Qwen3-MoE, or Qwen3-VL) from a config. Tests and quick runs use it where
-SmolLM2 would be too slow; it behaves like a real Hugging Face model directory."""
+ChatML template, and a small Llama (or Qwen3-MoE, or Qwen3-VL) from a config. Tests and quick runs
+use it where SmolLM2 would be too slow; it behaves like a real Hugging Face model directory."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -42,7 +42,7 @@ from specforge.data.fix.conversations import (
     role_name_fixes,
 )
 from specforge.data.fix.toon import PROSE_POLICIES, ToonNotADocument, ToonUnrepairable, repair_answers, repair_toon
-from specforge.data.formats import DataError, RawRow, to_conversation
+from specforge.data.formats import DataError, RawRow, to_conversation, tools_entry
 
 __all__ = ["FixResult", "Quarantine", "check_duplicate", "fix_dataset", "fix_row", "quarantine_entry", "reason_code",
            "repair_toon"]
@@ -89,7 +89,7 @@ def fix_dataset(
             continue
         result.kept.append({"id": conv["id"], "messages": conv["messages"], "fixes": fixes,
                             "kept_as_written": conv["kept_as_written"], "file": raw.file, "line": raw.line,
-                            **({"tools": conv["tools"]} if "tools" in conv else {})})
+                            **tools_entry(conv.get("tools"))})
     result.counts = _counts(n, result)
     return result
 
@@ -108,7 +108,7 @@ def fix_row(
     except DataError as e:
         raise Quarantine(f"invalid_row: {e}") from None
     check_row_length(conv["messages"], max_chars)
-    tools = {"tools": conv["tools"]} if "tools" in conv else {}  # the row's tool definitions, for the template
+    tools = tools_entry(conv.get("tools"))  # the row's tool definitions, for the template
     if not cfg.enabled:
         return {"id": conv["id"], "messages": conv["messages"], "kept_as_written": [], **tools}, []
     fixes = role_name_fixes(raw.data, fmt)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from PIL import Image, UnidentifiedImageError
 
-from specforge.data.formats import detect_format
+from specforge.data.formats import detect_format, is_tool_turn
 
 CANONICAL_ROLES = ("system", "user", "assistant", "tool")
 # ShareGPT's own spellings are its format, not a defect; anything else that was mapped is a fix.
@@ -70,7 +70,7 @@ def drop_empty_turns(messages: list[dict], policy: str) -> tuple[list[dict], lis
     """Empty turns carry no signal and break role alternation: drop them or quarantine. A turn that
     calls tools is not empty, and a tool's result is kept even when empty (its call needs it)."""
     empty = [i for i, m in enumerate(messages)
-             if is_empty(m["content"]) and not m.get("tool_calls") and m["role"] != "tool"]
+             if is_empty(m["content"]) and not is_tool_turn(m)]
     if not empty:
         return messages, []
     if policy == "quarantine":
@@ -85,7 +85,7 @@ def merge_consecutive(messages: list[dict]) -> tuple[list[dict], list[str]]:
     merged: list[dict] = []
     fixes: list[str] = []
     for m in messages:
-        if merged and merged[-1]["role"] == m["role"] and not _tool_turn(m) and not _tool_turn(merged[-1]):
+        if merged and merged[-1]["role"] == m["role"] and not is_tool_turn(m) and not is_tool_turn(merged[-1]):
             merged[-1] = {"role": m["role"], "content": _join(merged[-1]["content"], m["content"])}
             name = f"merged_consecutive_{m['role']}"
             if name not in fixes:
@@ -93,10 +93,6 @@ def merge_consecutive(messages: list[dict]) -> tuple[list[dict], list[str]]:
         else:
             merged.append(m)
     return merged, fixes
-
-
-def _tool_turn(message: dict) -> bool:
-    return message["role"] == "tool" or bool(message.get("tool_calls"))
 
 
 def _join(a: str | list, b: str | list) -> str | list:
