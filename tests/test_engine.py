@@ -433,18 +433,27 @@ def test_phase_timers_charge_the_right_phase(runs, monkeypatch, where, phase):
 
     model, prompt, _ = runs
     engine = SpeculativeEngine(model, random_draft(model, vocab_ids=list(range(8))), "4_2_8")
-    delay, calls = 0.05, []  # well above any phase's own compute, also on a busy machine
-    if where == "greedy_verify":
-        monkeypatch.setattr(spec_module, "greedy_verify", _slowed(spec_module.greedy_verify, delay, calls))
-    else:
-        owner = engine.runner if where.startswith("runner.") else engine
-        name = where.split(".")[-1]
-        monkeypatch.setattr(owner, name, _slowed(getattr(owner, name), delay, calls))
-    _, stats = (engine.generate_base if phase == "decode" else engine.generate)(prompt, 24)
-    slept = delay * (len(calls) - (where == "draft_extend"))  # its first call is the draft prefill
-    assert len(calls) >= 4
-    assert stats.phase_s[phase] >= slept
-    assert all(v < slept for p, v in stats.phase_s.items() if p != phase), stats.phase_s
+    run = engine.generate_base if phase == "decode" else engine.generate
+    owner = spec_module if where == "greedy_verify" else engine.runner if where.startswith("runner.") else engine
+    name = where.split(".")[-1]
+    original = getattr(owner, name)
+
+    def run_slowed(delay):
+        calls = []
+        monkeypatch.setattr(owner, name, _slowed(original, delay, calls))
+        _, stats = run(prompt, 24)
+        return stats.phase_s, len(calls) - (where == "draft_extend")  # its first call: the draft prefill
+
+    # The sleeps must outweigh every phase's own compute, also on a loaded 2-core machine (a fixed
+    # 0.05 s each was once outweighed): sized from a run without them, which makes the same calls.
+    own, n = run_slowed(0.0)
+    assert n >= 3
+    delay = max(0.05, 3 * max(own.values()) / n)
+    phase_s, n_slowed = run_slowed(delay)
+    slept = delay * n_slowed
+    assert n_slowed == n
+    assert phase_s[phase] >= slept
+    assert all(v < slept for p, v in phase_s.items() if p != phase), phase_s
 
 
 # ---- a shared prompt prefix (a system prompt), cached once ---------------------------------------
