@@ -211,3 +211,23 @@ def test_null_image_fields_and_placeholders_without_images_stay_text():
 def test_row_image_mismatches_name_the_field(row, field):
     with pytest.raises(DataError, match=f"^{field}"):
         to_conversation(row)
+
+
+def test_reasoning_split_off_by_a_server_is_put_back_in_front_of_the_answer():
+    """vLLM's and SGLang's reasoning parsers store the thinking beside the answer, as
+    `reasoning_content` or (vLLM 0.10+) `reasoning`; the target wrote it first, in <think>."""
+    think = "<think>\ncold\n</think>\n\n"
+    for key in ("reasoning_content", "reasoning"):
+        row = {"messages": [{"role": "user", "content": "Oslo?"},
+                            {"role": "assistant", "content": "sky: snow", key: "cold\n"}]}
+        assert to_conversation(row)["messages"][1]["content"] == think + "sky: snow"
+    pictured = {"messages": [{"role": "user", "content": "Oslo?"}, {"role": "assistant", "reasoning": "cold",
+                "content": [{"type": "text", "text": "sky: snow"}, {"type": "image", "image": "map.png"}]}]}
+    assert to_conversation(pictured)["messages"][1]["content"] == [
+        {"type": "text", "text": think}, {"type": "text", "text": "sky: snow"}, {"type": "image", "image": "map.png"}]
+    blank = {"messages": [{"role": "user", "content": "Oslo?"}, {"role": "assistant", "content": "x", "reasoning": " "}]}
+    assert to_conversation(blank)["messages"][1]["content"] == "x"
+    nonsense = {"messages": [{"role": "user", "content": "Oslo?"},
+                             {"role": "assistant", "content": "x", "reasoning_content": ["cold"]}]}
+    with pytest.raises(DataError, match=r"messages\[1\].reasoning_content: expected a string, got list"):
+        to_conversation(nonsense)

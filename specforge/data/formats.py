@@ -380,10 +380,8 @@ def to_conversation(data: dict, fmt: str = "auto") -> dict:
         if role == "tool" and isinstance(raw_content, dict):
             raw_content = json.dumps(raw_content, ensure_ascii=False)  # a result stored as an object
         content = _content(raw_content, f"{where}.{content_key}", slots=row_images is not None)
-        reasoning = turn.get("reasoning_content") if role == "assistant" else None
-        if isinstance(reasoning, str) and reasoning.strip() and isinstance(content, str):
-            # vLLM's and SGLang's reasoning parsers split the thinking off; the target wrote both
-            content = f"<think>\n{reasoning.strip()}\n</think>\n\n{content}"
+        if role == "assistant":
+            content = _with_reasoning(content, turn, where)
         message = {"role": role, "content": content}
         if calls:
             message["tool_calls"] = calls
@@ -396,6 +394,24 @@ def to_conversation(data: dict, fmt: str = "auto") -> dict:
         messages.insert(0, {"role": "system", "content": system})
 
     return {"id": _row_id(data, messages), "messages": messages, **tools_entry(_tools(data.get("tools")))}
+
+
+def _with_reasoning(content: str | list[dict], turn: dict, where: str) -> str | list[dict]:
+    """The answer with its thinking in front as the target wrote it: vLLM's and SGLang's reasoning
+    parsers split it off into `reasoning_content` (`reasoning` in vLLM 0.10 and later)."""
+    for key in ("reasoning_content", "reasoning"):
+        reasoning = turn.get(key)
+        if reasoning is None:
+            continue
+        if not isinstance(reasoning, str):
+            raise DataError(f"{where}.{key}: expected a string, got {type(reasoning).__name__}")
+        if not reasoning.strip():
+            continue
+        think = f"<think>\n{reasoning.strip()}\n</think>\n\n"
+        if isinstance(content, str):
+            return think + content
+        return [{"type": "text", "text": think}, *content]
+    return content
 
 
 def tools_entry(tools: list[dict] | None) -> dict:
