@@ -119,6 +119,30 @@ def test_the_loss_covers_the_answer_and_the_calls_not_the_tools_results(tok):
         f'Let me look.<tool_call>forecast {{"day": 0}}</tool_call>{E}')
 
 
+# Mistral's shape: the calls follow a special [TOOL_CALLS] token, the turn ends with </s>.
+MISTRAL_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'user' %}{{ '[INST]' + m['content'] + '[/INST]' }}"
+    "{% elif m['role'] == 'tool' %}{{ '[TOOL_RESULTS]' + m['content'] + '[/TOOL_RESULTS]' }}"
+    "{% else %}{{ m['content'] }}{% if m.get('tool_calls') %}{{ '[TOOL_CALLS]' }}"
+    "{% for c in m['tool_calls'] %}{{ c['function']['name'] + (c['function']['arguments'] | tojson) }}{% endfor %}"
+    "{% endif %}{{ '</s>' }}{% endif %}{% endfor %}"
+)
+
+
+@pytest.mark.parametrize("template, specials, generated", [
+    # a tokenizer that marks the call tags special (Qwen's do not): they are not the end of the turn
+    (TOOL_TEMPLATE, ["<tool_call>", "</tool_call>"], f'<tool_call>forecast {{"day": 0}}</tool_call>{E}sky: snow 0{E}'),
+    (MISTRAL_TEMPLATE, ["[INST]", "[/INST]", "[TOOL_CALLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "</s>"],
+     '[TOOL_CALLS]forecast{"day": 0}</s>sky: snow 0</s>'),
+])
+def test_calls_wrapped_in_special_tokens_are_trained_up_to_the_end_of_the_turn(template, specials, generated):
+    tok = build_tiny_tokenizer(None, special_tokens=["<|im_start|>", E, *specials], chat_template=template)
+    conv = to_conversation(tool_row())
+    ids, mask = render(tok, conv["messages"], tools=conv["tools"])
+    assert all(tok.convert_ids_to_tokens(tok.convert_tokens_to_ids(t)) == t for t in specials)  # one token each
+    assert tok.decode([i for i, m in zip(ids, mask) if m]) == generated
+
+
 @pytest.mark.parametrize("num_proc", [0, 1])
 def test_the_data_stage_keeps_tool_turns_apart_and_renders_with_the_tools(tmp_path, tiny_target_dir, num_proc):
     target = tmp_path / "target"

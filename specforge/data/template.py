@@ -68,11 +68,13 @@ def _special_ids(tokenizer) -> set[int]:
 THINK_END = "</think>"
 
 
-def assistant_char_spans(tokenizer, messages: list[dict], full: str, tools=None) -> list[tuple[int, int, int]]:
-    """For each assistant turn: (generation start, content end, turn end) as character offsets
-    into `full`. Generation starts where the template's generation prompt ends. A template may
-    drop the reasoning (`<think>...</think>`) of a turn before the last user message; that turn's
-    content ends where its answer does."""
+def assistant_char_spans(tokenizer, messages: list[dict], full: str, tools=None) -> list[tuple[int, int, int | None]]:
+    """For each assistant turn: (generation start, body end, turn end) as character offsets into
+    `full`; turn end None where the conversation up to this turn does not render as a prefix of the
+    whole. Generation starts where the template's generation prompt ends; the body ends with the
+    content, or with the name of the turn's last tool call. A template may drop the reasoning
+    (`<think>...</think>`) of a turn before the last user message; that turn's content ends where
+    its answer does."""
     spans = []
     for i, msg in enumerate(messages):
         if msg["role"] != "assistant":
@@ -85,7 +87,8 @@ def assistant_char_spans(tokenizer, messages: list[dict], full: str, tools=None)
             )
         start = len(prefix)
         upto = _template_text(tokenizer, messages[: i + 1], add_generation_prompt=False, tools=tools)
-        turn_end = len(upto) if full.startswith(upto) and len(upto) > start else len(full)
+        exact = full.startswith(upto) and len(upto) > start
+        turn_end = len(upto) if exact else len(full)
         content = msg["content"]
         if isinstance(content, str) and content:
             at = full.find(content, start, turn_end)
@@ -101,11 +104,15 @@ def assistant_char_spans(tokenizer, messages: list[dict], full: str, tools=None)
             content_end = at + len(content)
         else:
             content_end = start
-        for call in msg.get("tool_calls") or ():
-            if call["function"]["name"] not in full[start:turn_end]:
+        body_end = content_end
+        for call in msg.get("tool_calls") or ():  # in order, each after the one before
+            name = call["function"]["name"]
+            at = full.find(name, body_end, turn_end)
+            if at < 0:
                 raise TemplateError(f"messages[{i}].tool_calls: the chat template does not render the call to "
-                                    f"{call['function']['name']!r} (a template without tool support?)")
-        spans.append((start, content_end, turn_end))
+                                    f"{name!r} (a template without tool support?)")
+            body_end = at + len(name)
+        spans.append((start, body_end, turn_end if exact else None))
     return spans
 
 
@@ -120,8 +127,8 @@ def render(tokenizer, messages: list[dict], max_length: int | None = None, overl
     """Tokenize a conversation with its chat template; loss on assistant content + end of turn.
 
     The loss mask covers every token the model generates after the assistant header up to and
-    including the first special token after the content (`<|im_end|>` in ChatML): the content and
-    whatever the template renders after it in that turn (its tool calls), never the header, the
+    including the turn's end-of-turn special token (`<|im_end|>` in ChatML):
+    the content and whatever the template renders after it in that turn, never the header, the
     newline after the end token, or system/user/tool turns. A token straddling the header/content
     boundary (e.g. "assistant: " + "sky" -> " sky") counts as generated. `tools`: the row's tool
     definitions, which the template renders (usually into the system turn)."""
@@ -144,19 +151,21 @@ def render(tokenizer, messages: list[dict], max_length: int | None = None, overl
     specials = _special_ids(tokenizer)
     loss_mask = [0] * len(input_ids)
     spans = assistant_char_spans(tokenizer, messages, full, tools)
-    for (start, content_end, turn_end), turn in zip(spans, range(len(spans))):
-        closed = False
-        for t, (a, b) in enumerate(offsets):
-            if b <= start or a >= turn_end:
-                continue
-            loss_mask[t] = 1  # generated: the content (a token may straddle the header), then its tool calls
-            if a >= content_end and input_ids[t] in specials:  # the end-of-turn token closing this turn
-                closed = True
-                break
-        if not closed:
+    for turn, (start, body_end, turn_end) in enumerate(spans):
+        # The turn's end-of-turn token: its last special token where the turn's extent is known (the
+        # calls may be wrapped in special tokens: Mistral's [TOOL_CALLS], a tokenizer marking
+        # <tool_call> special), else the first special token after its body.
+        tokens = [t for t, (a, b) in enumerate(offsets) if b > start and a < (turn_end or len(full))]
+        ends = [t for t in tokens if offsets[t][0] >= body_end and input_ids[t] in specials]
+        if not ends:
             raise TemplateError(
                 f"assistant turn {turn}: no end-of-turn special token after the content"
             )
+        end = ends[-1] if turn_end is not None else ends[0]
+        for t in tokens:  # generated: the content (a token may straddle the header), then its tool calls
+            if t > end:
+                break
+            loss_mask[t] = 1
 
     n = len(input_ids)
     result = Rendered(input_ids, loss_mask, full_length=n, turns=len(spans))
