@@ -529,6 +529,21 @@ def test_openai_nothing_answers_names_the_url(tmp_path):
         regenerate_conversations(dataset(2), cfg(backend="vllm"), None, tmp_path, "train")
 
 
+@pytest.mark.parametrize("fields, text", [
+    ({"reasoning": "\ncold\n"}, "<think>\ncold\n</think>\n\nsky: snow"),  # vLLM (since Jan 2026)
+    ({"reasoning_content": "cold"}, "<think>\ncold\n</think>\n\nsky: snow"),  # SGLang, DeepSeek, older vLLM
+    ({"reasoning": "cold", "reasoning_content": "cold"}, "<think>\ncold\n</think>\n\nsky: snow"),  # both: once
+    ({"reasoning": None, "reasoning_content": ""}, "sky: snow"),
+])
+def test_openai_answers_get_the_thinking_a_reasoning_parser_split_off(fields, text):
+    """The target wrote its thinking first; a draft trained without it would meet it at serving time."""
+    from specforge.data.regen.openai_api import _parse
+
+    raw = json.dumps({"choices": [{"message": {"role": "assistant", "content": "sky: snow", **fields},
+                                   "finish_reason": "stop"}], "usage": {"completion_tokens": 9}}).encode()
+    assert _parse(raw, "http://127.0.0.1:1") == Answer(text=text, tokens=9, truncated=False)
+
+
 def test_data_stage_trains_on_the_regenerated_answers(target, tmp_path):
     """`data.regenerate.enabled=true`: the stage's conversations and loss-masked tokens are the
     target's own answers, and every input row is still accounted for."""

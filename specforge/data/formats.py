@@ -381,7 +381,7 @@ def to_conversation(data: dict, fmt: str = "auto") -> dict:
             raw_content = json.dumps(raw_content, ensure_ascii=False)  # a result stored as an object
         content = _content(raw_content, f"{where}.{content_key}", slots=row_images is not None)
         if role == "assistant":
-            content = _with_reasoning(content, turn, where)
+            content = with_reasoning(content, _turn_reasoning(turn, where))
         message = {"role": role, "content": content}
         if calls:
             message["tool_calls"] = calls
@@ -396,22 +396,32 @@ def to_conversation(data: dict, fmt: str = "auto") -> dict:
     return {"id": _row_id(data, messages), "messages": messages, **tools_entry(_tools(data.get("tools")))}
 
 
-def _with_reasoning(content: str | list[dict], turn: dict, where: str) -> str | list[dict]:
-    """The answer with its thinking in front as the target wrote it: vLLM's and SGLang's reasoning
-    parsers split it off into `reasoning_content` (`reasoning` in vLLM 0.10 and later)."""
-    for key in ("reasoning_content", "reasoning"):
-        reasoning = turn.get(key)
-        if reasoning is None:
-            continue
-        if not isinstance(reasoning, str):
-            raise DataError(f"{where}.{key}: expected a string, got {type(reasoning).__name__}")
-        if not reasoning.strip():
-            continue
-        think = f"<think>\n{reasoning.strip()}\n</think>\n\n"
-        if isinstance(content, str):
-            return think + content
-        return [{"type": "text", "text": think}, *content]
-    return content
+# Where servers put split-off thinking: vLLM "reasoning" (it removed "reasoning_content" in January
+# 2026), SGLang and DeepSeek "reasoning_content".
+REASONING_KEYS = ("reasoning", "reasoning_content")
+
+
+def with_reasoning(content: str | list[dict], reasoning: str | None) -> str | list[dict]:
+    """The answer with its thinking in front, as the target wrote it and its template renders it
+    (Qwen3's: `<think>\n` + reasoning + `\n</think>\n\n` + answer): servers with a reasoning parser,
+    and datasets saved from them, split it off."""
+    if not reasoning or not reasoning.strip():
+        return content
+    think = f"<think>\n{reasoning.strip(chr(10))}\n</think>\n\n"
+    if isinstance(content, str):
+        return think + content.lstrip("\n")
+    return [{"type": "text", "text": think}, *content]
+
+
+def _turn_reasoning(turn: dict, where: str) -> str | None:
+    """An assistant turn's split-off thinking, under either key a server writes it."""
+    for key in REASONING_KEYS:
+        value = turn.get(key)
+        if value is not None and not isinstance(value, str):
+            raise DataError(f"{where}.{key}: expected a string, got {type(value).__name__}")
+        if value and value.strip():
+            return value
+    return None
 
 
 def tools_entry(tools: list[dict] | None) -> dict:

@@ -18,6 +18,7 @@ import warnings
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from typing import Callable, Iterator
 
+from specforge.data.formats import REASONING_KEYS, with_reasoning
 from specforge.data.regen.replay import Answer, RegenFailure, Replay
 from specforge.utils.io import fingerprint
 
@@ -167,12 +168,10 @@ def _parse(raw: bytes, url: str) -> Answer:
         choice = data["choices"][0]
         message = choice["message"]
         content = message.get("content") or ""
-        reasoning = message.get("reasoning_content") or ""
+        reasoning = next((message[k] for k in REASONING_KEYS if isinstance(message.get(k), str) and message[k]), None)
         finish = choice.get("finish_reason")
         tokens = int((data.get("usage") or {}).get("completion_tokens") or 0)
     except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
         raise RegenFailure("regen_bad_response",
                            f"{url}/v1/chat/completions: not a chat completion ({type(e).__name__}: {e})") from None
-    if reasoning:  # servers with a reasoning parser split the thinking off; the target emitted both
-        content = f"<think>\n{reasoning}\n</think>\n\n{content}"
-    return Answer(text=content, tokens=tokens, truncated=finish == "length")
+    return Answer(text=with_reasoning(content, reasoning), tokens=tokens, truncated=finish == "length")
