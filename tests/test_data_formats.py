@@ -225,6 +225,9 @@ def test_reasoning_split_off_by_a_server_is_put_back_in_front_of_the_answer():
                 "content": [{"type": "text", "text": "sky: snow"}, {"type": "image", "image": "map.png"}]}]}
     assert to_conversation(pictured)["messages"][1]["content"] == [
         {"type": "text", "text": think}, {"type": "text", "text": "sky: snow"}, {"type": "image", "image": "map.png"}]
+    twice = {"messages": [{"role": "user", "content": "Oslo?"},
+                          {"role": "assistant", "content": think + "sky: snow", "reasoning_content": "cold"}]}
+    assert to_conversation(twice)["messages"][1]["content"] == think + "sky: snow"  # not two <think> blocks
     blank = {"messages": [{"role": "user", "content": "Oslo?"}, {"role": "assistant", "content": "x", "reasoning": " "}]}
     assert to_conversation(blank)["messages"][1]["content"] == "x"
     nonsense = {"messages": [{"role": "user", "content": "Oslo?"},

@@ -399,6 +399,7 @@ def to_conversation(data: dict, fmt: str = "auto") -> dict:
 # Where servers put split-off thinking: vLLM "reasoning" (it removed "reasoning_content" in January
 # 2026), SGLang and DeepSeek "reasoning_content".
 REASONING_KEYS = ("reasoning", "reasoning_content")
+THINK_START, THINK_END = "<think>", "</think>"  # how Qwen3 and DeepSeek-R1 write their reasoning
 
 
 def with_reasoning(content: str | list[dict], reasoning: str | None) -> str | list[dict]:
@@ -407,7 +408,10 @@ def with_reasoning(content: str | list[dict], reasoning: str | None) -> str | li
     and datasets saved from them, split it off."""
     if not reasoning or not reasoning.strip():
         return content
-    think = f"<think>\n{reasoning.strip(chr(10))}\n</think>\n\n"
+    first = content if isinstance(content, str) else next((p["text"] for p in content if p["type"] == "text"), "")
+    if first.lstrip().startswith(THINK_START):  # exported twice: the answer already carries it
+        return content
+    think = f"{THINK_START}\n{reasoning.strip(chr(10))}\n{THINK_END}\n\n"
     if isinstance(content, str):
         return think + content.lstrip("\n")
     return [{"type": "text", "text": think}, *content]

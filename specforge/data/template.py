@@ -12,7 +12,7 @@ from typing import Iterator
 
 import jinja2
 
-from specforge.data.formats import DataError, tools_entry
+from specforge.data.formats import THINK_END, DataError, tools_entry
 
 OVERLENGTH = ("truncate", "drop")
 
@@ -63,9 +63,6 @@ def _special_ids(tokenizer) -> set[int]:
     ids = set(tokenizer.all_special_ids)
     ids.update(i for i, tok in tokenizer.added_tokens_decoder.items() if tok.special)
     return ids
-
-
-THINK_END = "</think>"
 
 
 def assistant_char_spans(tokenizer, messages: list[dict], full: str, tools=None) -> list[tuple[int, int, int | None]]:
