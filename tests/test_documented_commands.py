@@ -17,17 +17,23 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def documented_commands() -> list[tuple[str, list[str]]]:
-    """(where, overrides) of every one-line train.py command naming a real exp."""
+    """(where, overrides) of every train.py command naming a real exp (lines ending in a backslash
+    joined with the next)."""
     found = []
     for path in [ROOT / "README.md", *sorted((ROOT / "conf" / "exp").glob("*.yaml"))]:
-        for n, line in enumerate(path.read_text().splitlines(), 1):
-            if "train.py" not in line or "+exp=" not in line or line.rstrip().endswith("\\"):
+        lines = path.read_text().splitlines()
+        for start, line in enumerate(lines, 1):
+            n = start
+            while line.rstrip().endswith("\\") and n < len(lines):
+                line = line.rstrip()[:-1] + " " + lines[n]
+                n += 1
+            if "train.py" not in line or "+exp=" not in line:
                 continue
             command = re.split(r"[`#]", line.split("train.py", 1)[1])[0]  # up to inline code's end or a comment
             words = shlex.split(command)
             overrides = [w for w in words if w != "-m" and not w.startswith("hydra/")]  # the launcher's own
             if any(re.fullmatch(r"\+exp=[a-z0-9_]+", w) and w != "+exp=NAME" for w in overrides):
-                found.append((f"{path.relative_to(ROOT)}:{n}", overrides))
+                found.append((f"{path.relative_to(ROOT)}:{start}", overrides))
     return found
 
 
