@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -370,7 +371,9 @@ class TargetServer(ThreadingHTTPServer):
     """A minimal OpenAI-compatible server: /v1/models and /v1/chat/completions, greedy decoding
     of the tiny target one request at a time. It records every request and the most requests
     it ever had in flight; `fail_markers`: requests mentioning one answer 500; `flaky` makes
-    the first attempt of every distinct request answer 500."""
+    the first attempt of every distinct request answer 500. As SGLang and vLLM, it renders the
+    request's `tools`, parses a call's JSON arguments back into an object for the template, and
+    refuses a tool result without a `tool_call_id`; `call_tools` answers with a parsed call."""
 
     daemon_threads = True
 
@@ -384,14 +387,23 @@ class TargetServer(ThreadingHTTPServer):
         self.requests: list[dict] = []
         self.in_flight = self.max_in_flight = 0
         self.fail_markers: tuple[str, ...] = ()
-        self.flaky = False
+        self.flaky = self.call_tools = False
         self.seen: set[str] = set()
         self.url = f"http://127.0.0.1:{self.server_address[1]}"
 
     def complete(self, body: dict) -> dict:
+        if self.call_tools:
+            return {"choices": [{"index": 0, "finish_reason": "tool_calls", "message": {
+                "role": "assistant", "content": None, "tool_calls": [
+                    {"id": "x", "type": "function", "function": {"name": "forecast", "arguments": "{}"}}]}}],
+                "usage": {"completion_tokens": 9}}
+        messages = [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.loads(
+            c["function"]["arguments"])}} for c in m["tool_calls"]]} if m.get("tool_calls") else m
+            for m in body["messages"]]
         with self.gpu:
-            ids = self.tok.apply_chat_template(body["messages"], add_generation_prompt=True, return_tensors="pt",
-                                               return_dict=True, **body.get("chat_template_kwargs", {})).to(DEVICE)
+            ids = self.tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                               return_dict=True, **({"tools": body["tools"]} if "tools" in body else {}),
+                                               **body.get("chat_template_kwargs", {})).to(DEVICE)
             with torch.inference_mode():
                 out = self.model.generate(**ids, max_new_tokens=body["max_tokens"], do_sample=False)
         new = out[0, ids["input_ids"].shape[1]:].tolist()
@@ -440,6 +452,8 @@ class Handler(BaseHTTPRequestHandler):
                 return self._send(404, {"error": f"no route {self.path}"})
             if any(m in json.dumps(body["messages"]) for m in srv.fail_markers):
                 return self._send(500, {"error": "internal error (test)"})
+            if any(m["role"] == "tool" and not m.get("tool_call_id") for m in body["messages"]):
+                return self._send(400, {"error": "tool messages need a tool_call_id"})
             if srv.flaky and first_try:
                 return self._send(503, {"error": "overloaded (test)"})
             self._send(200, srv.complete(body))
@@ -462,7 +476,7 @@ def server(target):
 def fresh(server):
     server.requests.clear()
     server.seen.clear()
-    server.max_in_flight, server.fail_markers, server.flaky = 0, (), False
+    server.max_in_flight, server.fail_markers, server.flaky, server.call_tools = 0, (), False, False
     return server
 
 
@@ -515,6 +529,73 @@ def test_openai_failures_retries_and_rerun(fresh, target, tmp_path):
     assert report["asked"] == 2 and report["regenerated"] == 6 and report["failed"] == 0
     assert len(fresh.requests) == n + 2
     assert list(read_jsonl(tmp_path / "regen_train.failures.jsonl")) == []
+
+
+@pytest.fixture(scope="module")
+def tool_target(target, tmp_path_factory):
+    """The taught target with a tool-aware chat template (a Qwen-like ChatML one)."""
+    from test_tool_calls import TOOL_TEMPLATE
+
+    out = tmp_path_factory.mktemp("tool_target")
+    shutil.copytree(target.path, out, dirs_exist_ok=True)
+    (out / "chat_template.jinja").write_text(TOOL_TEMPLATE)
+    return TargetConfig(name="tiny-chat", path=str(out), dtype="float32")
+
+
+def tool_traces(n: int = 3) -> list[dict]:
+    from test_tool_calls import tool_row
+
+    from specforge.data.formats import to_conversation
+
+    rows = []
+    for i in range(n):
+        row = tool_row(i)
+        row["messages"][2].pop("tool_call_id")  # a result without its call's id (LLaMA-Factory's rows)
+        rows.append({**to_conversation(row), "fixes": [], "file": "raw.jsonl", "line": i + 1, "source": "test"})
+    return rows
+
+
+def test_agentic_traces_regenerate_the_answer_after_the_tools_in_process_and_served_alike(tool_target, tmp_path):
+    """The calls and results stay as written; the final answer is the target's, asked with the row's
+    tools in the prompt: in-process, and through a server that takes OpenAI's tool fields."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from test_tool_calls import TOOLS
+
+    convs = tool_traces()
+    c = cfg(keep_truncated=True)  # what the taught target says here may not end within 24 tokens
+    rows, report = regenerate_conversations(convs, c, tool_target, tmp_path / "embedded", "train")
+    assert report["regenerated"] == report["turns_regenerated"] == report["output_rows"] == 3
+    tok = AutoTokenizer.from_pretrained(tool_target.path)
+    model = AutoModelForCausalLM.from_pretrained(tool_target.path, dtype=torch.float32).to(DEVICE)
+    for src, row in zip(convs, rows):
+        assert row["tools"] == TOOLS and row["messages"][:4] == src["messages"][:4]
+        assert row["messages"][4]["content"] != src["messages"][4]["content"]
+        prompt = tok.apply_chat_template(src["messages"][:4], tools=TOOLS, add_generation_prompt=True,
+                                         return_tensors="pt", return_dict=True).to(DEVICE)
+        assert tok.decode(prompt["input_ids"][0]).startswith("<|im_start|>system\nTools: forecast")
+        gen = model.generate(**prompt, max_new_tokens=24, do_sample=False)[0, prompt["input_ids"].shape[1]:]
+        assert tok.decode(gen, skip_special_tokens=True) == row["messages"][4]["content"]
+
+    srv = TargetServer(tool_target)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        served, report = regenerate_conversations(convs, cfg(keep_truncated=True, backend="openai", urls=[srv.url]),
+                                                  tool_target, tmp_path / "served", "train")
+        assert [r["messages"] for r in served] == [r["messages"] for r in rows]
+        request = srv.requests[0]
+        assert request["tools"] == TOOLS
+        assert request["messages"][1]["tool_calls"][0]["function"]["arguments"] == json.dumps({"day": 0})
+        assert [m.get("tool_call_id") for m in request["messages"][2:4]] == ["c1", "c2"]  # the first: its call's
+
+        srv.call_tools = True  # the target calls a tool where the trace answers: kept as written
+        kept, report = regenerate_conversations(convs, cfg(backend="openai", urls=[srv.url]),
+                                                tool_target, tmp_path / "calls", "train")
+        assert report["kept_original"] == 3 and report["failures_by_reason"] == {"regen_tool_call": 3}
+        assert [r["messages"] for r in kept] == [c["messages"] for c in convs]
+    finally:
+        srv.shutdown()
+        srv.server_close()
 
 
 def test_openai_nothing_answers_names_the_url(tmp_path):

@@ -1,7 +1,8 @@
 """Tool-calling conversations (agentic traces, the workload of Qwen3-Coder users): OpenAI's `tools`,
 assistant `tool_calls` and `tool` results are read, rendered by the target's template with the
 row's tool definitions, and the loss covers what the assistant generates (its answer and its calls),
-never the tools' results; in-process and in workers alike; regeneration keeps them as written."""
+never the tools' results; in-process and in workers alike; regeneration asks only the answers after the
+last call or result."""
 from __future__ import annotations
 
 import json
@@ -12,7 +13,7 @@ import pytest
 from specforge.data import stage
 from specforge.data.fix.conversations import role_name_fixes
 from specforge.data.formats import DataError, to_conversation
-from specforge.data.regen.replay import Replay
+from specforge.data.regen.replay import Answer, Replay, conversation_key
 from specforge.data.template import TemplateError, render
 from specforge.eval.prompts import heldout_prompts
 from specforge.targets.tiny import build_tiny_tokenizer
@@ -179,14 +180,36 @@ def test_held_out_prompts_are_rendered_with_their_tools(tmp_path, tok):
                                                                 tokenize=True)["input_ids"])
 
 
-def test_regeneration_keeps_a_tool_conversation_as_written():
-    """The target's own call would not match the tool results recorded after it."""
-    for conv in (to_conversation(tool_row()), {**to_conversation(tool_row()), "messages": [
-            {"role": "user", "content": "Oslo?"}, {"role": "assistant", "content": "sky: snow"}]}):  # tools only
-        replay = Replay("k", 0, conv, max_new_tokens=16)
-        assert replay.asked == 0 and replay.prompt() is None
-        record = replay.record()
-        assert record["status"] == "unchanged" and record["messages"] == conv["messages"]
+def test_regeneration_asks_only_the_answers_after_the_last_call_or_result():
+    """The target's own calls would not match the results recorded after them: the trace up to the
+    last of them is kept as written, the answers after it are asked (with the row's tools)."""
+    conv = to_conversation(tool_row())
+    replay = Replay("k", 0, conv, max_new_tokens=16)
+    assert replay.asked == 1 and replay.tools == TOOLS
+    assert replay.prompt() == conv["messages"][:4]  # the call and both results, as written
+    replay.answer(Answer("sky: rain", tokens=4, truncated=False))
+    assert replay.prompt() is None
+    record = replay.record()
+    assert record["status"] == "regenerated" and record["turns"] == 1
+    assert record["messages"] == [*conv["messages"][:4], {"role": "assistant", "content": "sky: rain"}]
+
+    follow_up = {**conv, "messages": [*conv["messages"], {"role": "user", "content": "And tomorrow?"},
+                                      {"role": "assistant", "content": "sky: sun"}]}
+    replay = Replay("k", 0, follow_up, max_new_tokens=16)
+    assert replay.asked == 2
+    replay.prompt()
+    replay.answer(Answer("sky: rain", tokens=4, truncated=False))
+    assert replay.prompt()[4:] == [{"role": "assistant", "content": "sky: rain"},  # conditioned on its answer
+                                   {"role": "user", "content": "And tomorrow?"}]
+
+    ends_with_a_result = {**conv, "messages": conv["messages"][:4]}
+    replay = Replay("k", 0, ends_with_a_result, max_new_tokens=16)
+    assert replay.asked == 0 and replay.prompt() is None and replay.record()["status"] == "unchanged"
+
+    tools_only = {**conv, "messages": [{"role": "user", "content": "Oslo?"}, {"role": "assistant", "content": "snow"}]}
+    replay = Replay("k", 0, tools_only, max_new_tokens=16)  # no call made: every answer is asked
+    assert replay.asked == 1 and replay.prompt() == tools_only["messages"][:1] and replay.tools == TOOLS
+    assert conversation_key(tools_only) != conversation_key({**tools_only, "tools": None})
 
 
 def test_a_template_without_tool_support_is_a_row_error_not_lost_calls():

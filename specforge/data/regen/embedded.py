@@ -14,6 +14,7 @@ from typing import Callable, Iterator
 import jinja2
 import torch
 
+from specforge.data.formats import tools_entry
 from specforge.data.regen.decode import RefillDecoder, Request, logits_processors
 from specforge.data.regen.replay import Answer, RegenFailure, Replay
 from specforge.utils.io import fingerprint
@@ -80,7 +81,7 @@ class EmbeddedBackend:
             if messages is None:
                 return []
             try:
-                ids = self._prompt_ids(messages)
+                ids = self._prompt_ids(messages, replay.tools)
             except RegenFailure as e:
                 replay.fail(e)
                 return []
@@ -99,10 +100,10 @@ class EmbeddedBackend:
 
         decoder.run([q for r in group for q in ask(r)], done)
 
-    def _prompt_ids(self, messages: list[dict]) -> list[int]:
+    def _prompt_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True, **self.template_kwargs)
+                messages, tokenize=False, add_generation_prompt=True, **tools_entry(tools), **self.template_kwargs)
         except (TypeError, ValueError, jinja2.TemplateError) as e:
             raise RegenFailure("regen_template_error", f"the chat template cannot render the prompt ({e})") from None
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -18,7 +18,7 @@ import warnings
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from typing import Callable, Iterator
 
-from specforge.data.formats import REASONING_KEYS, with_reasoning
+from specforge.data.formats import REASONING_KEYS, tools_entry, with_reasoning
 from specforge.data.regen.replay import Answer, RegenFailure, Replay
 from specforge.utils.io import fingerprint
 
@@ -117,7 +117,7 @@ class OpenAIBackend:
     def _replay(self, r: Replay, on_answer: Callable[[int], None] | None) -> Replay:
         while (messages := r.prompt()) is not None:
             try:
-                answer = self._ask(messages, r.key, r.turns)
+                answer = self._ask(messages, r.key, r.turns, r.tools)
             except RegenFailure as e:
                 r.fail(e)
                 continue
@@ -126,10 +126,11 @@ class OpenAIBackend:
                 on_answer(answer.tokens)
         return r
 
-    def _ask(self, messages: list[dict], key: str, turn: int) -> Answer:
+    def _ask(self, messages: list[dict], key: str, turn: int, tools: list[dict] | None = None) -> Answer:
         body = json.dumps({
             "model": self.model,
-            "messages": [{"role": m["role"], "content": _openai_content(m["content"])} for m in messages],
+            "messages": _openai_messages(messages),
+            **tools_entry(tools),  # the server's default tool_choice: a call back is kept_original
             "temperature": float(self.cfg.temperature),
             "max_tokens": int(self.cfg.max_new_tokens),
             "seed": int(fingerprint(self.seed, key, turn), 16) % (2**31),  # reproducible sampling
@@ -154,6 +155,25 @@ class OpenAIBackend:
         raise RegenFailure("regen_server_error", f"{self.retries + 1} attempts failed; last: {last}", transient=True)
 
 
+def _openai_messages(messages: list[dict]) -> list[dict]:
+    """Our messages as OpenAI's API takes them: a call's arguments as JSON text, each call with an id
+    and each tool result with the id of the call it answers (in order) where the data had none."""
+    out, pending = [], []  # ids of the last assistant turn's calls, for results without one
+    for i, m in enumerate(messages):
+        wire = {"role": m["role"], "content": _openai_content(m["content"])}
+        if m.get("tool_calls"):
+            wire["tool_calls"] = [{"id": c.get("id") or f"call_{i}_{j}", "type": "function", "function": {
+                "name": c["function"]["name"], "arguments": json.dumps(c["function"]["arguments"], ensure_ascii=False)}}
+                for j, c in enumerate(m["tool_calls"])]
+            pending = [c["id"] for c in wire["tool_calls"]]
+        if m["role"] == "tool":
+            wire["tool_call_id"] = m.get("tool_call_id") or (pending.pop(0) if pending else f"call_{i}")
+            if m.get("name"):
+                wire["name"] = m["name"]
+        out.append(wire)
+    return out
+
+
 def _openai_content(content: str | list) -> str | list:
     """Our parts ({"type": "text"|"image"}) in the OpenAI spelling; image paths/URLs as given."""
     if isinstance(content, str):
@@ -170,8 +190,12 @@ def _parse(raw: bytes, url: str) -> Answer:
         content = message.get("content") or ""
         reasoning = next((message[k] for k in REASONING_KEYS if isinstance(message.get(k), str) and message[k]), None)
         finish = choice.get("finish_reason")
+        calls = [c["function"]["name"] for c in message.get("tool_calls") or ()]
         tokens = int((data.get("usage") or {}).get("completion_tokens") or 0)
     except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
         raise RegenFailure("regen_bad_response",
                            f"{url}/v1/chat/completions: not a chat completion ({type(e).__name__}: {e})") from None
+    if calls:  # its parser took the answer for calls; the results recorded after them are not theirs
+        raise RegenFailure("regen_tool_call", f"{url}/v1/chat/completions: the target called {', '.join(calls)} "
+                                              "where the conversation answers")
     return Answer(text=with_reasoning(content, reasoning), tokens=tokens, truncated=finish == "length")

@@ -2,11 +2,14 @@
 
 User and system turns are copied; each assistant turn is asked of the target given the
 conversation so far, where earlier assistant turns are the target's own (regenerated) answers,
-so a follow-up is conditioned on what the target actually said.
+so a follow-up is conditioned on what the target actually said. In an agentic trace the calls
+and tool results are kept as written, and the answers after the last of them are asked with the
+row's tools in the prompt.
 
 Failure policy (one place, so the report and the docs cannot drift apart):
 - the target could not be asked (server down after retries, request rejected, bad response,
-  the chat template cannot render the turn, the prompt does not fit the model): the sample is
+  the chat template cannot render the turn, the prompt does not fit the model), or it called a
+  tool where the trace answers (a server's parsed `tool_calls`): the sample is
   KEPT WITH ITS ORIGINAL ANSWERS (all of them, so the conversation stays coherent). It is still
   valid training data and an outage must not shrink the dataset; transient failures (connection
   errors, 5xx, 429) are asked again on the next run.
@@ -19,11 +22,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specforge.data.formats import uses_tools
+from specforge.data.formats import is_tool_turn, uses_tools
 from specforge.utils.io import fingerprint
 
 KEEP_ORIGINAL = ("regen_server_error", "regen_request_rejected", "regen_bad_response",
-                 "regen_template_error", "regen_prompt_too_long")
+                 "regen_template_error", "regen_prompt_too_long", "regen_tool_call")
 SKIP = ("regen_empty_answer", "regen_truncated")
 
 
@@ -53,21 +56,27 @@ class Answer:
 
 
 def conversation_key(conv: dict) -> str:
-    """Identity of a source conversation in the resume log: its id AND its messages, so an edited
-    row with the same id is regenerated instead of reusing a stale answer."""
-    return fingerprint(conv["id"], conv["messages"])
+    """Identity of a source conversation in the resume log: its id AND its messages (and tools),
+    so an edited row with the same id is regenerated instead of reusing a stale answer."""
+    return fingerprint(conv["id"], conv["messages"], *([conv["tools"]] if conv.get("tools") else []))
+
+
+def first_answerable(messages: list[dict], tools=None) -> int:
+    """Where the turns the target may answer begin: after the last tool call or result of an agentic
+    trace (everything up to it is kept as written: the target's own calls would not match the
+    results recorded after them; the answers after it read those results as they are)."""
+    if not uses_tools(messages, tools):
+        return 0
+    return 1 + max((i for i, m in enumerate(messages) if is_tool_turn(m)), default=-1)
 
 
 def turns_to_answer(messages: list[dict], tools=None) -> int:
     """The assistant turns the target is asked for: those after a user turn (a canned greeting
-    before any is copied as it is); none in a conversation that uses tools: it is kept as written,
-    since the target's own calls would not match the tool results recorded after them."""
-    if uses_tools(messages, tools):
-        return 0
-    asked, user_seen = 0, False
-    for message in messages:
+    before any is copied as it is), from `first_answerable` on."""
+    asked, user_seen, start = 0, False, first_answerable(messages, tools)
+    for i, message in enumerate(messages):
         user_seen = user_seen or message["role"] == "user"
-        asked += message["role"] == "assistant" and user_seen
+        asked += i >= start and message["role"] == "assistant" and user_seen
     return asked
 
 
@@ -78,15 +87,14 @@ class Replay:
                  keep_truncated: bool = False) -> None:
         self.key, self.index, self.id = key, index, conv["id"]
         self.source: list[dict] = conv["messages"]
+        self.tools: list[dict] | None = conv.get("tools")  # rendered into every prompt, as in training
         self.max_new_tokens = max_new_tokens
         self.keep_truncated = keep_truncated
-        self.messages: list[dict] = []  # the new conversation so far
-        self.pos = 0  # next source message to copy or answer
+        self.pos = first_answerable(self.source, self.tools)  # next source message to copy or answer
+        # the new conversation so far: an agentic trace's calls and results as written
+        self.messages: list[dict] = list(self.source[: self.pos])
         self.turns = 0  # assistant turns regenerated
-        # at most this many answers (a failure ends it early)
-        self.asked = turns_to_answer(self.source, conv.get("tools"))
-        if uses_tools(self.source, conv.get("tools")):  # copied as it is: "unchanged"
-            self.messages, self.pos = list(self.source), len(self.source)
+        self.asked = turns_to_answer(self.source, self.tools)  # at most this many answers (a failure ends it early)
         self.answers = 0  # answers received, usable or not
         self.tokens = 0
         self.failure: RegenFailure | None = None

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from specforge.config import FixConfig
 from specforge.data.fix import fix_dataset, reason_code
-from specforge.data.formats import RawRow
+from specforge.data.formats import RawRow, tools_entry
 from specforge.data.regen.journal import Journal
 from specforge.data.regen.replay import Replay, conversation_key, turns_to_answer
 from specforge.utils.io import fingerprint, write_json, write_jsonl
@@ -211,13 +211,14 @@ def _assemble(conversations, keys, done, fix, image_root) -> _Assembled:
                                  "answer": rec["failure"].get("answer")})  # the unusable answer, if any
         if rec["status"] == "skipped":
             out.quarantine.append({"file": file, "line": line, "reason": rec["failure"]["reason"],
-                                   "row": {"id": conv["id"], "messages": conv["messages"]}})
+                                   "row": {"id": conv["id"], "messages": conv["messages"], **tools_entry(conv.get("tools"))}})
             continue
         if (file, line) in by_place:
             raise ValueError(f"{file}:{line}: two conversations claim this place ({conv['id']!r} and "
                              f"{by_place[file, line]['id']!r}); give each a distinct file/line or none")
         by_place[file, line] = conv
-        raws.append(RawRow(file, line, {"id": conv["id"], "messages": rec["messages"]}, None))
+        raws.append(RawRow(file, line, {"id": conv["id"], "messages": rec["messages"], **tools_entry(conv.get("tools"))},
+                           None))
 
     result = fix_dataset(raws, fix, "messages", image_root)
     out.fix_counts = result.counts
