@@ -218,3 +218,19 @@ def test_a_reasoning_template_that_drops_earlier_think_blocks_trains_on_what_it_
                                                    "+ answer | lower + '<|im_end|>\\n' }}{% endif %}")
     with pytest.raises(TemplateError, match=r"messages\[1\].content: not found"):
         render(tok, rewritten)  # a template that changes the answer itself is still refused
+
+
+# Phi-3's shape: each turn closes with <|end|>, and the conversation, when no generation prompt
+# follows, with the end-of-text token too.
+PHI3_TEMPLATE = (
+    "{% for m in messages %}{{ '<|' + m['role'] + '|>\n' + m['content'] + '<|end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ '<|endoftext|>' }}{% endif %}"
+)
+
+
+def test_a_turn_ends_at_its_end_of_turn_token_not_at_the_conversation_end_after_it():
+    tok = build_tiny_tokenizer(None, special_tokens=["<|user|>", "<|assistant|>", "<|end|>", "<|endoftext|>", E],
+                               chat_template=PHI3_TEMPLATE)
+    ids, mask = render(tok, [{"role": "user", "content": "Oslo?"}, {"role": "assistant", "content": "snow"},
+                             {"role": "user", "content": "Lima?"}, {"role": "assistant", "content": "sun"}])
+    assert tok.decode([i for i, m in zip(ids, mask) if m]) == "snow<|end|>sun<|end|>"

@@ -148,17 +148,19 @@ def render(tokenizer, messages: list[dict], max_length: int | None = None, overl
     specials = _special_ids(tokenizer)
     loss_mask = [0] * len(input_ids)
     spans = assistant_char_spans(tokenizer, messages, full, tools)
+    calls = [bool(m.get("tool_calls")) for m in messages if m["role"] == "assistant"]
     for turn, (start, body_end, turn_end) in enumerate(spans):
-        # The turn's end-of-turn token: its last special token where the turn's extent is known (the
-        # calls may be wrapped in special tokens: Mistral's [TOOL_CALLS], a tokenizer marking
-        # <tool_call> special), else the first special token after its body.
+        # The turn's end-of-turn token: the first special token after its content, or after its last
+        # call's name. Calls may be wrapped in special tokens (<tool_call>...</tool_call> where a
+        # tokenizer marks them special; DeepSeek's): there it is the turn's last special token, where
+        # the turn's extent is known.
         tokens = [t for t, (a, b) in enumerate(offsets) if b > start and a < (turn_end or len(full))]
         ends = [t for t in tokens if offsets[t][0] >= body_end and input_ids[t] in specials]
         if not ends:
             raise TemplateError(
                 f"assistant turn {turn}: no end-of-turn special token after the content"
             )
-        end = ends[-1] if turn_end is not None else ends[0]
+        end = ends[-1] if calls[turn] and turn_end is not None else ends[0]
         for t in tokens:  # generated: the content (a token may straddle the header), then its tool calls
             if t > end:
                 break
