@@ -230,6 +230,9 @@ class EvalConfig:
     suites: List[str] = field(default_factory=list)
     max_new_tokens: int = 128
     temperature: float = 0.0
+    # Chat templates with a thinking switch (Qwen3's enable_thinking): prompts rendered thinking (true)
+    # or answering directly (false); None: as most held-out answers were written (<think> first or not)
+    thinking: Optional[bool] = None
     exact_ancestor_attention: bool = False
     dtype: Optional[str] = None  # engine dtype of target and draft; None: target.dtype
     seed: int = 0  # sampling seed (temperature > 0)

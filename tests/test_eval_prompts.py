@@ -203,6 +203,7 @@ def test_one_suite_keeps_the_report_as_it_was(tiny_run):
     assert row["suite"] == "heldout" and row["accept_length"] == results["configs"][0]["accept_length"]
     report = (tiny_run / "eval" / "report.md").read_text()
     assert "2 held-out prompts" in report and "Per suite" not in report
+    assert results["meta"]["thinking"] is None and "enable_thinking" not in report  # no switch to report
     shutil.rmtree(tiny_run / "eval")
 
 
@@ -227,3 +228,52 @@ def test_the_run_report_serves_the_fastest_chain_with_vllm(tiny_run):
     assert args[2] == run_cfg.target.path and args[3] == "--speculative-config"
     assert json.loads(args[4]) == {"method": "eagle3", "model": str(tiny_run / "epoch_1"),
                                    "num_speculative_tokens": int(fastest["tree"].split("_")[0])}
+
+
+# Qwen3's hybrid thinking switch, reduced to what it does to the generation prompt.
+THINKING_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+    "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\n\n</think>\n\n' }}{% endif %}"
+    "{% endif %}"
+)
+
+
+def test_prompts_are_rendered_in_the_thinking_mode_the_answers_were_written_in(tiny_run, tmp_path):
+    """A draft trained on answers without thinking is measured on prompts that skip it (Qwen3's
+    default would think), and the reverse; eval.thinking overrides; templates without the switch
+    are given nothing."""
+    from specforge.eval.prompts import thinking_kwargs
+    from specforge.eval.report import markdown
+    from specforge.targets.tiny import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer(None, chat_template=THINKING_TEMPLATE)
+    ask = [{"role": "user", "content": "Oslo?"}]
+    thought = tmp_path / "thought.jsonl"
+    write_jsonl(thought, [{"id": f"t{i}", "messages": [*ask, {"role": "assistant", "content": answer}]}
+                          for i, answer in enumerate(["<think>\ncold\n</think>\n\nsnow", "<think>\nx\n</think>\n\nsun", "rain"])])
+    assert thinking_kwargs(tok, None, thought) == {"enable_thinking": True}  # 2 of 3 think first
+    assert thinking_kwargs(tok, False, thought) == {"enable_thinking": False}
+    assert thinking_kwargs(tok, None, tmp_path / "none.jsonl") == {}  # no answers: the template's default
+    assert thinking_kwargs(build_tiny_tokenizer(None), True, thought) == {}  # no switch in the template
+    (prompt, *_) = heldout_prompts(thought, tok, 3)
+    assert tok.decode(prompt["input_ids"]).endswith("<|im_start|>assistant\n")
+    assert prompt["template_kwargs"] == {"enable_thinking": True}
+
+    run_cfg, ev = configs(tiny_run)  # its held-out answers are plain weather reports
+    plain = load_suites(run_cfg, ev, tok)["heldout"][0]
+    assert tok.decode(plain["input_ids"]).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    run_cfg, ev = configs(tiny_run, "thinking=true")
+    assert tok.decode(load_suites(run_cfg, ev, tok)["heldout"][0]["input_ids"]).endswith("assistant\n")
+
+    target = tmp_path / "target"  # the run's target with the switch: the evaluation reports the mode
+    shutil.copytree(run_cfg.target.path, target)
+    (target / "chat_template.jinja").write_text(THINKING_TEMPLATE)
+    run_cfg, ev = configs(tiny_run, "dtype=float32")
+    run_cfg.target.path = str(target)
+    run_evaluation(run_cfg, tiny_run, ev)
+    results = read_json(tiny_run / "eval" / "results.json")
+    assert results["meta"]["thinking"] is False
+    assert "Prompts rendered with the chat template's enable_thinking=false" in markdown(results)
+    assert markdown(results) in (tiny_run / "eval" / "report.md").read_text()
+    shutil.rmtree(tiny_run / "eval")

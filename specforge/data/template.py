@@ -59,6 +59,14 @@ def _template_ids(tokenizer, messages: list[dict], tools=None) -> list[int]:
     return list(ids)
 
 
+THINKING_SWITCH = "enable_thinking"  # the chat template variable of Qwen3's hybrid models: think first or not
+
+
+def has_thinking_switch(tokenizer) -> bool:
+    """The chat template renders prompts with or without thinking (`enable_thinking`)."""
+    return THINKING_SWITCH in str(tokenizer.chat_template or "")
+
+
 def _special_ids(tokenizer) -> set[int]:
     ids = set(tokenizer.all_special_ids)
     ids.update(i for i, tok in tokenizer.added_tokens_decoder.items() if tok.special)

@@ -106,23 +106,24 @@ def random_token_requests(num_prompts: int, input_len: int, output_len: int, voc
 
 
 def conversation_requests(path, tokenizer, num_prompts: int, output_len: int,
-                          with_images: bool = False) -> list[BenchRequest]:
+                          with_images: bool = False, thinking: bool | None = None) -> list[BenchRequest]:
     """The held-out prompts of the embedded evaluation (specforge.eval.prompts: each conversation up
     to its first assistant turn, with the generation prompt), from a run dir or a .jsonl file;
     cycled when there are fewer conversations than `num_prompts`. `with_images` (vision-language
     targets): a prompt with images goes as its rendered text plus `image_data`, and the server
-    expands the image placeholders itself."""
+    expands the image placeholders itself. `thinking`: eval.thinking (prompts.thinking_kwargs)."""
     from specforge.data.vl_render import image_paths
-    from specforge.eval.prompts import heldout_prompts
+    from specforge.eval.prompts import heldout_prompts, thinking_kwargs
 
     path = Path(path)
     if path.is_dir():
         path = RunLayout(path).conversations("eval")
     requests = []
-    for p in heldout_prompts(path, tokenizer, num_prompts):
+    for p in heldout_prompts(path, tokenizer, num_prompts, template_kwargs=thinking_kwargs(tokenizer, thinking, path)):
         paths = image_paths(p["messages"]) if with_images else []
         if paths:
-            text = tokenizer.apply_chat_template(p["messages"], add_generation_prompt=True, tokenize=False)
+            text = tokenizer.apply_chat_template(p["messages"], add_generation_prompt=True, tokenize=False,
+                                                 **p["template_kwargs"])
             requests.append(BenchRequest(text, len(p["input_ids"]), output_len, paths))
         else:
             requests.append(BenchRequest(p["input_ids"], len(p["input_ids"]), output_len))

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from specforge.checkpoint import load_draft
+from specforge.data.template import THINKING_SWITCH
 from specforge.engine.speculative import PHASES, GenerationStats, SpeculativeEngine
 from specforge.engine.tree_spec import TreeSpec
 from specforge.eval.prompts import load_suites
@@ -262,6 +263,7 @@ def eval_with_engine(run_cfg, ckpts: list[Path], eval_cfg, on_progress=None) -> 
     results = {"configs": [], "suite_configs": [], "meta": {
         "prompts": len(prompts), "suites": {name: len(ps) for name, ps in suites.items()},
         "max_new_tokens": eval_cfg.max_new_tokens,
+        "thinking": prompts[0]["template_kwargs"].get(THINKING_SWITCH),  # None: the template has no switch
         "temperature": eval_cfg.temperature, "dtype": dtype_name, "device": device,
         "threads": torch.get_num_threads(), "exact_ancestor_attention": eval_cfg.exact_ancestor_attention,
         "timing_repeats": eval_cfg.timing_repeats,

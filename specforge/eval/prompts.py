@@ -12,7 +12,8 @@
 
 Every prompt is one conversation up to its first assistant turn, rendered with the target's chat
 template and its generation prompt, as a user request would arrive (`render_prompt`, the one
-rendering). Each suite gives its first `eval.num_prompts`. A bad suite (unknown name, missing or
+rendering); a template with a thinking switch (Qwen3's) renders them in the mode the held-out
+answers were written in, or `eval.thinking` (`thinking_kwargs`). Each suite gives its first `eval.num_prompts`. A bad suite (unknown name, missing or
 empty file, a row without a prompt) fails naming the file and row before any model loads.
 """
 from __future__ import annotations
@@ -20,8 +21,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from specforge.data.fix.conversations import prompt_turns
-from specforge.data.formats import DataError, read_raw_rows, to_conversation, tools_entry
+from specforge.data.formats import THINK_START, DataError, read_raw_rows, to_conversation, tools_entry
 from specforge.data.sources import check_source, is_hub, is_table_source
+from specforge.data.template import THINKING_SWITCH, has_thinking_switch
 from specforge.data.vl_render import image_paths, prompt_with_images
 from specforge.utils.io import read_jsonl
 
@@ -29,33 +31,59 @@ HELDOUT, HUMANEVAL = "heldout", "humaneval"
 BUILTIN = (HELDOUT, HUMANEVAL)
 
 
-def render_prompt(head: list[dict], tokenizer, vl=None, tools: list[dict] | None = None) -> dict:
-    """{"input_ids", "messages"} of prompt turns, rendered with the chat template and its generation
-    prompt (and the row's tool definitions); with `vl` (image processor, VLInfo) image placeholders
-    are expanded and the prompt also carries "images": {"pixel_values", "image_grid_thw"}."""
-    ids = tokenizer.apply_chat_template(head, add_generation_prompt=True, tokenize=True, **tools_entry(tools))
+def thinking_kwargs(tokenizer, thinking: bool | None, conversations_file: str | Path | None = None) -> dict:
+    """{"enable_thinking": mode} for a chat template with that switch, else {}. `thinking` None: the
+    mode most held-out answers were written in (opening with <think>: regenerated with
+    data.regenerate.thinking=true, or so written), so the engine measures the workload the draft
+    learned; without held-out answers, the template's default."""
+    if not has_thinking_switch(tokenizer):
+        return {}
+    if thinking is None:
+        path = Path(conversations_file) if conversations_file is not None else None
+        answers = [next((m["content"] for m in row["messages"] if m["role"] == "assistant"), None)
+                   for row in (read_jsonl(path) if path is not None and path.exists() else ())]
+        answers = [a for a in answers if isinstance(a, str)]
+        if not answers:
+            return {}
+        thinking = 2 * sum(a.lstrip().startswith(THINK_START) for a in answers) > len(answers)
+    return {THINKING_SWITCH: bool(thinking)}
+
+
+def render_prompt(head: list[dict], tokenizer, vl=None, tools: list[dict] | None = None,
+                  template_kwargs: dict | None = None) -> dict:
+    """{"input_ids", "messages", "template_kwargs"} of prompt turns, rendered with the chat template
+    and its generation prompt; "template_kwargs": what else the template was given (the row's tool
+    definitions, `template_kwargs`: thinking_kwargs), for whoever renders the prompt again. With `vl`
+    (image processor, VLInfo) image placeholders are expanded and the prompt also carries
+    "images": {"pixel_values", "image_grid_thw"}."""
+    kwargs = {**tools_entry(tools), **(template_kwargs or {})}
+    ids = tokenizer.apply_chat_template(head, add_generation_prompt=True, tokenize=True, **kwargs)
     if hasattr(ids, "keys"):  # BatchEncoding from newer transformers
         ids = ids["input_ids"]
-    prompt = {"input_ids": list(ids), "messages": head}
+    prompt = {"input_ids": list(ids), "messages": head, "template_kwargs": kwargs}
     paths = image_paths(head)
     if paths and vl is not None:
         prompt["input_ids"], prompt["images"] = prompt_with_images(prompt["input_ids"], paths, *vl)
     return prompt
 
 
-def heldout_prompts(conversations_file: str | Path, tokenizer, limit: int, vl=None) -> list[dict]:
-    """[{"id", "input_ids", "messages"}] for up to `limit` conversations that have a user turn
-    (the data stage's clean conversations: one without a user turn is valid training data, skipped)."""
+def heldout_prompts(conversations_file: str | Path, tokenizer, limit: int, vl=None,
+                    template_kwargs: dict | None = None) -> list[dict]:
+    """[{"id", "input_ids", "messages", "template_kwargs"}] for up to `limit` conversations that
+    have a user turn (the data stage's clean conversations: one without a user turn is valid
+    training data, skipped). `template_kwargs` None: thinking_kwargs as the answers were written."""
     path = Path(conversations_file)
     if not path.exists():
         raise FileNotFoundError(f"{path}: no held-out conversations; the data stage writes it when "
                                 "data.eval_files is set")
+    if template_kwargs is None:
+        template_kwargs = thinking_kwargs(tokenizer, None, path)
     prompts = []
     for row in read_jsonl(path):
         head = prompt_turns(row["messages"])
         if not any(m["role"] == "user" for m in head):
             continue
-        prompts.append({"id": row["id"], **render_prompt(head, tokenizer, vl, row.get("tools"))})
+        prompts.append({"id": row["id"], **render_prompt(head, tokenizer, vl, row.get("tools"), template_kwargs)})
         if len(prompts) >= limit:
             break
     if not prompts:
@@ -156,11 +184,12 @@ def load_suites(run_cfg, eval_cfg, tokenizer, vl=None) -> dict[str, list[dict]]:
     limit = int(eval_cfg.num_prompts)
     if limit < 1:
         raise ValueError(f"eval.num_prompts: {limit}; at least 1 prompt per suite")
+    heldout = RunLayout(Path(run_cfg.output_dir) / run_cfg.run_name).conversations("eval")
+    template_kwargs = thinking_kwargs(tokenizer, eval_cfg.thinking, heldout)  # one mode for every suite
     suites = {}
     for name, entry in check_suites(eval_cfg).items():
         if entry == HELDOUT:
-            run_dir = Path(run_cfg.output_dir) / run_cfg.run_name
-            prompts = heldout_prompts(RunLayout(run_dir).conversations("eval"), tokenizer, limit, vl)
+            prompts = heldout_prompts(heldout, tokenizer, limit, vl, template_kwargs)
         else:
             rows = humaneval_conversations() if entry == HUMANEVAL else file_conversations(entry)
             if vl is None:
@@ -168,7 +197,7 @@ def load_suites(run_cfg, eval_cfg, tokenizer, vl=None) -> dict[str, list[dict]]:
                 if with_images is not None:
                     raise ValueError(f"eval.suites: {entry}: prompt {with_images['id']!r} has images but the "
                                      f"target ({run_cfg.target.kind}) is not a vision-language model")
-            prompts = [{"id": r["id"], **render_prompt(r["messages"], tokenizer, vl, r.get("tools"))}
+            prompts = [{"id": r["id"], **render_prompt(r["messages"], tokenizer, vl, r.get("tools"), template_kwargs)}
                        for r in rows[:limit]]
         suites[name] = [{**p, "suite": name} for p in prompts]
     return suites

@@ -137,6 +137,14 @@ def _shared_prefix(meta: dict) -> str:
             + " per prompt not prefilled.")
 
 
+def _thinking(meta: dict) -> str:
+    """The thinking mode prompts were rendered in, where the chat template has the switch."""
+    if meta.get("thinking") is None:
+        return ""
+    return (f" Prompts rendered with the chat template's enable_thinking={str(meta['thinking']).lower()} "
+            "(eval.thinking; by default as most held-out answers were written).")
+
+
 def markdown(results: dict) -> str:
     base, meta = results["base"], results["meta"]
     lines = ["## Evaluation: speculative decoding vs the base model", "",
@@ -144,7 +152,7 @@ def markdown(results: dict) -> str:
              f"{meta['temperature']}, batch 1, {meta['dtype']} on {meta['device']} ({meta['threads']} threads). "
              "Accept length = completion tokens / verify rounds (SGLang's definition); speed-up = tok/s over "
              "the base model's tok/s measured in the same run (mean of a pass before and after)."
-             + _shared_prefix(meta), "",
+             + _shared_prefix(meta) + _thinking(meta), "",
              f"Base model: {base['tok_s']:.2f} tok/s (passes: {base['tok_s_first_pass']:.2f}, "
              f"{base['tok_s_second_pass']:.2f}), prefill {base['prefill_s']:.3f} s, TPOT "
              f"{base['tpot_ms_mean']:.1f} ms (p99 {base['tpot_ms_p99']:.1f}), e2e {base['e2e_s']:.2f} s.", "",

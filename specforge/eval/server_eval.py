@@ -91,7 +91,8 @@ def eval_requests(eval_cfg, scenario: Scenario, tokenizer, run_dir, seed: int = 
                   with_images: bool = False) -> list[BenchRequest]:
     prompts = getattr(eval_cfg, "prompts", "conversations")
     if prompts == "conversations":
-        return conversation_requests(run_dir, tokenizer, scenario.num_prompts, scenario.output_len, with_images)
+        return conversation_requests(run_dir, tokenizer, scenario.num_prompts, scenario.output_len, with_images,
+                                     thinking=getattr(eval_cfg, "thinking", None))
     if prompts == "random":
         return random_token_requests(scenario.num_prompts, scenario.input_len, scenario.output_len,
                                      len(tokenizer), exclude_ids=tokenizer.all_special_ids, seed=seed)

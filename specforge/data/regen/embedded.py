@@ -15,6 +15,7 @@ import jinja2
 import torch
 
 from specforge.data.formats import tools_entry
+from specforge.data.template import THINKING_SWITCH, has_thinking_switch
 from specforge.data.regen.decode import RefillDecoder, Request, logits_processors
 from specforge.data.regen.replay import Answer, RegenFailure, Replay
 from specforge.utils.io import fingerprint
@@ -48,8 +49,8 @@ class EmbeddedBackend:
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.template_kwargs = {}
-        if "enable_thinking" in str(template):
-            self.template_kwargs["enable_thinking"] = bool(cfg.thinking)
+        if has_thinking_switch(self.tokenizer):
+            self.template_kwargs[THINKING_SWITCH] = bool(cfg.thinking)
         elif cfg.thinking:
             warnings.warn(f"data.regenerate.thinking=true but the chat template of {path} has no "
                           "enable_thinking switch; rendering without it", stacklevel=2)

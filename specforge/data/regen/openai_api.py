@@ -19,6 +19,7 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from typing import Callable, Iterator
 
 from specforge.data.formats import REASONING_KEYS, tools_entry, with_reasoning
+from specforge.data.template import THINKING_SWITCH
 from specforge.data.regen.replay import Answer, RegenFailure, Replay
 from specforge.utils.io import fingerprint
 
@@ -134,7 +135,7 @@ class OpenAIBackend:
             "temperature": float(self.cfg.temperature),
             "max_tokens": int(self.cfg.max_new_tokens),
             "seed": int(fingerprint(self.seed, key, turn), 16) % (2**31),  # reproducible sampling
-            "chat_template_kwargs": {"enable_thinking": bool(self.cfg.thinking)},
+            "chat_template_kwargs": {THINKING_SWITCH: bool(self.cfg.thinking)},
         }).encode()
         last = ""
         for attempt in range(self.retries + 1):
