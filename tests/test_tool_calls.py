@@ -240,3 +240,20 @@ def test_a_special_token_spelled_in_call_arguments_is_quarantined(tok):
     r = render_row(tok, conv["messages"], 512, "truncate", tools=conv["tools"])
     assert r.reason == f"special_token_text: assistant message 2 holds '{E}', which the tokenizer reads as its " \
                        "control token, not as text"
+
+
+def test_calls_rendered_before_the_content_are_found_and_trained(tok):
+    """A template may render a turn's calls first and its text after them."""
+    tok.chat_template = TOOL_TEMPLATE.replace(
+        "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] }}"
+        "{% for c in m.get('tool_calls') or [] %}{{ '<tool_call>' + c['function']['name'] + ' '"
+        " + (c['function']['arguments'] | tojson) + '</tool_call>' }}{% endfor %}",
+        "{{ '<|im_start|>' + m['role'] + '\\n' }}"
+        "{% for c in m.get('tool_calls') or [] %}{{ '<tool_call>' + c['function']['name'] + ' '"
+        " + (c['function']['arguments'] | tojson) + '</tool_call>' }}{% endfor %}{{ m['content'] }}")
+    assert tok.chat_template != TOOL_TEMPLATE
+    conv = to_conversation(tool_row())
+    conv["messages"][1]["content"] = "Let me look."
+    ids, mask = render(tok, conv["messages"], tools=TOOLS)
+    assert tok.decode([i for i, m in zip(ids, mask) if m]).startswith(
+        f'<tool_call>forecast {{"day": 0}}</tool_call>Let me look.{E}')

@@ -110,13 +110,14 @@ def assistant_char_spans(tokenizer, messages: list[dict], full: str, tools=None)
         else:
             content_end = start
         body_end = content_end
-        for call in msg.get("tool_calls") or ():  # in order, each after the one before
+        for call in msg.get("tool_calls") or ():  # in order, each after the one before (else anywhere in the turn)
             name = call["function"]["name"]
             at = full.find(name, body_end, turn_end)
+            at = at if at >= 0 else full.find(name, start, turn_end)
             if at < 0:
                 raise TemplateError(f"messages[{i}].tool_calls: the chat template does not render the call to "
                                     f"{name!r} (a template without tool support?)")
-            body_end = at + len(name)
+            body_end = max(body_end, at + len(name))
         spans.append((start, body_end, turn_end if exact else None))
     return spans
 

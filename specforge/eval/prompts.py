@@ -13,8 +13,9 @@
 Every prompt is one conversation up to its first assistant turn, rendered with the target's chat
 template and its generation prompt, as a user request would arrive (`render_prompt`, the one
 rendering); a template with a thinking switch (Qwen3's) renders them in the mode the held-out
-answers were written in, or `eval.thinking` (`thinking_kwargs`). Each suite gives its first `eval.num_prompts`. A bad suite (unknown name, missing or
-empty file, a row without a prompt) fails naming the file and row before any model loads.
+answers were written in, or `eval.thinking` (`thinking_kwargs`). Each suite gives its first
+`eval.num_prompts`. A bad suite (unknown name, missing or empty file, a row without a prompt)
+fails naming the file and row before any model loads.
 """
 from __future__ import annotations
 

@@ -15,9 +15,9 @@ import jinja2
 import torch
 
 from specforge.data.formats import tools_entry
-from specforge.data.template import THINKING_SWITCH, has_thinking_switch
 from specforge.data.regen.decode import RefillDecoder, Request, logits_processors
 from specforge.data.regen.replay import Answer, RegenFailure, Replay
+from specforge.data.template import THINKING_SWITCH, has_thinking_switch
 from specforge.utils.io import fingerprint
 
 

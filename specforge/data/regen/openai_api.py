@@ -19,8 +19,8 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from typing import Callable, Iterator
 
 from specforge.data.formats import REASONING_KEYS, tools_entry, with_reasoning
-from specforge.data.template import THINKING_SWITCH
 from specforge.data.regen.replay import Answer, RegenFailure, Replay
+from specforge.data.template import THINKING_SWITCH
 from specforge.utils.io import fingerprint
 
 RETRIES = 3  # after the first attempt; backoff 0.5 s, 1 s, 2 s
