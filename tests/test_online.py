@@ -15,7 +15,9 @@ from tests.test_pipeline import compose_cfg, weather_files  # noqa: F401  (fixtu
 def test_online_training_is_the_stored_states_training_without_a_store(weather_files, tiny_target_dir,  # noqa: F811
                                                                        pack_tokens):
     tmp = weather_files
-    common = ["extract.dtype=float32", "train.epochs=2", f"train.pack_tokens={pack_tokens}"]
+    # AdamW: Muon orthogonalises in bf16 where the CPU has it (AVX-512 bf16), and the two runs' different
+    # padding flips a few of its roundings: a few weights then differ by more than one bf16 step
+    common = ["extract.dtype=float32", "train.optimizer=adamw", "train.epochs=2", f"train.pack_tokens={pack_tokens}"]
     offline = compose_cfg(tmp, tiny_target_dir, *common, "run_name=offline")
     online = compose_cfg(tmp, tiny_target_dir, *common, "run_name=online", "extract=online")
     run_pipeline(offline)
