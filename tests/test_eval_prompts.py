@@ -242,7 +242,7 @@ THINKING_TEMPLATE = (
 def test_prompts_are_rendered_in_the_thinking_mode_the_answers_were_written_in(tiny_run, tmp_path):
     """A draft trained on answers without thinking is measured on prompts that skip it (Qwen3's
     default would think), and the reverse; eval.thinking overrides; templates without the switch
-    are given nothing."""
+    are given nothing (said where eval.thinking asks for a mode)."""
     from specforge.eval.prompts import thinking_kwargs
     from specforge.eval.report import markdown
     from specforge.targets.tiny import build_tiny_tokenizer
@@ -255,7 +255,9 @@ def test_prompts_are_rendered_in_the_thinking_mode_the_answers_were_written_in(t
     assert thinking_kwargs(tok, None, thought) == {"enable_thinking": True}  # 2 of 3 think first
     assert thinking_kwargs(tok, False, thought) == {"enable_thinking": False}
     assert thinking_kwargs(tok, None, tmp_path / "none.jsonl") == {}  # no answers: the template's default
-    assert thinking_kwargs(build_tiny_tokenizer(None), True, thought) == {}  # no switch in the template
+    assert thinking_kwargs(build_tiny_tokenizer(None), None, thought) == {}  # no switch in the template
+    with pytest.warns(UserWarning, match="eval.thinking=true but the chat template has no enable_thinking switch"):
+        assert thinking_kwargs(build_tiny_tokenizer(None), True, thought) == {}  # asked for: said, not silent
     (prompt, *_) = heldout_prompts(thought, tok, 3)
     assert tok.decode(prompt["input_ids"]).endswith("<|im_start|>assistant\n")
     assert prompt["template_kwargs"] == {"enable_thinking": True}

@@ -19,6 +19,7 @@ fails naming the file and row before any model loads.
 """
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 from specforge.data.fix.conversations import prompt_turns
@@ -38,6 +39,9 @@ def thinking_kwargs(tokenizer, thinking: bool | None, conversations_file: str | 
     data.regenerate.thinking=true, or so written), so the engine measures the workload the draft
     learned; without held-out answers, the template's default."""
     if not has_thinking_switch(tokenizer):
+        if thinking is not None:  # asked for a mode the template cannot render: said, as regeneration says it
+            warnings.warn(f"eval.thinking={str(thinking).lower()} but the chat template has no "
+                          f"{THINKING_SWITCH} switch; prompts rendered without it", stacklevel=2)
         return {}
     if thinking is None:
         path = Path(conversations_file) if conversations_file is not None else None
