@@ -50,21 +50,25 @@ def target(tiny_target_dir, tmp_path_factory, one_thread):
 
     tok = AutoTokenizer.from_pretrained(str(tiny_target_dir))
     model = AutoModelForCausalLM.from_pretrained(str(tiny_target_dir), dtype=torch.float32)
-    texts = [tok.apply_chat_template(chat(c, i, True, system=i % 2 == 0), tokenize=False)
-             for i, c in enumerate(CITIES)]
+    teach(model, tok, [tok.apply_chat_template(chat(c, i, True, system=i % 2 == 0), tokenize=False)
+                       for i, c in enumerate(CITIES)])
+    out = tmp_path_factory.mktemp("chat_target")
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return TargetConfig(name="tiny-chat", path=str(out), dtype="float32")
+
+
+def teach(model, tok, texts: list[str], steps: int = 120) -> None:
+    """Train the model on these texts until it says them."""
     enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
     labels = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
     torch.manual_seed(0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model.train()
-    for _ in range(120):
+    for _ in range(steps):
         model(**enc, labels=labels).loss.backward()
         opt.step()
         opt.zero_grad()
-    out = tmp_path_factory.mktemp("chat_target")
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return TargetConfig(name="tiny-chat", path=str(out), dtype="float32")
 
 
 def dataset(n: int = 8, follow_up_every: int = 2) -> list[dict]:
@@ -596,6 +600,64 @@ def test_agentic_traces_regenerate_the_answer_after_the_tools_in_process_and_ser
     finally:
         srv.shutdown()
         srv.server_close()
+
+
+# How TOOL_TEMPLATE writes a call, for transformers' response parser (a tokenizer's `response_template`).
+CALL_RESPONSE_TEMPLATE = {"start_anchor": "<|im_start|>assistant\n", "fields": {
+    "tool_calls": {"open_pattern": r"<tool_call>(?P<name>\w+) ", "close": "</tool_call>", "repeats": True,
+                   "content": "json",
+                   "transform": {"type": "function", "function": {"name": "{name}", "arguments": "{content}"}}},
+    "content": {"close": "<|im_end|>", "content": "text"}}}
+
+
+@pytest.fixture(scope="module")
+def calling_target(tool_target, tmp_path_factory):
+    """The tool target taught to call `forecast` again where its traces answer; its tokenizer says
+    how it writes calls (`response_template`)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from test_tool_calls import TOOLS
+
+    tok = AutoTokenizer.from_pretrained(tool_target.path)
+    model = AutoModelForCausalLM.from_pretrained(tool_target.path, dtype=torch.float32)
+    call = {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "forecast", "arguments": {"day": 9}}}]}
+    teach(model, tok, [tok.apply_chat_template([*conv["messages"][:4], call], tools=TOOLS, tokenize=False)
+                       for conv in tool_traces()])
+    tok.response_template = CALL_RESPONSE_TEMPLATE
+    out = tmp_path_factory.mktemp("calling_target")
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return TargetConfig(name="tiny-chat", path=str(out), dtype="float32")
+
+
+def test_an_answer_that_calls_a_tool_keeps_the_trace_in_process_as_through_a_server(calling_target, tmp_path):
+    """Where the trace answers, the target calls a tool: in-process the call is read from its text
+    (transformers' response parser) and the row kept as written, as a server's parsed tool_calls do."""
+    convs = tool_traces()
+    rows, report = regenerate_conversations(convs, cfg(max_new_tokens=48), calling_target, tmp_path, "train")
+    assert report["kept_original"] == 3 and report["failures_by_reason"] == {"regen_tool_call": 3}
+    assert [r["messages"] for r in rows] == [c["messages"] for c in convs]
+    reasons = [f["reason"] for f in read_jsonl(tmp_path / "regen_train.failures.jsonl")]
+    assert reasons == ["regen_tool_call: the target called forecast where the conversation answers"] * 3
+
+
+def test_qwen_targets_calls_are_read_with_transformers_template_for_the_family():
+    """A Qwen3 tokenizer ships no response template: transformers' own for the family is used."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+    from transformers.utils.chat_parsing import parse_response
+
+    from specforge.data.regen.embedded import response_template
+    from specforge.targets.tiny import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer(None)
+    assert response_template(tok, SimpleNamespace(config=AutoConfig.for_model("llama"))) is None
+    template = response_template(tok, SimpleNamespace(config=AutoConfig.for_model("qwen3")))
+    answer = '<tool_call>\n{"name": "forecast", "arguments": {"day": 1}}\n</tool_call>'
+    message = parse_response(answer, template, prefix="<|im_start|>user\nday 1?<|im_end|>\n<|im_start|>assistant\n")
+    assert message["tool_calls"] == [{"type": "function", "function": {"name": "forecast", "arguments": {"day": 1}}}]
 
 
 def test_openai_nothing_answers_names_the_url(tmp_path):

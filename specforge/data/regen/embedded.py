@@ -4,9 +4,12 @@ Conversations are taken in groups of GROUP_BATCHES x `batch_size`; a group's tur
 by a RefillDecoder with `batch_size` rows in flight, a conversation's next turn asked as soon as
 its previous answer ends. Groups are cut by position in the full input, not among the pending
 ones, so a resumed run batches exactly like an uninterrupted one and gives the same answers.
+An answer that is a tool call, read with transformers' response template for the target (as a
+server's tool parser reads it), keeps the row as written, as it does through a server.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import warnings
 from typing import Callable, Iterator
@@ -61,6 +64,7 @@ class EmbeddedBackend:
         eos = self.model.generation_config.eos_token_id
         eos = eos if isinstance(eos, list) else [eos]
         self.stop_ids = {int(i) for i in [*eos, self.tokenizer.eos_token_id] if i is not None}
+        self.response_template = response_template(self.tokenizer, self.model)
 
     def run(self, replays: list[Replay], on_answer: Callable[[int], None] | None = None) -> Iterator[Replay]:
         """Yield each conversation once all its turns are answered (or it failed), a group at a
@@ -92,6 +96,11 @@ class EmbeddedBackend:
 
         def done(request: Request, tokens: list[int], truncated: bool) -> list[Request]:
             replay = request.tag
+            called = self._called_tools(request.ids, tokens, replay.tools)
+            if called:  # its own call would not match the results recorded after it
+                replay.fail(RegenFailure("regen_tool_call",
+                                         f"the target called {called} where the conversation answers"))
+                return []
             answer = Answer(text=self.tokenizer.decode(tokens, skip_special_tokens=True),
                             tokens=len(tokens) + (0 if truncated else 1), truncated=truncated)
             replay.answer(answer)
@@ -100,6 +109,20 @@ class EmbeddedBackend:
             return ask(replay)
 
         decoder.run([q for r in group for q in ask(r)], done)
+
+    def _called_tools(self, prompt_ids: list[int], tokens: list[int], tools: list[dict] | None) -> str | None:
+        """The names of the tools an answer calls (a call the parser cannot read: "a tool"), or None."""
+        if self.response_template is None:
+            return None
+        from transformers.utils.chat_parsing import parse_response
+
+        decode = functools.partial(self.tokenizer.decode, skip_special_tokens=False)
+        try:
+            message = parse_response(decode(tokens), self.response_template, prefix=decode(prompt_ids), tools=tools)
+        except ValueError:  # a call region whose arguments do not parse (cut by max_new_tokens, say)
+            return "a tool"
+        calls = message.get("tool_calls") or []
+        return ", ".join(str((c.get("function") or {}).get("name", "?")) for c in calls) or None
 
     def _prompt_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         try:
@@ -112,3 +135,15 @@ class EmbeddedBackend:
             raise RegenFailure("regen_prompt_too_long", f"{len(ids)} prompt tokens + max_new_tokens "
                                f"{self.cfg.max_new_tokens} > the model's {self.max_positions} positions")
         return ids
+
+
+def response_template(tokenizer, model) -> dict | None:
+    """How the target writes a tool call, as transformers reads it: the tokenizer's own
+    `response_template`, else the one `transformers serve` keeps for the model's family (Qwen2/3,
+    Qwen3.5, Gemma 4, ...). None where neither exists (or this transformers predates them): answers
+    are then kept as generated."""
+    try:
+        from transformers.cli.serving.utils import get_response_template
+    except ImportError:
+        return getattr(tokenizer, "response_template", None)
+    return get_response_template(tokenizer, model)
