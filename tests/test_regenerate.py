@@ -643,7 +643,8 @@ def test_an_answer_that_calls_a_tool_keeps_the_trace_in_process_as_through_a_ser
 
 
 def test_qwen_targets_calls_are_read_with_transformers_template_for_the_family():
-    """A Qwen3 tokenizer ships no response template: transformers' own for the family is used."""
+    """A tokenizer without a response template of its own: transformers' one for the model's family
+    is used (Qwen3's reads its calls); a family it has none for (Llama) gets None."""
     from types import SimpleNamespace
 
     from transformers import AutoConfig
