@@ -8,6 +8,7 @@ import io
 import math
 from pathlib import Path
 
+from specforge.data.template import THINKING_SWITCH
 from specforge.utils.io import write_json, write_text
 
 COLUMNS = [("epoch", "epoch"), ("tree", "tree"), ("prefill_s", "prefill s"), ("accept_rate", "accept rate"),
@@ -141,7 +142,7 @@ def _thinking(meta: dict) -> str:
     """The thinking mode prompts were rendered in, where the chat template has the switch."""
     if meta.get("thinking") is None:
         return ""
-    return (f" Prompts rendered with the chat template's enable_thinking={str(meta['thinking']).lower()} "
+    return (f" Prompts rendered with the chat template's {THINKING_SWITCH}={str(meta['thinking']).lower()} "
             "(eval.thinking; by default as most held-out answers were written).")
 
 

@@ -56,7 +56,7 @@ class EmbeddedBackend:
             self.template_kwargs[THINKING_SWITCH] = bool(cfg.thinking)
         elif cfg.thinking:
             warnings.warn(f"data.regenerate.thinking=true but the chat template of {path} has no "
-                          "enable_thinking switch; rendering without it", stacklevel=2)
+                          f"{THINKING_SWITCH} switch; rendering without it", stacklevel=2)
         self.model = load_target(target_cfg, self.device)
         # logit shaping the decoder cannot apply is refused here, before any conversation is asked
         logits_processors(self.model.generation_config, cfg.temperature, source=str(path))
