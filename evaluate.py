@@ -20,12 +20,16 @@ sys.argv = quote_trees(sys.argv)  # T_K_N trees stay text (see cli_args)
 
 @hydra.main(version_base=None, config_path="conf", config_name="evaluate")
 def main(cfg) -> None:
+    from specforge.errors import InputError, exit_refused
     from specforge.eval.engine_eval import find_checkpoints, load_run_config
     from specforge.eval.stage import check_eval, run_evaluation
 
-    check_eval(cfg.eval)  # before anything is read or loaded
-    run_dir, _ = find_checkpoints(cfg.ckpt)
-    run_evaluation(load_run_config(run_dir), cfg.ckpt, cfg.eval, cfg.out_dir)
+    try:
+        check_eval(cfg.eval)  # before anything is read or loaded
+        run_dir, _ = find_checkpoints(cfg.ckpt)
+        run_evaluation(load_run_config(run_dir), cfg.ckpt, cfg.eval, cfg.out_dir)
+    except InputError as e:  # the message names the setting or file; exit code 2, no traceback
+        exit_refused(e, "evaluate.py")
 
 
 if __name__ == "__main__":

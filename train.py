@@ -3,7 +3,8 @@
 Also the entry of every process of a distributed run: `torchrun --nproc_per_node N train.py ...`,
 `srun python train.py ...` or `python train.py -m ... hydra/launcher=slurm` (docs/multinode.md).
 A run stopped by SIGTERM/SIGUSR1 saves a training state and exits with code 75; run the same
-command with train.resume=auto to continue it.
+command with train.resume=auto to continue it. A refused input (a setting, data file, checkpoint)
+prints `train.py: error: ...` and exits with code 2; a crash keeps its traceback (exit code 1).
 """
 import os
 import sys
@@ -25,10 +26,13 @@ sys.argv = quote_trees(sys.argv)  # T_K_N trees stay text (see cli_args)
 @hydra.main(version_base=None, config_path="conf", config_name="config")
 def main(cfg) -> None:
     from specforge.distributed.preemption import TrainingInterrupted
+    from specforge.errors import InputError, exit_refused
     from specforge.pipeline import run_pipeline
 
     try:
         run_pipeline(cfg)
+    except InputError as e:  # a setting, file or checkpoint refused: its message says which
+        exit_refused(e, "train.py")
     except TrainingInterrupted as e:
         if os.environ.get("RANK", "0") == "0":
             print(f"[train] {e}", file=sys.stderr, flush=True)

@@ -14,6 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from specforge.config import check_eagle31_options
+from specforge.errors import InvalidInput
 from specforge.models.draft import ARCHITECTURE, VLLM_IDS_KEY, Eagle3Config, Eagle3Draft, vllm_layer_ids
 from specforge.targets.layers import check_aux_layer_ids
 from specforge.targets.loader import deepstack_layers, text_config
@@ -28,8 +29,8 @@ OPTIONAL_KEYS = {"embed_tokens.weight"}
 TARGET_KEY = "specforge_target"
 
 
-class CheckpointError(ValueError):
-    pass
+class CheckpointError(InvalidInput):
+    """A checkpoint that cannot be read, written or served with this target."""
 
 
 def expected_shapes(cfg: Eagle3Config) -> dict[str, tuple[int, ...]]:

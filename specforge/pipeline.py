@@ -22,6 +22,7 @@ from omegaconf import OmegaConf
 
 from specforge import distributed as dist
 from specforge.config import check_config
+from specforge.errors import InvalidInput
 from specforge.run_layout import RunLayout
 from specforge.run_report import write_run_report
 from specforge.utils.io import fingerprint, read_json, write_json, write_text
@@ -85,10 +86,10 @@ def run_pipeline(cfg) -> dict[str, dict]:
 
     Joins the process group when launched as several processes (and leaves it at the end)."""
     if not cfg.stages:
-        raise ValueError(f"stages is empty: nothing to run; name some of {list(STAGES)}, e.g. stages=[data,extract]")
+        raise InvalidInput(f"stages is empty: nothing to run; name some of {list(STAGES)}, e.g. stages=[data,extract]")
     unknown = [s for s in cfg.stages if s not in STAGES]
     if unknown:
-        raise ValueError(f"stages: unknown stage(s) {unknown}; known: {list(STAGES)}")
+        raise InvalidInput(f"stages: unknown stage(s) {unknown}; known: {list(STAGES)}")
     check_config(cfg)
     for name in cfg.stages:  # each stage's own refusals, before the first one spends anything
         check = STAGES[name].entry("check")
@@ -108,7 +109,7 @@ def _decide(cfg, stage: Stage, run_dir: Path) -> tuple[str, str, dict]:
     """("skip" | "run", fingerprint, summary of the finished stage)."""
     missing = [d for d in stage.depends if not RunLayout(run_dir).marker(d).exists()]
     if missing:
-        raise RuntimeError(
+        raise InvalidInput(
             f"stage '{stage.name}' needs the output of {missing} in {run_dir}; add them to stages=[...]"
         )
     fp = stage_fingerprint(cfg, stage, run_dir)

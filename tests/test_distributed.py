@@ -160,6 +160,16 @@ def test_deepspeed_zero2_matches_and_writes_a_servable_checkpoint(prep):
     assert (state / "deepspeed" / "state").is_dir() and (state / "state.json").is_file()
 
 
+def test_a_refusal_on_rank_0_is_one_line_for_all_ranks(prep):
+    """stages=[train] on a run without its data and hidden states: rank 0 refuses in run_on_main
+    and rank 1 learns it as a refusal (when torchrun has not stopped it first): the message is
+    printed once, by rank 0, and no rank prints a traceback of ours."""
+    out = launch(prep, "no_inputs", 2, stages="[train]", fresh=False, expect_rc=1)  # torchrun: a worker failed
+    assert out.count("train.py: error:") == 1, out[-4000:]
+    assert "stage 'train' needs the output of ['data', 'extract']" in out
+    assert "exitcode  : 2" in out and "specforge/pipeline.py" not in out  # rank 0 exits 2; no frames of ours
+
+
 def test_errors_name_their_rank(monkeypatch, capsys):
     import specforge.distributed.env as dist_env
     from specforge.distributed.preemption import TrainingInterrupted

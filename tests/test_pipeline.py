@@ -12,6 +12,7 @@ from hydra import compose, initialize_config_dir
 from data_prep.weather import generate
 from specforge.checkpoint import load_draft
 from specforge.config import register_configs
+from specforge.errors import InvalidInput
 from specforge.pipeline import run_pipeline
 from specforge.train.loop import plateaued
 from specforge.utils.io import read_json, write_jsonl
@@ -99,7 +100,7 @@ def test_pipeline_end_to_end_then_skips_then_reruns_only_what_changed(weather_fi
 
 def test_stage_subset_needs_its_inputs(weather_files, tiny_target_dir):
     cfg = compose_cfg(weather_files, tiny_target_dir, "stages=[train]")
-    with pytest.raises(RuntimeError, match="needs the output of"):
+    with pytest.raises(InvalidInput, match="needs the output of"):
         run_pipeline(cfg)
 
 
@@ -201,8 +202,8 @@ def test_evaluate_py_refuses_an_empty_tree_list(tmp_path):
     ckpt = tmp_path / "run" / "epoch_1"  # never read: the refusal comes first
     proc = subprocess.run([sys.executable, "evaluate.py", f"ckpt={ckpt}", "eval.trees=[]"], cwd=Path(CONF).parent,
                           capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0
-    assert "eval.trees is empty" in proc.stderr
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("evaluate.py: error: eval.trees is empty")
 
 
 def test_a_diverging_run_stops_and_no_broken_checkpoint_is_written(weather_files, tiny_target_dir):

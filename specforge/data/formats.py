@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator, NoReturn
 
+from specforge.errors import InvalidInput
 from specforge.utils.io import fingerprint
 
 FORMATS = ("auto", "sharegpt", "messages", "conversations")
@@ -64,11 +65,11 @@ class RawRow:
     error: str | None
 
 
-class DataError(ValueError):
+class DataError(InvalidInput):
     """A malformed row; the message starts with the field path, e.g. "messages[2].role: ..."."""
 
 
-class DataFileError(ValueError):
+class DataFileError(InvalidInput):
     """An input that cannot be read at all (not UTF-8 text, not a Parquet/Arrow file, an
     unreachable hub dataset); the message names the file (and line and byte, for text)."""
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from specforge.data.formats import DataFileError, RawRow
+from specforge.errors import InvalidInput, MissingInput
 from specforge.utils.io import file_fingerprint, fingerprint
 
 HUB_PREFIX = "hub:"
@@ -44,7 +45,7 @@ def hub_name_split(spec: str) -> tuple[str, str]:
     """"hub:owner/name:split" -> ("owner/name", "split"); the split defaults to "train"."""
     name, _, split = spec[len(HUB_PREFIX):].partition(":")
     if not name or ":" in split or (_ and not split):
-        raise ValueError(f"{spec}: a hub dataset is spelled hub:OWNER/NAME or hub:OWNER/NAME:SPLIT")
+        raise InvalidInput(f"{spec}: a hub dataset is spelled hub:OWNER/NAME or hub:OWNER/NAME:SPLIT")
     return name, split or "train"
 
 
@@ -55,10 +56,10 @@ def check_source(path: str) -> None:
         hub_name_split(path)
     elif Path(path).is_dir():
         if not any((Path(path) / n).is_file() for n in DATASET_FOLDER_FILES):
-            raise ValueError(f"data file {path} is a folder but not a datasets.save_to_disk folder "
+            raise InvalidInput(f"data file {path} is a folder but not a datasets.save_to_disk folder "
                              f"(none of {', '.join(DATASET_FOLDER_FILES)} in it)")
     elif not Path(path).is_file():
-        raise FileNotFoundError(f"data file {path} not found")
+        raise MissingInput(f"data file {path} not found")
 
 
 def source_fingerprint(path: str) -> str:

@@ -19,6 +19,7 @@ from specforge.data.formats import RawRow, read_raw_rows, tools_entry, uses_tool
 from specforge.data.rows import normalise_row, render_row
 from specforge.data.sources import check_source, hub_name_split, is_hub, source_fingerprint
 from specforge.data.vocab import cached_vocab_mapping, save_vocab, vocab_cache_key
+from specforge.errors import InvalidInput, MissingInput
 from specforge.run_layout import RunLayout
 from specforge.utils.io import file_fingerprint, fingerprint, write_json, write_jsonl, write_text
 from specforge.utils.progress import progress_bar
@@ -62,7 +63,7 @@ def expand_patterns(entries, key: str) -> list[str]:
             continue
         matches = sorted(glob.glob(entry, recursive=True))
         if not matches:
-            raise FileNotFoundError(f"{key}: {entry} matches no file; {GENERATE_HINT}")
+            raise MissingInput(f"{key}: {entry} matches no file; {GENERATE_HINT}")
         out += matches
     return out
 
@@ -72,7 +73,7 @@ def _check_exists(path: str) -> None:
     try:
         check_source(path)
     except FileNotFoundError:
-        raise FileNotFoundError(f"data file {path} not found; {GENERATE_HINT}") from None
+        raise MissingInput(f"data file {path} not found; {GENERATE_HINT}") from None
 
 
 def extra_inputs(cfg) -> dict:
@@ -131,7 +132,7 @@ def check(cfg) -> None:
         first: dict[tuple, str] = {}
         for f in (f for f in files if f in ids):
             if ids[f] in first:
-                raise ValueError(f"data.{split}_files: {first[ids[f]]} is listed twice ({f} is the same input); "
+                raise InvalidInput(f"data.{split}_files: {first[ids[f]]} is listed twice ({f} is the same input); "
                                  "name it once")
             first[ids[f]] = f
     if cfg.data.eval_in_train == "quarantine":
@@ -140,7 +141,7 @@ def check(cfg) -> None:
             train.setdefault(ids[t], t)
         for e in (e for e in splits.get("eval", []) if e in ids):
             if ids[e] in train:
-                raise ValueError(f"data.eval_files: {e} is also a training file ({train[ids[e]]}): no held-out row "
+                raise InvalidInput(f"data.eval_files: {e} is also a training file ({train[ids[e]]}): no held-out row "
                                  "would be left; name another file, or set data.eval_in_train=keep to evaluate on "
                                  "training prompts")
 
@@ -367,7 +368,7 @@ def run(cfg, run_dir, fingerprint: str | None = None) -> dict:
     target_path = resolve_target_path(cfg.target)
     tokenizer = load_tokenizer(cfg.target)
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"target tokenizer at {target_path} has no chat template; the data stage needs one")
+        raise InvalidInput(f"target tokenizer at {target_path} has no chat template; the data stage needs one")
 
     vl = None
     if is_vl(cfg.target.kind):
@@ -392,14 +393,14 @@ def run(cfg, run_dir, fingerprint: str | None = None) -> dict:
     train = results["train"]
     if not train["samples"]:
         _write_report(layout, summary, None)
-        raise ValueError(
+        raise InvalidInput(
             f"data: no training samples left out of {train['counts']['input_rows']} rows "
             f"(top reasons: {_top_reasons(train['counts'])}); see {layout.quarantine} and {layout.data_report_md}"
         )
     too_many = [p for split, r in results.items() if (p := quarantined_share_problem(cfg, split, r))]
     if too_many:
         _write_report(layout, summary, None)
-        raise ValueError("; ".join(too_many) + f". Every row is accounted for in {layout.quarantine} and "
+        raise InvalidInput("; ".join(too_many) + f". Every row is accounted for in {layout.quarantine} and "
                          f"{layout.data_report_md}; to accept this, raise data.max_quarantined_share (1.0: never fail)")
 
     vocab_size = target_vocab_size(target_path, tokenizer)
@@ -433,7 +434,7 @@ def refuse_before_regeneration(cfg, split: str, rows: int, quarantine: list[dict
     problem = quarantined_share_problem(cfg, split, {"counts": counts, "quarantine": quarantine})
     if problem:
         write_jsonl(layout.quarantine, quarantine)
-        raise ValueError(f"{problem}. Nothing was regenerated; every quarantined row is in {layout.quarantine}; "
+        raise InvalidInput(f"{problem}. Nothing was regenerated; every quarantined row is in {layout.quarantine}; "
                          "to accept this, raise data.max_quarantined_share (1.0: never fail)")
 
 

@@ -15,6 +15,7 @@ from typing import Iterable
 import torch
 from safetensors.torch import load_file, save_file
 
+from specforge.errors import InvalidInput
 from specforge.utils.io import atomic_path, fingerprint
 
 
@@ -58,9 +59,9 @@ def effective_draft_vocab_size(vocab_size: int, draft_vocab_size: int, warn: boo
     """`draft_vocab_size`, clamped to the target vocab size. `warn`: print requested vs used, since
     a draft smaller than configured changes its checkpoint and what it can predict."""
     if draft_vocab_size <= 0:
-        raise ValueError(f"draft.draft_vocab_size: must be positive, got {draft_vocab_size}")
+        raise InvalidInput(f"draft.draft_vocab_size: must be positive, got {draft_vocab_size}")
     if vocab_size <= 0:
-        raise ValueError(f"vocab_size: must be positive, got {vocab_size}")
+        raise InvalidInput(f"vocab_size: must be positive, got {vocab_size}")
     if draft_vocab_size > vocab_size:
         if warn:
             print(f"[data] draft.draft_vocab_size={draft_vocab_size} is larger than the target's vocab "
@@ -97,10 +98,10 @@ def load_vocab(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
     tensors = load_file(str(path))
     missing = {"d2t", "t2d"} - set(tensors)
     if missing:
-        raise ValueError(f"{path}: missing tensor(s) {sorted(missing)}")
+        raise InvalidInput(f"{path}: missing tensor(s) {sorted(missing)}")
     d2t, t2d = tensors["d2t"], tensors["t2d"]
     if d2t.dtype != torch.int64 or t2d.dtype != torch.bool:
-        raise ValueError(f"{path}: d2t must be int64 and t2d bool, got {d2t.dtype} and {t2d.dtype}")
+        raise InvalidInput(f"{path}: d2t must be int64 and t2d bool, got {d2t.dtype} and {t2d.dtype}")
     check_vocab_mapping(d2t, t2d, where=str(path))
     return d2t, t2d
 
@@ -116,7 +117,7 @@ def check_vocab_mapping(d2t: torch.Tensor, t2d: torch.Tensor, where: str = "voca
     )
     ok = ok and bool(t2d[target_ids].all())
     if not ok:
-        raise ValueError(f"{where}: d2t and t2d are inconsistent (d2t must map onto the ids t2d marks)")
+        raise InvalidInput(f"{where}: d2t and t2d are inconsistent (d2t must map onto the ids t2d marks)")
 
 
 def cached_vocab_mapping(

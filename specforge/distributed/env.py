@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from specforge.distributed.slurm import is_slurm_step, slurm_dist_vars
+from specforge.errors import InputError, InvalidInput
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -198,12 +199,13 @@ def run_on_main(fn, *args, what: str = "work", **kwargs):
             result = fn(*args, **kwargs)
         except BaseException as e:  # told to the others, then re-raised here
             error = e
-    outcome = broadcast_object(("error", f"{type(error).__name__}: {error}") if error is not None
-                               else ("ok", result))
+    outcome = broadcast_object(("ok", result) if error is None else
+                               ("refused" if isinstance(error, InputError) else "error", f"{type(error).__name__}: {error}"))
     if error is not None:
         raise error
-    if outcome[0] == "error":
-        raise RuntimeError(f"[{_CURRENT.describe()}] {what} failed on rank 0: {outcome[1]}")
+    if outcome[0] != "ok":  # a refusal stays one on every rank (train.py prints it once, no traceback)
+        raise (InvalidInput if outcome[0] == "refused" else RuntimeError)(
+            f"[{_CURRENT.describe()}] {what} failed on rank 0: {outcome[1]}")
     return outcome[1]
 
 
@@ -221,5 +223,6 @@ def rank_errors(what: str = "") -> Iterator[None]:
             tag = f"[{env.describe()}]" + (f" {what}" if what else "")
             if hasattr(e, "add_note"):
                 e.add_note(f"raised on {env.describe()}")
-            print(f"{tag} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            if not isinstance(e, InputError):  # a refusal is printed once, by rank 0 (train.py)
+                print(f"{tag} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         raise

@@ -16,11 +16,13 @@ import shutil
 import subprocess
 from typing import Mapping
 
+from specforge.errors import InvalidInput
+
 DEFAULT_PORT_BASE = 20000  # master port = base + job id % 10000 when MASTER_PORT is not set
 
 
-class SlurmEnvError(ValueError):
-    pass
+class SlurmEnvError(InvalidInput):
+    """A Slurm step whose environment does not say where each rank runs."""
 
 
 def _expand_range(body: str, where: str) -> list[str]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from specforge.errors import InvalidInput
+
 
 @dataclass(frozen=True)
 class TreeSpec:
@@ -18,15 +20,15 @@ class TreeSpec:
         t, k, n = self.steps, self.topk, self.num_draft_tokens
         for name, v in (("steps", t), ("topk", k), ("num_draft_tokens", n)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"tree {self.name}: {name} must be a positive integer, got {v!r}")
+                raise InvalidInput(f"tree {self.name}: {name} must be a positive integer, got {v!r}")
         if n < 2:
-            raise ValueError(f"tree {self.name}: num_draft_tokens N={n} must be >= 2 (root + one draft)")
+            raise InvalidInput(f"tree {self.name}: num_draft_tokens N={n} must be >= 2 (root + one draft)")
         if k == 1 and n != t + 1:
-            raise ValueError(
+            raise InvalidInput(
                 f"tree {self.name}: topk K=1 is a chain, so N must be T+1={t + 1} (got N={n})"
             )
         if n - 1 > self.num_candidates:
-            raise ValueError(
+            raise InvalidInput(
                 f"tree {self.name}: N-1={n - 1} draft tokens but only K+(T-1)*K*K="
                 f"{self.num_candidates} candidates exist; lower N or raise T/K"
             )
@@ -37,7 +39,7 @@ class TreeSpec:
         if not m:
             hint = (" (YAML and Hydra read an unquoted 5_1_6 as the number 516: quote it)"
                     if str(text).isdigit() else "")
-            raise ValueError(f"tree {text!r}: expected 'T_K_N' (steps_topk_numdrafttokens), e.g. '8_2_16'{hint}")
+            raise InvalidInput(f"tree {text!r}: expected 'T_K_N' (steps_topk_numdrafttokens), e.g. '8_2_16'{hint}")
         return cls(*(int(g) for g in m.groups()))
 
     @property

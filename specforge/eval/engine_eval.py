@@ -27,6 +27,7 @@ from specforge.checkpoint import load_draft
 from specforge.data.template import THINKING_SWITCH
 from specforge.engine.speculative import PHASES, GenerationStats, SpeculativeEngine
 from specforge.engine.tree_spec import TreeSpec
+from specforge.errors import InvalidInput, MissingInput
 from specforge.eval.prompts import load_suites
 from specforge.run_layout import RunLayout, epoch_of
 from specforge.targets.loader import (compute_dtype, dtype_name as dtype_name_of, load_target, load_tokenizer,
@@ -43,11 +44,11 @@ def find_checkpoints(path: str | Path, epochs=None) -> tuple[Path, list[Path]]:
         return path.parent, [path]
     ckpts = RunLayout(path).checkpoints()
     if not ckpts:
-        raise FileNotFoundError(f"ckpt={path}: neither a checkpoint (config.json) nor a run with epoch_* dirs")
+        raise MissingInput(f"ckpt={path}: neither a checkpoint (config.json) nor a run with epoch_* dirs")
     if epochs:
         missing = sorted(set(epochs) - {epoch_of(p) for p in ckpts})
         if missing:
-            raise FileNotFoundError(f"eval.epochs: {path} has no epoch_{missing[0]} "
+            raise MissingInput(f"eval.epochs: {path} has no epoch_{missing[0]} "
                                     f"(it has {[epoch_of(p) for p in ckpts]})")
         ckpts = [p for p in ckpts if epoch_of(p) in set(epochs)]
     return path, ckpts
@@ -62,7 +63,7 @@ def load_run_config(run_dir: str | Path):
     run_dir = Path(run_dir)
     saved = RunLayout(run_dir).config
     if not saved.exists():
-        raise FileNotFoundError(f"{saved}: the run's resolved config is needed to know its target and data")
+        raise MissingInput(f"{saved}: the run's resolved config is needed to know its target and data")
     run_cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(saved))
     run_cfg.output_dir, run_cfg.run_name = str(run_dir.parent), run_dir.name
     return run_cfg
@@ -244,7 +245,7 @@ def eval_with_engine(run_cfg, ckpts: list[Path], eval_cfg, on_progress=None) -> 
     first base pass alone)."""
     trees = [TreeSpec.parse(t) for t in eval_cfg.trees]  # refuse bad trees before loading anything
     if eval_cfg.timing_repeats < 1:
-        raise ValueError(f"eval.timing_repeats={eval_cfg.timing_repeats}: each request runs at least once")
+        raise InvalidInput(f"eval.timing_repeats={eval_cfg.timing_repeats}: each request runs at least once")
     if eval_cfg.engine != "embedded":
         raise ValueError(f"eval.engine={eval_cfg.engine!r}: this function runs the embedded engine")
     device, dtype_name, tokenizer, suites, target = load_engine_inputs(run_cfg, eval_cfg)

@@ -17,6 +17,7 @@ import torch
 
 from specforge.checkpoint import load_draft
 from specforge.engine.tree_spec import TreeSpec
+from specforge.errors import InvalidInput
 from specforge.eval.cost_model import cost_key, decode_tokens_per_round, load_or_measure, prefix_length
 from specforge.eval.engine_eval import eval_with_engine, load_engine_inputs
 from specforge.eval.planner import TRAJECTORY_BATCH, plan, summarize
@@ -28,13 +29,13 @@ from specforge.targets.vl import is_vl_config
 def check_planner(eval_cfg) -> list[TreeSpec]:
     """The grid, refused before anything loads when the planner cannot run it."""
     if str(eval_cfg.engine) != "embedded":
-        raise ValueError(f"eval.planner=true runs the embedded engine's planner, not eval.engine={eval_cfg.engine}")
+        raise InvalidInput(f"eval.planner=true runs the embedded engine's planner, not eval.engine={eval_cfg.engine}")
     if eval_cfg.temperature > 0:
-        raise ValueError(f"eval.planner=true is greedy only (it replays rounds against the greedy tokens); "
+        raise InvalidInput(f"eval.planner=true is greedy only (it replays rounds against the greedy tokens); "
                          f"eval.temperature={eval_cfg.temperature}: set it to 0")
     specs = [TreeSpec.parse(t) for t in eval_cfg.planner_trees]
     if not specs:
-        raise ValueError("eval.planner_trees is empty: give the trees T_K_N to plan, e.g. [5_1_6,8_2_16]")
+        raise InvalidInput("eval.planner_trees is empty: give the trees T_K_N to plan, e.g. [5_1_6,8_2_16]")
     return specs
 
 

@@ -27,6 +27,7 @@ from specforge.data.formats import THINK_START, DataError, read_raw_rows, to_con
 from specforge.data.sources import check_source, is_hub, is_table_source
 from specforge.data.template import THINKING_SWITCH, has_thinking_switch
 from specforge.data.vl_render import image_paths, prompt_with_images
+from specforge.errors import InvalidInput, MissingInput
 from specforge.utils.io import read_jsonl
 
 HELDOUT, HUMANEVAL = "heldout", "humaneval"
@@ -79,7 +80,7 @@ def heldout_prompts(conversations_file: str | Path, tokenizer, limit: int, vl=No
     training data, skipped). `template_kwargs` None: thinking_kwargs as the answers were written."""
     path = Path(conversations_file)
     if not path.exists():
-        raise FileNotFoundError(f"{path}: no held-out conversations; the data stage writes it when "
+        raise MissingInput(f"{path}: no held-out conversations; the data stage writes it when "
                                 "data.eval_files is set")
     if template_kwargs is None:
         template_kwargs = thinking_kwargs(tokenizer, None, path)
@@ -92,7 +93,7 @@ def heldout_prompts(conversations_file: str | Path, tokenizer, limit: int, vl=No
         if len(prompts) >= limit:
             break
     if not prompts:
-        raise ValueError(f"{path}: no conversation with a user turn to use as a prompt")
+        raise InvalidInput(f"{path}: no conversation with a user turn to use as a prompt")
     return prompts
 
 
@@ -107,7 +108,7 @@ def file_conversations(path: str) -> list[dict]:
     for raw in read_raw_rows(path):
         where = f"eval.suites: {raw.file}, {unit} {raw.line}"
         if raw.error:
-            raise ValueError(f"{where}: {raw.error}")
+            raise InvalidInput(f"{where}: {raw.error}")
         data = raw.data
         try:
             if "prompt" in data:
@@ -115,12 +116,12 @@ def file_conversations(path: str) -> list[dict]:
             conv = to_conversation(data)
             head = images.resolve_images(prompt_turns(conv["messages"]), raw.file)
         except (DataError, Quarantine) as e:
-            raise ValueError(f"{where}: {e} (rows are conversations, or {{\"prompt\": text or messages}})") from None
+            raise InvalidInput(f"{where}: {e} (rows are conversations, or {{\"prompt\": text or messages}})") from None
         if not any(m["role"] == "user" for m in head):
-            raise ValueError(f"{where}: no user turn before the first assistant turn: nothing to prompt with")
+            raise InvalidInput(f"{where}: no user turn before the first assistant turn: nothing to prompt with")
         rows.append({"id": conv["id"], "messages": head, **tools_entry(conv.get("tools"))})
     if not rows:
-        raise ValueError(f"eval.suites: {path}: no rows")
+        raise InvalidInput(f"eval.suites: {path}: no rows")
     return rows
 
 
@@ -162,18 +163,18 @@ def check_suites(eval_cfg) -> dict[str, str]:
     (its benchmark takes eval.prompts). Cheap: evaluate.py / the stage call it before anything loads."""
     entries = suite_entries(eval_cfg)
     if getattr(eval_cfg, "suites", None) and str(eval_cfg.engine) != "embedded":
-        raise ValueError(f"eval.suites={entries}: only eval.engine=embedded runs suites; the serving "
+        raise InvalidInput(f"eval.suites={entries}: only eval.engine=embedded runs suites; the serving "
                          f"benchmark (eval.engine={eval_cfg.engine}) takes eval.prompts=conversations|random")
     named: dict[str, str] = {}
     for entry in entries:
         if entry not in BUILTIN:
             if not is_hub(entry) and not Path(entry).exists():
-                raise ValueError(f"eval.suites: {entry!r} is neither a built-in suite ({', '.join(BUILTIN)}) "
+                raise InvalidInput(f"eval.suites: {entry!r} is neither a built-in suite ({', '.join(BUILTIN)}) "
                                  "nor an existing file (.jsonl, .json, .parquet, .arrow, a save_to_disk folder)")
             check_source(entry)
         name = suite_name(entry)
         if name in named:
-            raise ValueError(f"eval.suites: {named[name]!r} and {entry!r} would both be reported as suite "
+            raise InvalidInput(f"eval.suites: {named[name]!r} and {entry!r} would both be reported as suite "
                              f"{name!r}; rename one file")
         named[name] = entry
     return named
@@ -188,7 +189,7 @@ def load_suites(run_cfg, eval_cfg, tokenizer, vl=None) -> dict[str, list[dict]]:
 
     limit = int(eval_cfg.num_prompts)
     if limit < 1:
-        raise ValueError(f"eval.num_prompts: {limit}; at least 1 prompt per suite")
+        raise InvalidInput(f"eval.num_prompts: {limit}; at least 1 prompt per suite")
     heldout = RunLayout(Path(run_cfg.output_dir) / run_cfg.run_name).conversations("eval")
     template_kwargs = thinking_kwargs(tokenizer, eval_cfg.thinking, heldout)  # one mode for every suite
     suites = {}
@@ -200,7 +201,7 @@ def load_suites(run_cfg, eval_cfg, tokenizer, vl=None) -> dict[str, list[dict]]:
             if vl is None:
                 with_images = next((r for r in rows if image_paths(r["messages"])), None)
                 if with_images is not None:
-                    raise ValueError(f"eval.suites: {entry}: prompt {with_images['id']!r} has images but the "
+                    raise InvalidInput(f"eval.suites: {entry}: prompt {with_images['id']!r} has images but the "
                                      f"target ({run_cfg.target.kind}) is not a vision-language model")
             prompts = [{"id": r["id"], **render_prompt(r["messages"], tokenizer, vl, r.get("tools"), template_kwargs)}
                        for r in rows[:limit]]

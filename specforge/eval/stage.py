@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from specforge.errors import InvalidInput
 from specforge.utils.io import write_json
 
 PARTIAL_NAME = "results.partial.json"  # the configurations finished so far, while an evaluation runs
@@ -27,7 +28,7 @@ def check_eval(eval_cfg) -> None:
             try:
                 TreeSpec.parse(tree)
             except ValueError as e:
-                raise ValueError(f"eval.trees: {e}") from None
+                raise InvalidInput(f"eval.trees: {e}") from None
     check_ranges({"eval": eval_cfg}, ["eval"])
     if getattr(eval_cfg, "planner", False):
         from specforge.eval.planner_eval import check_planner

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from specforge import distributed as dist
+from specforge.errors import InvalidInput, MissingInput
 from specforge.extract.batching import Extractor, total_tokens
 from specforge.extract.embedded import EmbeddedExtractor
 from specforge.extract.store import (FORMAT, MANIFEST, STORAGE_DTYPES, VERSION, HiddenStateStore,
@@ -56,23 +57,23 @@ def load_rows(path: Path, vocab_size: int | None = None) -> list[dict]:
     for lineno, row in enumerate(read_jsonl(path), 1):
         where = f"{path}:{lineno}"
         if not isinstance(row, dict):
-            raise ValueError(f"{where}: expected an object with id, input_ids, loss_mask")
+            raise InvalidInput(f"{where}: expected an object with id, input_ids, loss_mask")
         for key in ("id", "input_ids", "loss_mask"):
             if key not in row:
-                raise ValueError(f"{where}: missing field {key!r}")
+                raise InvalidInput(f"{where}: missing field {key!r}")
         sid, ids, mask = row["id"], row["input_ids"], row["loss_mask"]
         if not isinstance(sid, str) or not sid:
-            raise ValueError(f"{where}: field 'id' must be a non-empty string, got {sid!r}")
+            raise InvalidInput(f"{where}: field 'id' must be a non-empty string, got {sid!r}")
         if sid in seen:
-            raise ValueError(f"{where}: duplicate id {sid!r} (first at line {seen[sid]})")
+            raise InvalidInput(f"{where}: duplicate id {sid!r} (first at line {seen[sid]})")
         seen[sid] = lineno
         if not isinstance(ids, list) or not ids or not all(type(t) is int for t in ids):
-            raise ValueError(f"{where}: field 'input_ids' must be a non-empty list of ints")
+            raise InvalidInput(f"{where}: field 'input_ids' must be a non-empty list of ints")
         if vocab_size is not None and (min(ids) < 0 or max(ids) >= vocab_size):
             bad = next(t for t in ids if t < 0 or t >= vocab_size)
-            raise ValueError(f"{where}: input_ids holds token {bad}, outside the target vocab [0, {vocab_size})")
+            raise InvalidInput(f"{where}: input_ids holds token {bad}, outside the target vocab [0, {vocab_size})")
         if not isinstance(mask, list) or len(mask) != len(ids) or not all(m in (0, 1) for m in mask):
-            raise ValueError(
+            raise InvalidInput(
                 f"{where}: field 'loss_mask' must be a list of 0/1 as long as input_ids ({len(ids)})"
             )
         sample = {
@@ -85,7 +86,7 @@ def load_rows(path: Path, vocab_size: int | None = None) -> list[dict]:
             if (not isinstance(images, list) or not all(isinstance(p, str) for p in images)
                     or not isinstance(grids, list) or len(grids) != len(images)
                     or not all(isinstance(g, list) and len(g) == 3 for g in grids)):
-                raise ValueError(f"{where}: 'images' must be a list of paths with one [t, h, w] per path "
+                raise InvalidInput(f"{where}: 'images' must be a list of paths with one [t, h, w] per path "
                                  "in 'image_grid_thw'")
             sample.update(images=images, image_grid_thw=grids)
         rows.append(sample)
@@ -96,7 +97,7 @@ def split_rows(path: Path, split: str, vocab_size: int | None) -> list[dict]:
     """A split's rows (load_rows); a train split without any is refused."""
     rows = load_rows(path, vocab_size=vocab_size)
     if not rows and split == "train":
-        raise ValueError(f"{path}: no rows; nothing to train on")
+        raise InvalidInput(f"{path}: no rows; nothing to train on")
     return rows
 
 
@@ -307,7 +308,7 @@ def open_backend(cfg, run_dir: Path, env):
         from transformers import AutoConfig
 
         if is_vl(cfg.target.kind):
-            raise ValueError(f"extract.backend={backend}: vision-language targets need the M-RoPE positions and "
+            raise InvalidInput(f"extract.backend={backend}: vision-language targets need the M-RoPE positions and "
                              "the merged image embeddings, which SGLang's hidden states do not carry; use "
                              "extract.backend=embedded")
         model_config = AutoConfig.from_pretrained(target_path, trust_remote_code=cfg.target.trust_remote_code)
@@ -338,9 +339,9 @@ def run(cfg, run_dir, fingerprint: str | None = None) -> dict:
     """Extract every split that has rows; returns totals and per-split summaries."""
     t0 = time.time()
     if cfg.extract.backend not in BACKENDS:
-        raise ValueError(f"extract.backend={cfg.extract.backend!r}: unknown backend; known: {', '.join(BACKENDS)}")
+        raise InvalidInput(f"extract.backend={cfg.extract.backend!r}: unknown backend; known: {', '.join(BACKENDS)}")
     if cfg.extract.dtype not in STORAGE_DTYPES:
-        raise ValueError(f"extract.dtype: {cfg.extract.dtype!r} is not one of {list(STORAGE_DTYPES)}")
+        raise InvalidInput(f"extract.dtype: {cfg.extract.dtype!r} is not one of {list(STORAGE_DTYPES)}")
 
     run_dir = Path(run_dir)
     layout = RunLayout(run_dir)
@@ -349,7 +350,7 @@ def run(cfg, run_dir, fingerprint: str | None = None) -> dict:
         path = layout.samples(split)
         if not path.exists():
             if split == "train":
-                raise FileNotFoundError(f"{path}: not found; run the data stage first")
+                raise MissingInput(f"{path}: not found; run the data stage first")
             continue
         splits[split] = path
 

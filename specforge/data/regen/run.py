@@ -26,6 +26,7 @@ from specforge.data.fix import fix_dataset, reason_code
 from specforge.data.formats import RawRow, tools_entry
 from specforge.data.regen.journal import Journal
 from specforge.data.regen.replay import Replay, conversation_key, turns_to_answer
+from specforge.errors import InvalidInput
 from specforge.utils.io import fingerprint, write_json, write_jsonl
 from specforge.utils.progress import progress_bar
 
@@ -135,15 +136,15 @@ def regenerate_conversations(
 def check_config(cfg) -> None:
     """Fail before loading anything when a setting cannot work."""
     if cfg.backend not in BACKENDS:
-        raise ValueError(f"data.regenerate.backend: {cfg.backend!r} is not one of {list(BACKENDS)}")
+        raise InvalidInput(f"data.regenerate.backend: {cfg.backend!r} is not one of {list(BACKENDS)}")
     if cfg.backend == "openai" and not cfg.urls:
-        raise ValueError("data.regenerate.urls: empty; the openai backend needs at least one server URL "
+        raise InvalidInput("data.regenerate.urls: empty; the openai backend needs at least one server URL "
                          "(e.g. http://127.0.0.1:30000)")
     for name in ("batch_size", "concurrency", "max_new_tokens"):
         if int(getattr(cfg, name)) < 1:
-            raise ValueError(f"data.regenerate.{name}: must be >= 1, got {getattr(cfg, name)}")
+            raise InvalidInput(f"data.regenerate.{name}: must be >= 1, got {getattr(cfg, name)}")
     if cfg.temperature < 0:
-        raise ValueError(f"data.regenerate.temperature: must be >= 0, got {cfg.temperature}")
+        raise InvalidInput(f"data.regenerate.temperature: must be >= 0, got {cfg.temperature}")
 
 
 def regen_fingerprint(cfg, target_cfg, seed: int) -> str:

@@ -1,0 +1,31 @@
+"""Refusals of what the user gave: a setting, a data file, a checkpoint, a busy run directory.
+
+Their messages already name the key, file or line and say what to do, so `train.py` and
+`evaluate.py` print the message alone (`error: ...`, exit status 2) where anything else, a bug or a
+crash, keeps its traceback. Each kind is also the built-in exception callers already catch
+(ValueError, FileNotFoundError, RuntimeError)."""
+from __future__ import annotations
+
+import os
+import sys
+
+INPUT_ERROR_EXIT = 2  # a refusal, as argparse's usage errors: a requeue would be refused again
+
+
+class InputError(Exception):
+    """The base of every refusal of the user's input."""
+
+
+class InvalidInput(InputError, ValueError):
+    """A setting or file's content that cannot work."""
+
+
+class MissingInput(InputError, FileNotFoundError):
+    """A file or directory the run was told to read is not there."""
+
+
+def exit_refused(error: InputError, prog: str) -> None:
+    """Print `error`'s message (on rank 0 of a distributed run: every rank refuses alike) and exit."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"{prog}: error: {error}", file=sys.stderr, flush=True)
+    sys.exit(INPUT_ERROR_EXIT)
