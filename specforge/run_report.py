@@ -4,6 +4,7 @@ Built only from files in the run directory, so it can be rewritten at any time b
 """
 from __future__ import annotations
 
+import math
 import shlex
 from pathlib import Path
 
@@ -104,7 +105,10 @@ def _serve_lines(layout: RunLayout, evals: list[dict]) -> list[str]:
     # the newest checked spellings, not the installed SGLang's: a report must not fail on an old one,
     # and these flags are spelled alike in every supported version
     command = shlex.join(["python", "-m", "sglang.launch_server", *render_options(options, NEWEST_CHECKED)])
-    if best:
+    if best and not best.get("speedup", math.inf) > 1.0:  # the fastest was no faster than the base model
+        why = (f"`epoch_{epoch}` with tree `{best['tree']}`, the evaluation's fastest, though it was no faster than "
+               f"the base model there ({best['speedup']:.2f}x): measure it on the serving hardware before turning it on")
+    elif best:
         why = f"`epoch_{epoch}` with tree `{best['tree']}`, the evaluation's choice"
     else:
         why = (f"`epoch_{epoch}` (best simulated accept length) with SGLang's own tree; "

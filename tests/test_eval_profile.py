@@ -102,7 +102,7 @@ def test_report_has_the_breakdown_table():
     assert cells[:4] == ["1", "8_2_16", "50.00", "10.00 (17%)"] and cells[4] == "24.00 (40%)"
     assert float(cells[-2]) == pytest.approx(50 / 32, abs=1e-3) and cells[-1] == "2.200"
     assert "Base model: 32.00 ms per decode step (one-token forward 10.00 (27%)" in md
-    assert ("For `epoch_2` / `5_1_6` (the configuration to ship) a round costs 1.56 decode steps "
+    assert ("For `epoch_2` / `5_1_6` (the fastest configuration) a round costs 1.56 decode steps "
             "(verify 2.40, draft 1.00 one-token forwards; verify is 48% of the round) and commits 2.20 tokens: "
             "2.20 / 1.56 = 1.41x expected") in md
 
@@ -114,6 +114,16 @@ def test_report_without_phase_figures_keeps_the_old_tables():
             del row[k]
     md = markdown(results)
     assert "Where the time goes" not in md and "**Ship `epoch_1`" in md
+
+
+def test_no_ship_headline_when_every_configuration_is_slower_than_the_base():
+    results = results_of([(1, "5_1_6"), (2, "12_8_64")])
+    for i, row in enumerate(results["configs"]):
+        row["speedup"] = 0.8 + 0.09 * i
+    md = markdown(results)
+    assert "**Ship" not in md
+    assert ("**No configuration was faster than the base model here**: the fastest, `epoch_2` with tree "
+            "`12_8_64`, reached a speed-up of 0.89x (accept length 2.20, lossless 1.000;") in md
 
 
 def test_results_csv_and_json_carry_the_phase_figures(tmp_path):

@@ -120,7 +120,8 @@ def test_eval_stage_measures_every_epoch_and_tree(weather_files, tiny_target_dir
         assert sum(r["accept_histogram"]) == r["verify_rounds"]
     assert results["base"]["tok_s"] > 0 and summaries["eval"]["best_tree"] in ("2_1_3", "2_2_4")
     report = (eval_dir / "report.md").read_text()
-    assert "| epoch | tree |" in report and "**Ship `epoch_" in report
+    headline = "**Ship `epoch_" if summaries["eval"]["best_speedup"] > 1 else "**No configuration was faster"
+    assert "| epoch | tree |" in report and headline in report  # a tiny target: about as fast as its draft
     assert (eval_dir / "plots" / "per_epoch.png").exists() and (eval_dir / "results.csv").exists()
     run_report = (eval_dir.parent / "report.md").read_text()
     assert "Evaluation: speculative decoding" in run_report

@@ -23,3 +23,17 @@ def test_the_report_accounts_for_every_input_row_and_shows_each_stages_summary(t
     assert "| seconds | 3.500 |" in report
     assert "## train" in report and "| steps | 12 |" in report and "| train_tokens_per_s | 1234.500 |" in report
     assert "epochs" not in report  # lists stay in the markers
+
+
+def test_serve_it_says_when_the_evaluations_fastest_was_no_faster_than_the_base(tmp_path):
+    """eval/ship.json records the chosen configuration's speed-up: under 1 the command stays (the
+    serving hardware may differ) but the report says the evaluation measured no gain."""
+    layout = RunLayout(tmp_path)
+    layout.config.write_text("target:\n  path: /models/target\n")
+    write_json(layout.eval_choice, {"epoch": 2, "tree": "12_8_64", "speedup": 0.89, "chain": None})
+    serve = write_run_report(tmp_path).read_text().split("## Serve it")[1]
+    assert ("`epoch_2` with tree `12_8_64`, the evaluation's fastest, though it was no faster than the base "
+            "model there (0.89x): measure it on the serving hardware before turning it on") in serve
+    assert f"--speculative-draft-model-path {tmp_path / 'epoch_2'}" in serve
+    write_json(layout.eval_choice, {"epoch": 2, "tree": "5_1_6", "speedup": 1.8, "chain": None})
+    assert "`epoch_2` with tree `5_1_6`, the evaluation's choice" in write_run_report(tmp_path).read_text()

@@ -55,6 +55,17 @@ def best_chain(rows: list[dict], epoch: int, key: str) -> dict | None:
     return None if best is None else {"tree": best["tree"], "accept_length": best["accept_length"], key: best[key]}
 
 
+def ship_line(name: str, tree: str, speedup: float, measured: str, details: str) -> str:
+    """The report's headline: ship `name` with `tree`, or, when even the fastest configuration is
+    no faster than the base model (speed-up <= 1), say that speculative decoding does not pay here."""
+    if speedup > 1.0:
+        return f"**Ship `{name}` with tree `{tree}`**: {measured} {speedup:.2f}x, {details}."
+    return (f"**No configuration was faster than the base model here**: the fastest, `{name}` with tree "
+            f"`{tree}`, reached a {measured} of {speedup:.2f}x ({details}). Speculative decoding with these drafts "
+            "does not pay on this hardware: serve the target alone, or measure smaller trees, later epochs, or "
+            "the serving engine on its own hardware (a GPU verifies a tree for about the price of one token).")
+
+
 def _nan(v) -> bool:
     return not isinstance(v, (int, float)) or math.isnan(v)
 
@@ -96,7 +107,7 @@ def profile_lines(results: dict) -> list[str]:
         top_share = best[f"{top}_ms_per_round"] / best["ms_per_round"]
         name = (f"epoch_{best['epoch']}" if best.get("epoch") is not None
                 else Path(best.get("checkpoint", "?")).name)
-        lines += ["", f"For `{name}` / `{best['tree']}` (the configuration to ship) a round costs "
+        lines += ["", f"For `{name}` / `{best['tree']}` (the fastest configuration) a round costs "
                       f"{cost:.2f} decode steps (verify {best['verify_cost_steps']:.2f}, draft "
                       f"{best['draft_cost_steps']:.2f} one-token forwards; {top} is {100 * top_share:.0f}% "
                       f"of the round) and commits {length:.2f} tokens: {length:.2f} / {cost:.2f} = "
@@ -166,9 +177,8 @@ def markdown(results: dict) -> str:
                "precision a tree forward and a one-token decode round differently at near-ties "
                "(try eval.dtype=float32)" if best["all_lossy"]
                else "best speed-up among lossless configurations")
-        lines += ["", f"**Ship `epoch_{best['epoch']}` with tree `{best['tree']}`**: speed-up "
-                      f"{best['speedup']:.2f}x, accept length {best['accept_length']:.2f}, lossless "
-                      f"{_fmt(best['lossless'])} ({why}).", "",
+        lines += ["", ship_line(f"epoch_{best['epoch']}", best["tree"], best["speedup"], "speed-up",
+                                f"accept length {best['accept_length']:.2f}, lossless {_fmt(best['lossless'])}; {why}"), "",
                   "Accepted drafts per round (0, 1, ... T) for that configuration: "
                   f"{best['accept_histogram']}."]
     lines += suite_lines(results)
@@ -262,8 +272,8 @@ def planner_markdown(planner: dict, plots: list[str] = ()) -> str:
              "depth = mean deepest node of the built trees, width = (N-1) / depth; predicted speed-up = accept "
              "length x base step / round cost (a decode speed-up: prefill left out), round costs measured on "
              "this machine (specforge/eval/cost_model.py).", "",
-             f"**Ship `{_ckpt_name(best)}` with tree `{best['tree']}`**: predicted speed-up "
-             f"{best['predicted_speedup']:.2f}x, accept length {best['accept_length']:.2f}.", "",
+             ship_line(_ckpt_name(best), best["tree"], best["predicted_speedup"], "predicted speed-up",
+                       f"accept length {best['accept_length']:.2f}"), "",
              f"Trees of `{_ckpt_name(best)}` (the grid, eval.planner_trees):", "",
              "| tree | accept length | accept rate | depth | width | ms/round | predicted speed-up |"
              + (" measured speed-up |" if confirmed else ""),

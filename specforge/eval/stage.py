@@ -122,10 +122,11 @@ def run(cfg, run_dir: Path, fingerprint: str | None = None) -> dict:
 
 
 def record_choice(layout, best: dict, rows: list[dict], key: str) -> None:
-    """eval/ship.json (RunLayout.eval_choice): the epoch and tree to ship, and that epoch's fastest
-    chain by `key` for vLLM (the engine's `speedup` or the planner's `predicted_speedup`)."""
+    """eval/ship.json (RunLayout.eval_choice): the epoch and tree to ship, their speed-up by `key`
+    (the engine's `speedup` or the planner's `predicted_speedup`), and that epoch's fastest chain by
+    it for vLLM."""
     from specforge.eval.report import best_chain
 
-    write_json(layout.eval_choice, {"epoch": best["epoch"], "tree": best["tree"],
+    write_json(layout.eval_choice, {"epoch": best["epoch"], "tree": best["tree"], "speedup": best[key],
                                     "chain": best_chain(rows, best["epoch"], key)})
 
