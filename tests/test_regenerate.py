@@ -710,6 +710,37 @@ def test_data_stage_trains_on_the_regenerated_answers(target, tmp_path):
         assert_replaced(by_id[row["id"]]["messages"], row["messages"])
 
 
+def test_rows_whose_prompt_fills_max_length_are_not_regenerated(target, tmp_path):
+    """A row whose turns before its first answer already fill data.max_length keeps no loss token
+    (truncate) or is dropped (drop) whatever the target says: it is quarantined before regeneration
+    (prompt_overlength) and the target answers the others only; when most rows are such, the stage
+    fails before the target answers any."""
+    from specforge.data import stage
+    from specforge.errors import InvalidInput
+    from tests.test_data_stage import assert_reconciles, make_cfg
+
+    src = dataset(6)
+    long_system = {"role": "system", "content": "You are a helpful assistant. " * 40}
+    for row in src[:2]:
+        row["messages"] = [long_system, *(m for m in row["messages"] if m["role"] != "system")]
+    write_jsonl(tmp_path / "train.jsonl", src)
+    regen = {"regenerate.enabled": True, "regenerate.max_new_tokens": 24, "regenerate.batch_size": 3}
+    cfg = make_cfg(tmp_path, target.path, tmp_path / "train.jsonl", None, max_length=128, **regen)
+    cfg.target.dtype = "float32"
+    counts = stage.run(cfg, tmp_path / "run")["train"]
+    assert_reconciles(counts)
+    assert counts["by_reason"] == {"prompt_overlength": 2} and counts["regenerate"]["requested"] == 4
+    quarantined = list(read_jsonl(tmp_path / "run" / "data" / "quarantine.jsonl"))
+    assert [(q["line"], q["reason"].split(":")[0]) for q in quarantined] == [(1, "prompt_overlength"),
+                                                                             (2, "prompt_overlength")]
+    assert "max_length 128: no answer would fit (not regenerated)" in quarantined[0]["reason"]
+
+    cfg = make_cfg(tmp_path, target.path, tmp_path / "train.jsonl", None, max_length=8, **regen)
+    with pytest.raises(InvalidInput, match=r"6 of 6 rows quarantined .*prompt_overlength 6.*Nothing was regenerated"):
+        stage.run(cfg, tmp_path / "run8")
+    assert not list((tmp_path / "run8" / "data").glob("regen_*"))
+
+
 def test_truncated_answers_are_kept_as_last_turn_when_configured(target, tmp_path):
     """keep_truncated: a cut-off answer is what the target says; it ends the conversation there."""
     src = dataset(4, follow_up_every=1)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from specforge.data.fix import Quarantine, fix_row
 from specforge.data.fix.conversations import ImageChecker
 from specforge.data.formats import DataError, RawRow
-from specforge.data.template import render
+from specforge.data.template import first_answer_start, render
 from specforge.data.vl_render import render_vl
 
 
@@ -60,6 +60,20 @@ def render_row(tokenizer, messages: list[dict], max_length: int, overlength: str
     return RowRender(r.input_ids, r.loss_mask, r.truncated, None, images)
 
 
+def prompt_overlength(tokenizer, messages: list[dict], max_length: int, tools=None) -> str | None:
+    """The reason a row cannot become a sample whatever its answers say, or None: the turns before
+    its first answer already fill max_length, so truncation keeps no loss token and
+    data.overlength=drop drops it. Checked before regeneration, which would answer it for nothing."""
+    try:
+        start = first_answer_start(tokenizer, messages, tools)
+    except DataError:  # the template cannot render it: the render after regeneration says so
+        return None
+    if start is None or start < max_length:
+        return None
+    return (f"prompt_overlength: the turns before the first answer take {start + 1} tokens, max_length "
+            f"{max_length}: no answer would fit (not regenerated)")
+
+
 _SPECIALS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> compiled pattern or None
 
 
@@ -88,4 +102,4 @@ def special_token_in_text(tokenizer, messages: list[dict]) -> str | None:
     return None
 
 
-__all__ = ["Quarantine", "RowRender", "normalise_row", "render_row", "special_token_in_text"]
+__all__ = ["Quarantine", "RowRender", "normalise_row", "prompt_overlength", "render_row", "special_token_in_text"]

@@ -16,7 +16,7 @@ from specforge.config import FixConfig, check_ranges
 from specforge.data.fix import fix_dataset, quarantine_entry, reason_code
 from specforge.data.fix.conversations import ImageChecker, Quarantine, prompt_key
 from specforge.data.formats import RawRow, read_raw_rows, tools_entry, uses_tools
-from specforge.data.rows import normalise_row, render_row
+from specforge.data.rows import normalise_row, prompt_overlength, render_row
 from specforge.data.sources import check_source, hub_name_split, is_hub, source_fingerprint
 from specforge.data.vocab import cached_vocab_mapping, save_vocab, vocab_cache_key
 from specforge.errors import InvalidInput, MissingInput
@@ -32,6 +32,8 @@ SHARE_HINTS = {
     "invalid_json": "is the file JSON Lines (.jsonl, one object per line) or one JSON list (.json)?",
     "row_too_long": "raise data.max_chars_per_row (now {max_chars})",
     "overlength": "raise data.max_length or set data.overlength=truncate",
+    "no_loss_tokens_after_truncation": "the answers start after data.max_length (now {max_length}): raise it",
+    "prompt_overlength": "the prompts alone fill data.max_length (now {max_length}): raise it",
     "toon_unrepairable": "are the answers TOON at all? set data.fix.toon=false if not",
     "toon_not_a_document": "the answers are prose: set data.fix.toon=false, or data.fix.toon_prose=keep",
     "image_missing": "check data.image_root (now {image_root}; default: the data file's folder)",
@@ -258,6 +260,8 @@ def process_split(cfg, split: str, files: list[str], tokenizer, progress=None, r
 
         if run_dir is None:
             raise ValueError("data.regenerate: needs the run directory for its resume journal")
+        convs, too_long = _prompt_overlength(convs, tokenizer, cfg.data.max_length)
+        quarantine += [{"split": split, **q} for q in too_long]
         refuse_before_regeneration(cfg, split, n_rows, quarantine, RunLayout(run_dir))
         convs, regenerated = regenerate_conversations(
             convs, cfg.data.regenerate, cfg.target, RunLayout(run_dir).data_dir, split,
@@ -282,6 +286,19 @@ def process_split(cfg, split: str, files: list[str], tokenizer, progress=None, r
     if regenerated is not None:
         result["counts"]["regenerate"] = regenerated
     return result
+
+
+def _prompt_overlength(convs: list[dict], tokenizer, max_length: int) -> tuple[list[dict], list[dict]]:
+    """(the conversations an answer can fit, quarantine entries of those whose prompt alone fills
+    max_length): the target is not asked for answers that would be cut away."""
+    keep, out = [], []
+    for conv in convs:
+        if reason := prompt_overlength(tokenizer, conv["messages"], max_length, conv.get("tools")):
+            out.append({"file": conv.get("file"), "line": conv.get("line"), "reason": reason,
+                        "row": {"id": conv["id"], "messages": conv["messages"]}})
+        else:
+            keep.append(conv)
+    return keep, out
 
 
 def _collect(split: str, convs: list[dict], renders: list, quarantine: list[dict], n_rows: int, skipped: int) -> dict:
@@ -462,7 +479,8 @@ def quarantined_share_problem(cfg, split: str, result: dict) -> str | None:
     example = next(q for q in result["quarantine"] if reason_code(q["reason"]) == top)
     reason = example["reason"] if len(example["reason"]) <= 200 else example["reason"][:197] + "..."
     hint = SHARE_HINTS.get(top, SHARE_HINTS["invalid_row"]).format(
-        format=cfg.data.format, max_chars=max_chars_per_row(cfg.data), image_root=cfg.data.image_root)
+        format=cfg.data.format, max_chars=max_chars_per_row(cfg.data), image_root=cfg.data.image_root,
+        max_length=cfg.data.max_length)
     return (f"data {split}: {quarantined} of {rows} rows quarantined ({quarantined / rows:.1%}), more than "
             f"data.max_quarantined_share={limit}; top reasons: {_top_reasons(counts)}; e.g. {example['file']} "
             f"line {example['line']}: {reason}; hint: {hint}")
