@@ -2,6 +2,7 @@
 tokenizer, composed from the real conf/ through Hydra: what `python train.py` runs, in miniature."""
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from hydra import compose, initialize_config_dir
 from data_prep.weather import generate
 from specforge.checkpoint import load_draft
 from specforge.config import register_configs
-from specforge.errors import InvalidInput
+from specforge.errors import InputError, InvalidInput
 from specforge.pipeline import run_pipeline
 from specforge.train.loop import plateaued
 from specforge.utils.io import read_json, write_jsonl
@@ -194,6 +195,20 @@ def test_flex_attention_without_a_gpu_is_refused_before_the_first_stage(weather_
         run_pipeline(cfg)
     assert not (weather_files / "outputs").exists()
     run_pipeline(compose_cfg(weather_files, tiny_target_dir, "stages=[data]", "train.attention=flex"))  # not training
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="SGLang is installed here")
+@pytest.mark.parametrize("override, message", [("extract=sglang", "SGLang is not installed here"),
+                                               ("extract=server", "needs extract.aux_url"),
+                                               ("eval.engine=server", "needs eval.url"),
+                                               ("eval.engine=sglang", "SGLang is not installed here")])
+def test_an_engine_that_cannot_run_here_is_refused_before_the_data_stage(weather_files, tiny_target_dir,
+                                                                       override, message):
+    """Not after the data stage's regeneration, or the hours of training before an evaluation."""
+    cfg = compose_cfg(weather_files, tiny_target_dir, "stages=[data,extract,train,eval]", override)
+    with pytest.raises(InputError, match=message):
+        run_pipeline(cfg)
+    assert not (weather_files / "outputs" / "smollm2_weather").exists()
 
 
 def test_evaluate_py_refuses_an_empty_tree_list(tmp_path):

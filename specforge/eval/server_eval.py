@@ -19,6 +19,7 @@ from functools import partial
 from pathlib import Path
 from typing import Callable, Sequence
 
+from specforge.errors import InvalidInput
 from specforge.utils.io import write_json, write_text
 from specforge.eval.bench_client import (
     BenchRequest, BenchResult, comparison, comparison_table, conversation_requests,
@@ -133,7 +134,7 @@ def eval_with_servers(run_cfg, checkpoints: Sequence[Path], eval_cfg, run_dir, o
     runs: list[tuple[str, str | Launch]] = []
     if ev.engine == "server":
         if not ev.url:
-            raise ValueError("eval.engine=server needs eval.url (the base URL of a running server)")
+            raise InvalidInput("eval.engine=server needs eval.url (the base URL of a running server)")
         if getattr(ev, "baseline_url", None):
             runs.append(("baseline", ev.baseline_url))
         runs.append(("server", ev.url))

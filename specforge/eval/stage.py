@@ -35,6 +35,12 @@ def check_eval(eval_cfg) -> None:
 
         check_planner(eval_cfg)  # its grid, its engine, temperature 0
     check_suites(eval_cfg)  # an unknown suite, a missing file, suites for a server engine
+    if str(eval_cfg.engine) == "server" and not eval_cfg.url:
+        raise InvalidInput("eval.engine=server needs eval.url (the base URL of a running server)")
+    if str(eval_cfg.engine) == "sglang":
+        from specforge.launch.sglang_commands import flag_table
+
+        flag_table(getattr(eval_cfg, "sglang_version", None))  # installed (or named) and supported
 
 
 def run_evaluation(run_cfg, ckpt: str | Path, eval_cfg, out_dir: str | Path | None = None) -> dict:

@@ -224,9 +224,6 @@ def open_server_extractor(cfg, target_path, aux_layer_ids: Sequence[int], text_c
     ex = cfg.extract
     with contextlib.ExitStack() as stack:
         if ex.backend == "server":
-            if not ex.aux_url or not ex.final_url:
-                raise ValueError("extract.backend=server needs extract.aux_url (a server capturing the aux layers) "
-                                 "and extract.final_url (a server returning final hidden states)")
             urls = ex.aux_url, ex.final_url
         else:
             from specforge.launch.sglang_commands import sglang_extraction_command

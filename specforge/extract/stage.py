@@ -270,6 +270,29 @@ def extract_splits(cfg, run_dir: Path, splits: dict, extractor: Extractor, base_
 BACKENDS = ("embedded", "server", "sglang", "online")
 
 
+def check(cfg) -> None:
+    """The pipeline's check before its first stage: a backend that cannot run here must not cost a
+    data stage (and its regeneration) first."""
+    from specforge.targets.vl import is_vl
+
+    backend = cfg.extract.backend
+    if backend not in BACKENDS:
+        raise InvalidInput(f"extract.backend={backend!r}: unknown backend; known: {', '.join(BACKENDS)}")
+    if cfg.extract.dtype not in STORAGE_DTYPES:
+        raise InvalidInput(f"extract.dtype: {cfg.extract.dtype!r} is not one of {list(STORAGE_DTYPES)}")
+    if backend in ("server", "sglang") and is_vl(cfg.target.kind):
+        raise InvalidInput(f"extract.backend={backend}: vision-language targets need the M-RoPE positions and "
+                           "the merged image embeddings, which SGLang's hidden states do not carry; use "
+                           "extract.backend=embedded")
+    if backend == "server" and not (cfg.extract.aux_url and cfg.extract.final_url):
+        raise InvalidInput("extract.backend=server needs extract.aux_url (a server capturing the aux layers) "
+                           "and extract.final_url (a server returning final hidden states)")
+    if backend == "sglang":
+        from specforge.launch.sglang_commands import check_aux_support
+
+        check_aux_support(cfg.extract.sglang_version)  # installed (or named), and returns aux hidden states
+
+
 def store_meta(cfg, model_config, target_path: Path) -> dict:
     """What produced a store's states (or, online, the states training computes): a store from
     another target, aux layers, dtype or backend is extracted again rather than resumed."""
@@ -307,10 +330,6 @@ def open_backend(cfg, run_dir: Path, env):
     else:  # the weights live in the servers: the config is enough here
         from transformers import AutoConfig
 
-        if is_vl(cfg.target.kind):
-            raise InvalidInput(f"extract.backend={backend}: vision-language targets need the M-RoPE positions and "
-                             "the merged image embeddings, which SGLang's hidden states do not carry; use "
-                             "extract.backend=embedded")
         model_config = AutoConfig.from_pretrained(target_path, trust_remote_code=cfg.target.trust_remote_code)
     meta = store_meta(cfg, model_config, target_path)
     aux, tcfg = meta["aux_layer_ids"], text_config(model_config)
@@ -338,10 +357,7 @@ def open_backend(cfg, run_dir: Path, env):
 def run(cfg, run_dir, fingerprint: str | None = None) -> dict:
     """Extract every split that has rows; returns totals and per-split summaries."""
     t0 = time.time()
-    if cfg.extract.backend not in BACKENDS:
-        raise InvalidInput(f"extract.backend={cfg.extract.backend!r}: unknown backend; known: {', '.join(BACKENDS)}")
-    if cfg.extract.dtype not in STORAGE_DTYPES:
-        raise InvalidInput(f"extract.dtype: {cfg.extract.dtype!r} is not one of {list(STORAGE_DTYPES)}")
+    check(cfg)
 
     run_dir = Path(run_dir)
     layout = RunLayout(run_dir)

@@ -20,6 +20,7 @@ from typing import Any, Mapping, Sequence
 from packaging.version import InvalidVersion, Version
 
 from specforge.engine.tree_spec import TreeSpec
+from specforge.errors import InputError
 from specforge.targets.layers import check_aux_layer_ids
 
 # Canonical option name -> flag, as spelled by SGLang 0.5.20 (read from its server_args fields).
@@ -73,7 +74,7 @@ NEWEST_CHECKED = FLAG_TABLES[-1].checked
 AUX_HIDDEN_STATES_MIN_VERSION = "0.5.23"
 
 
-class SGLangVersionError(RuntimeError):
+class SGLangVersionError(InputError, RuntimeError):
     """SGLang is missing, too old, or lacks a feature we need."""
 
 
@@ -193,7 +194,8 @@ def sglang_server_command(
             *render_options(opts, version), *map(str, extra_args)]
 
 
-def _check_aux_support(version: str | None) -> None:
+def check_aux_support(version: str | None) -> None:
+    """SGLang (`version`, default: the installed one) returns aux hidden states, or raise."""
     v = resolve_version(version)
     if "enable_return_aux_hidden_states" not in flag_table(v).flags:
         raise SGLangVersionError(
@@ -221,7 +223,7 @@ def sglang_extraction_command(target_path, port: int, aux_layer_ids: Sequence[in
     prompt in one chunk (radix cache off, chunked prefill off)."""
     opts: dict[str, Any] = {"enable_return_hidden_states": True, "chunked_prefill_size": -1}
     if aux_layer_ids is not None:
-        _check_aux_support(version)
+        check_aux_support(version)
         opts.update(speculative_algorithm="EAGLE3",  # the capture convention; no draft is given
                     enable_return_aux_hidden_states=True,
                     return_aux_hidden_state_layer_ids=_check_layer_ids(aux_layer_ids, num_layers))
