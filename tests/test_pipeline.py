@@ -211,6 +211,19 @@ def test_an_engine_that_cannot_run_here_is_refused_before_the_data_stage(weather
     assert not (weather_files / "outputs" / "smollm2_weather").exists()
 
 
+def test_an_evaluation_on_a_held_out_split_that_is_not_there_is_refused_before_training(weather_files,
+                                                                                       tiny_target_dir):
+    cfg = compose_cfg(weather_files, tiny_target_dir, "stages=[data,extract,train,eval]", "data.eval_files=[]",
+                      "train.early_stop_patience=0")
+    with pytest.raises(InvalidInput, match="the evaluation prompts are the held-out split's .* data.eval_files is empty"):
+        run_pipeline(cfg)
+    assert not (weather_files / "outputs" / "smollm2_weather").exists()
+    from specforge.eval.stage import check
+
+    check(compose_cfg(weather_files, tiny_target_dir, "stages=[data,extract,train,eval]", "data.eval_files=[]",
+                      "train.early_stop_patience=0", "eval.suites=[humaneval]"))  # other prompts: fine
+
+
 def test_evaluate_py_refuses_an_empty_tree_list(tmp_path):
     import subprocess
     import sys

@@ -13,6 +13,18 @@ def check(cfg) -> None:
     """The pipeline's check before its first stage, so that training hours are not spent on an
     evaluation that cannot run."""
     check_eval(cfg.eval)
+    if not cfg.data.eval_files and _uses_heldout(cfg.eval):
+        raise InvalidInput("eval: the evaluation prompts are the held-out split's (eval.suites: heldout; a server "
+                           "engine's eval.prompts=conversations), but data.eval_files is empty; name held-out files, "
+                           "or other prompts (eval.suites=[humaneval] or a file; eval.prompts=random)")
+
+
+def _uses_heldout(eval_cfg) -> bool:
+    from specforge.eval.prompts import HELDOUT, suite_entries
+
+    if str(eval_cfg.engine) == "embedded":  # the planner too
+        return HELDOUT in suite_entries(eval_cfg)
+    return str(getattr(eval_cfg, "prompts", "conversations")) == "conversations"
 
 
 def check_eval(eval_cfg) -> None:
