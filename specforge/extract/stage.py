@@ -291,6 +291,13 @@ def check(cfg) -> None:
         from specforge.launch.sglang_commands import check_aux_support
 
         check_aux_support(cfg.extract.sglang_version)  # installed (or named), and returns aux hidden states
+    if (Path(cfg.target.path) / "config.json").is_file():  # a local target (one still to fetch: checked then)
+        from transformers import AutoConfig
+
+        from specforge.targets.loader import aux_layer_ids
+
+        aux_layer_ids(cfg.target, AutoConfig.from_pretrained(cfg.target.path,
+                                                             trust_remote_code=cfg.target.trust_remote_code))
 
 
 def store_meta(cfg, model_config, target_path: Path) -> dict:

@@ -400,7 +400,7 @@ def aux_layer_ids(target_cfg, model_config, kind: str | None = None) -> list[int
                               min_id=d, why_min=deepstack if d > 0 else None)
     if not sglang_adds_one(model_config, ids):
         arch = model_config.architectures[0]
-        raise ValueError(
+        raise InvalidInput(
             f"target.aux_layer_ids: {ids}: SGLang serves a {arch} target's draft the output of layer L for id L "
             f"only when the first id is 1; otherwise it reads each id as a layer's input, one layer earlier "
             f"than the draft was trained on: start the ids at 1 (e.g. [1, {ids[1]}, {ids[2]}])")
