@@ -15,6 +15,7 @@ from transformers import LlamaConfig
 from specforge.checkpoint import CheckpointError, expected_shapes, load_draft, read_checkpoint, save_checkpoint
 from specforge.config import register_configs
 from specforge.engine.speculative import SpeculativeEngine
+from specforge.errors import InvalidInput
 from specforge.models.draft import EAGLE31_OPTIONS, Eagle3Config, Eagle3Draft
 from specforge.train.loop import build_draft
 from specforge.train.ttt import Teacher, ttt_forward
@@ -284,6 +285,28 @@ def test_init_from_needs_the_same_options(tmp_path):
     with pytest.raises(ValueError, match=r"draft.init_from: .* has the EAGLE 3.1 options .*"
                                          r"set draft.fc_norm=true draft.norm_output=true"):
         build_draft(other, tiny_target_config(), [0, 1, 2], tiny_vocab(), embed, embed)
+
+
+def test_an_init_from_that_cannot_go_on_is_refused_before_the_data_stage(tmp_path):
+    """Not after the data and extract stages: other options, other layers, another target."""
+    from specforge.pipeline import run_pipeline
+
+    target = tmp_path / "target"
+    tiny_target_config().save_pretrained(target)  # its config is all the check reads
+    embed = torch.randn(50, 24)
+    ckpt = save_checkpoint(build_draft(compose_cfg("draft=eagle31"), tiny_target_config(), [0, 1, 2],
+                                       tiny_vocab(), embed, embed), tmp_path / "epoch_1")
+    run = [f"output_dir={tmp_path / 'out'}", f"target.path={target}", "target.fetch=null",
+           "stages=[data,extract,train]", f"draft.init_from={ckpt}"]
+    for overrides, message in [(["draft=eagle3", "target.aux_layer_ids=[0,1,2]"], "has the EAGLE 3.1 options"),
+                               (["draft=eagle31", "target.aux_layer_ids=[0,1,3]"],
+                                r"reads layers \[0, 1, 2\], the hidden states hold \[0, 1, 3\]")]:
+        with pytest.raises(InvalidInput, match=message):
+            run_pipeline(compose_cfg(*run, *overrides))
+    LlamaConfig(**{**tiny_target_config().to_dict(), "hidden_size": 32}).save_pretrained(target)
+    with pytest.raises(InvalidInput, match="the draft does not fit the target: target_hidden_size 24"):
+        run_pipeline(compose_cfg(*run, "draft=eagle31", "target.aux_layer_ids=[0,1,2]"))
+    assert not (tmp_path / "out").exists()
 
 
 # ---- the engine -------------------------------------------------------------------------------

@@ -17,10 +17,11 @@ import torch
 from safetensors.torch import load_file
 
 from specforge import distributed as dist
-from specforge.checkpoint import TARGET_KEY, read_checkpoint, save_checkpoint
+from specforge.checkpoint import TARGET_KEY, check_fits_target, read_checkpoint, save_checkpoint
 from specforge.config import IMAGE_EMBEDDINGS, PRECISIONS
 from specforge.distributed.preemption import StopRequests, TrainingInterrupted
 from specforge.distributed.strategy import make_strategy
+from specforge.errors import InvalidInput
 from specforge.extract.store import HiddenStateStore
 from specforge.models.draft import EAGLE31_OPTIONS, Eagle3Config, Eagle3Draft
 from specforge.targets.loader import compute_dtype, load_embedding_and_head, torch_dtype
@@ -62,23 +63,31 @@ def autocast_for(precision: str, device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16)
 
 
+def check_init_from(cfg, ckpt_cfg: Eagle3Config, aux_layer_ids, target_config) -> None:
+    """`draft.init_from` can go on training in this run: it fits the target, reads the layers the
+    hidden states hold, and has the EAGLE 3.1 options asked for (a fine-tuned draft keeps its
+    checkpoint's architecture). The train stage's up-front check and build_draft both ask."""
+    where = cfg.draft.init_from
+    check_fits_target(ckpt_cfg, target_config, where)
+    if ckpt_cfg.aux_layer_ids != list(aux_layer_ids):
+        raise InvalidInput(f"draft.init_from: {where} reads layers {ckpt_cfg.aux_layer_ids}, the hidden states "
+                           f"hold {list(aux_layer_ids)} (target.aux_layer_ids)")
+    wanted = {key: bool(getattr(cfg.draft, key, False)) for key in EAGLE31_OPTIONS}
+    if ckpt_cfg.eagle31_options != wanted:
+        fix = " ".join(f"draft.{key}={str(value).lower()}" for key, value in ckpt_cfg.eagle31_options.items()
+                       if value != wanted[key])
+        raise InvalidInput(f"draft.init_from: {where} has the EAGLE 3.1 options {ckpt_cfg.eagle31_options}, the "
+                           f"config asks for {wanted}; a fine-tuned draft keeps its checkpoint's architecture: set "
+                           f"{fix} (or select the matching draft= group)")
+
+
 def build_draft(cfg, target_config, aux_layer_ids, vocab: dict, embed: torch.Tensor,
                 head: torch.Tensor | None = None) -> Eagle3Draft:
     """A fresh draft (or `draft.init_from`, keeping ITS vocab map) with the target's embedding;
     `head`: the target's lm_head, for draft.lm_head_init=target."""
     if cfg.draft.init_from:
         ckpt_cfg, tensors = read_checkpoint(cfg.draft.init_from)
-        if ckpt_cfg.aux_layer_ids != list(aux_layer_ids):
-            raise ValueError(f"draft.init_from: {cfg.draft.init_from} reads layers {ckpt_cfg.aux_layer_ids}, "
-                             f"the extracted data has {list(aux_layer_ids)}")
-        wanted = {key: bool(getattr(cfg.draft, key, False)) for key in EAGLE31_OPTIONS}
-        if ckpt_cfg.eagle31_options != wanted:
-            fix = " ".join(f"draft.{key}={str(value).lower()}" for key, value in ckpt_cfg.eagle31_options.items()
-                           if value != wanted[key])
-            raise ValueError(f"draft.init_from: {cfg.draft.init_from} has the EAGLE 3.1 options "
-                             f"{ckpt_cfg.eagle31_options}, the config asks for {wanted}; a fine-tuned "
-                             f"draft keeps its checkpoint's architecture: set {fix} (or select the "
-                             "matching draft= group)")
+        check_init_from(cfg, ckpt_cfg, aux_layer_ids, target_config)
         draft = Eagle3Draft(ckpt_cfg, attention=cfg.train.attention)
         tensors.setdefault("embed_tokens.weight", embed)
         draft.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in tensors.items()})

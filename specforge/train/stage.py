@@ -4,6 +4,22 @@ from pathlib import Path
 from specforge.train.loop import train
 
 
+def check(cfg) -> None:
+    """The pipeline's check before its first stage: a draft to fine-tune (draft.init_from) that
+    cannot go on in this run (another target, other layers or options) is refused now, not after
+    the data and extract stages."""
+    if not cfg.draft.init_from or not (Path(cfg.target.path) / "config.json").is_file():
+        return  # nothing to fine-tune, or a target still to fetch: build_draft checks it then
+    from transformers import AutoConfig
+
+    from specforge.checkpoint import read_config
+    from specforge.targets.loader import aux_layer_ids
+    from specforge.train.loop import check_init_from
+
+    target_config = AutoConfig.from_pretrained(cfg.target.path, trust_remote_code=cfg.target.trust_remote_code)
+    check_init_from(cfg, read_config(cfg.draft.init_from), aux_layer_ids(cfg.target, target_config), target_config)
+
+
 def run(cfg, run_dir: Path, fingerprint: str) -> dict:
     """`fingerprint`: this stage's, from the pipeline (its training states carry it; the pipeline
     writes the run's report once this stage's summary is recorded)."""
