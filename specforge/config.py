@@ -485,15 +485,15 @@ def check_eagle31_options(options, prefix: str = "") -> None:
             raise InvalidInput(f"{prefix}{key} must be true or false, got {options[key]!r}")
     if options.get("fc_norm") and options.get("norm_before_fc"):
         raise InvalidInput(f"{prefix}fc_norm and {prefix}norm_before_fc are both true, but fc_norm and norm_before_fc "
-                         "are mutually exclusive (EAGLE 3.1: fc_norm normalises each captured target state, "
-                         "norm_before_fc their concatenation); set at most one of them")
+                           "are mutually exclusive (EAGLE 3.1: fc_norm normalises each captured target state, "
+                           "norm_before_fc their concatenation); set at most one of them")
 
 
 def check_eval_trees(eval_cfg) -> None:
     """The embedded and sglang engines measure checkpoints x trees: no tree, nothing to measure."""
     if str(eval_cfg.engine) != "server" and not list(eval_cfg.trees or []):
         raise InvalidInput(f"eval.trees is empty: eval.engine={eval_cfg.engine} measures every checkpoint "
-                         "with every tree T_K_N; give at least one, e.g. eval.trees=[2_1_3,5_1_6]")
+                           "with every tree T_K_N; give at least one, e.g. eval.trees=[2_1_3,5_1_6]")
 
 
 def check_config(cfg) -> None:
@@ -503,25 +503,25 @@ def check_config(cfg) -> None:
     check_ranges(cfg, ["target", "launch", *cfg.stages])
     if cfg.train.optimizer == "muon" and cfg.train.strategy in ("fsdp", "deepspeed"):
         raise InvalidInput(f"train.optimizer=muon orthogonalises each matrix's update whole, but "
-                         f"train.strategy={cfg.train.strategy} shards them; use train.strategy=single or ddp, "
-                         "or train.optimizer=adamw")
+                           f"train.strategy={cfg.train.strategy} shards them; use train.strategy=single or ddp, "
+                           "or train.optimizer=adamw")
     if "train" in cfg.stages and cfg.train.early_stop_patience and not cfg.data.eval_files:
         raise InvalidInput("train.early_stop_patience: stopping needs the held-out accept length of every epoch, "
-                         "and there is no held-out split; set data.eval_files, or train.early_stop_patience=0")
+                           "and there is no held-out split; set data.eval_files, or train.early_stop_patience=0")
     if cfg.extract.backend == "online":
         if cfg.target.kind not in (None, "causal_lm"):
             raise InvalidInput(f"extract.backend=online: text targets only (target.kind={cfg.target.kind}); a "
-                             "vision-language target needs its images' states stored: extract.backend=embedded")
+                               "vision-language target needs its images' states stored: extract.backend=embedded")
         if cfg.extract.dtype == "fp8":
             raise InvalidInput("extract.backend=online: fp8 is a storage format and nothing is stored online; "
-                             "extract.dtype=bfloat16 (the rounding training would read from a store) or float32")
+                               "extract.dtype=bfloat16 (the rounding training would read from a store) or float32")
     if "train" in cfg.stages and cfg.train.attention == "flex":
         import torch
 
         if not torch.cuda.is_available():  # training runs where the process is: here, on the CPU
             raise InvalidInput("train.attention=flex: FlexAttention has no backward pass on CPU and this process "
-                             "sees no GPU; use train.attention=sdpa (the same attention, O(S^2 + kS), on torch's "
-                             "fused kernels)")
+                               "sees no GPU; use train.attention=sdpa (the same attention, O(S^2 + kS), on torch's "
+                               "fused kernels)")
 
 
 def register_configs() -> None:

@@ -106,8 +106,9 @@ def _serve_lines(layout: RunLayout, evals: list[dict]) -> list[str]:
     # and these flags are spelled alike in every supported version
     command = shlex.join(["python", "-m", "sglang.launch_server", *render_options(options, NEWEST_CHECKED)])
     if best and not best.get("speedup", math.inf) > 1.0:  # the fastest was no faster than the base model
-        why = (f"`epoch_{epoch}` with tree `{best['tree']}`, the evaluation's fastest, though it was no faster than "
-               f"the base model there ({best['speedup']:.2f}x): measure it on the serving hardware before turning it on")
+        why = (f"`epoch_{epoch}` with tree `{best['tree']}`, the evaluation's fastest, though it was no faster "
+               f"than the base model there ({best['speedup']:.2f}x): measure it on the serving hardware before "
+               "turning it on")
     elif best:
         why = f"`epoch_{epoch}` with tree `{best['tree']}`, the evaluation's choice"
     else:

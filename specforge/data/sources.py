@@ -57,7 +57,7 @@ def check_source(path: str) -> None:
     elif Path(path).is_dir():
         if not any((Path(path) / n).is_file() for n in DATASET_FOLDER_FILES):
             raise InvalidInput(f"data file {path} is a folder but not a datasets.save_to_disk folder "
-                             f"(none of {', '.join(DATASET_FOLDER_FILES)} in it)")
+                               f"(none of {', '.join(DATASET_FOLDER_FILES)} in it)")
     elif not Path(path).is_file():
         raise MissingInput(f"data file {path} not found")
 

@@ -135,7 +135,7 @@ def check(cfg) -> None:
         for f in (f for f in files if f in ids):
             if ids[f] in first:
                 raise InvalidInput(f"data.{split}_files: {first[ids[f]]} is listed twice ({f} is the same input); "
-                                 "name it once")
+                                   "name it once")
             first[ids[f]] = f
     if cfg.data.eval_in_train == "quarantine":
         train: dict[tuple, str] = {}
@@ -144,8 +144,8 @@ def check(cfg) -> None:
         for e in (e for e in splits.get("eval", []) if e in ids):
             if ids[e] in train:
                 raise InvalidInput(f"data.eval_files: {e} is also a training file ({train[ids[e]]}): no held-out row "
-                                 "would be left; name another file, or set data.eval_in_train=keep to evaluate on "
-                                 "training prompts")
+                                   "would be left; name another file, or set data.eval_in_train=keep to evaluate on "
+                                   "training prompts")
 
 
 def _identities(entries: list[str]) -> dict[str, tuple]:
@@ -418,7 +418,7 @@ def run(cfg, run_dir, fingerprint: str | None = None) -> dict:
     if too_many:
         _write_report(layout, summary, None)
         raise InvalidInput("; ".join(too_many) + f". Every row is accounted for in {layout.quarantine} and "
-                         f"{layout.data_report_md}; to accept this, raise data.max_quarantined_share (1.0: never fail)")
+                           f"{layout.data_report_md}; to accept this, raise data.max_quarantined_share (1.0: never fail)")
 
     vocab_size = target_vocab_size(target_path, tokenizer)
     requested = cfg.draft.draft_vocab_size
@@ -452,7 +452,7 @@ def refuse_before_regeneration(cfg, split: str, rows: int, quarantine: list[dict
     if problem:
         write_jsonl(layout.quarantine, quarantine)
         raise InvalidInput(f"{problem}. Nothing was regenerated; every quarantined row is in {layout.quarantine}; "
-                         "to accept this, raise data.max_quarantined_share (1.0: never fail)")
+                           "to accept this, raise data.max_quarantined_share (1.0: never fail)")
 
 
 def _ranked_reasons(counts: dict) -> list[tuple[str, int]]:

@@ -199,8 +199,8 @@ def run_on_main(fn, *args, what: str = "work", **kwargs):
             result = fn(*args, **kwargs)
         except BaseException as e:  # told to the others, then re-raised here
             error = e
-    outcome = broadcast_object(("ok", result) if error is None else
-                               ("refused" if isinstance(error, InputError) else "error", f"{type(error).__name__}: {error}"))
+    kind = "ok" if error is None else "refused" if isinstance(error, InputError) else "error"
+    outcome = broadcast_object((kind, result if error is None else f"{type(error).__name__}: {error}"))
     if error is not None:
         raise error
     if outcome[0] != "ok":  # a refusal stays one on every rank (train.py prints it once, no traceback)

@@ -49,7 +49,7 @@ def find_checkpoints(path: str | Path, epochs=None) -> tuple[Path, list[Path]]:
         missing = sorted(set(epochs) - {epoch_of(p) for p in ckpts})
         if missing:
             raise MissingInput(f"eval.epochs: {path} has no epoch_{missing[0]} "
-                                    f"(it has {[epoch_of(p) for p in ckpts]})")
+                               f"(it has {[epoch_of(p) for p in ckpts]})")
         ckpts = [p for p in ckpts if epoch_of(p) in set(epochs)]
     return path, ckpts
 

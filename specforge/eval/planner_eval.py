@@ -32,7 +32,7 @@ def check_planner(eval_cfg) -> list[TreeSpec]:
         raise InvalidInput(f"eval.planner=true runs the embedded engine's planner, not eval.engine={eval_cfg.engine}")
     if eval_cfg.temperature > 0:
         raise InvalidInput(f"eval.planner=true is greedy only (it replays rounds against the greedy tokens); "
-                         f"eval.temperature={eval_cfg.temperature}: set it to 0")
+                           f"eval.temperature={eval_cfg.temperature}: set it to 0")
     specs = [TreeSpec.parse(t) for t in eval_cfg.planner_trees]
     if not specs:
         raise InvalidInput("eval.planner_trees is empty: give the trees T_K_N to plan, e.g. [5_1_6,8_2_16]")

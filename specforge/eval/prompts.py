@@ -81,7 +81,7 @@ def heldout_prompts(conversations_file: str | Path, tokenizer, limit: int, vl=No
     path = Path(conversations_file)
     if not path.exists():
         raise MissingInput(f"{path}: no held-out conversations; the data stage writes it when "
-                                "data.eval_files is set")
+                           "data.eval_files is set")
     if template_kwargs is None:
         template_kwargs = thinking_kwargs(tokenizer, None, path)
     prompts = []
@@ -164,18 +164,18 @@ def check_suites(eval_cfg) -> dict[str, str]:
     entries = suite_entries(eval_cfg)
     if getattr(eval_cfg, "suites", None) and str(eval_cfg.engine) != "embedded":
         raise InvalidInput(f"eval.suites={entries}: only eval.engine=embedded runs suites; the serving "
-                         f"benchmark (eval.engine={eval_cfg.engine}) takes eval.prompts=conversations|random")
+                           f"benchmark (eval.engine={eval_cfg.engine}) takes eval.prompts=conversations|random")
     named: dict[str, str] = {}
     for entry in entries:
         if entry not in BUILTIN:
             if not is_hub(entry) and not Path(entry).exists():
                 raise InvalidInput(f"eval.suites: {entry!r} is neither a built-in suite ({', '.join(BUILTIN)}) "
-                                 "nor an existing file (.jsonl, .json, .parquet, .arrow, a save_to_disk folder)")
+                                   "nor an existing file (.jsonl, .json, .parquet, .arrow, a save_to_disk folder)")
             check_source(entry)
         name = suite_name(entry)
         if name in named:
             raise InvalidInput(f"eval.suites: {named[name]!r} and {entry!r} would both be reported as suite "
-                             f"{name!r}; rename one file")
+                               f"{name!r}; rename one file")
         named[name] = entry
     return named
 
@@ -202,7 +202,7 @@ def load_suites(run_cfg, eval_cfg, tokenizer, vl=None) -> dict[str, list[dict]]:
                 with_images = next((r for r in rows if image_paths(r["messages"])), None)
                 if with_images is not None:
                     raise InvalidInput(f"eval.suites: {entry}: prompt {with_images['id']!r} has images but the "
-                                     f"target ({run_cfg.target.kind}) is not a vision-language model")
+                                       f"target ({run_cfg.target.kind}) is not a vision-language model")
             prompts = [{"id": r["id"], **render_prompt(r["messages"], tokenizer, vl, r.get("tools"), template_kwargs)}
                        for r in rows[:limit]]
         suites[name] = [{**p, "suite": name} for p in prompts]

@@ -177,8 +177,8 @@ def markdown(results: dict) -> str:
                "precision a tree forward and a one-token decode round differently at near-ties "
                "(try eval.dtype=float32)" if best["all_lossy"]
                else "best speed-up among lossless configurations")
-        lines += ["", ship_line(f"epoch_{best['epoch']}", best["tree"], best["speedup"], "speed-up",
-                                f"accept length {best['accept_length']:.2f}, lossless {_fmt(best['lossless'])}; {why}"), "",
+        details = f"accept length {best['accept_length']:.2f}, lossless {_fmt(best['lossless'])}; {why}"
+        lines += ["", ship_line(f"epoch_{best['epoch']}", best["tree"], best["speedup"], "speed-up", details), "",
                   "Accepted drafts per round (0, 1, ... T) for that configuration: "
                   f"{best['accept_histogram']}."]
     lines += suite_lines(results)

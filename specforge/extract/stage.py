@@ -87,7 +87,7 @@ def load_rows(path: Path, vocab_size: int | None = None) -> list[dict]:
                     or not isinstance(grids, list) or len(grids) != len(images)
                     or not all(isinstance(g, list) and len(g) == 3 for g in grids)):
                 raise InvalidInput(f"{where}: 'images' must be a list of paths with one [t, h, w] per path "
-                                 "in 'image_grid_thw'")
+                                   "in 'image_grid_thw'")
             sample.update(images=images, image_grid_thw=grids)
         rows.append(sample)
     return rows

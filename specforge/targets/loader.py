@@ -57,7 +57,7 @@ def _refuse_a_draft(path: Path) -> None:
     if isinstance(config, dict) and ("draft_vocab_size" in config or "speculators_model_type" in config
                                      or any("eagle" in str(a).lower() for a in architectures)):
         raise InvalidInput(f"target.path: {path} holds a speculative draft ({config_file}: architectures "
-                         f"{architectures}), not a target model; target.path names the model the draft serves")
+                           f"{architectures}), not a target model; target.path names the model the draft serves")
 
 
 def from_pretrained_whole(model_cls, path, **kwargs):
@@ -74,8 +74,8 @@ def from_pretrained_whole(model_cls, path, **kwargs):
                     if missing else []) + ([f"{len(mismatched)} of another shape ({'; '.join(mismatched[:2])})"]
                                            if mismatched else [])
         raise InvalidInput(f"{path}: the checkpoint lacks weights {type(model).__name__} needs: {', '.join(problems)}; "
-                         "transformers would start them at random. A partial download, or a checkpoint of "
-                         "another architecture?")
+                           "transformers would start them at random. A partial download, or a checkpoint of "
+                           "another architecture?")
     return model
 
 
@@ -87,7 +87,7 @@ def _hub_snapshot(repo_id: str) -> str:
         return snapshot_download(repo_id)
     except Exception as e:  # offline, unknown repo, gated model...
         raise MissingInput(f"target.path: {repo_id} is neither a local directory nor a reachable hub model "
-                                f"({type(e).__name__}: {e}); set target.path to a local copy") from None
+                           f"({type(e).__name__}: {e}); set target.path to a local copy") from None
 
 
 def load_tokenizer(target_cfg):
@@ -247,7 +247,7 @@ def _read_embedding_and_head(kind: str, path: Path, target_cfg):
     def shape_of(key: str) -> tuple[int, ...]:
         if not files[key].is_file():
             raise MissingInput(f"{path / SAFETENSORS_INDEX}: {key} is in {files[key].name}, which is missing "
-                                    "(a partial download?)")
+                               "(a partial download?)")
         with safe_open(str(files[key]), "pt") as f:
             return tuple(f.get_slice(key).get_shape())
 

@@ -139,7 +139,7 @@ def check_config(cfg) -> None:
         raise InvalidInput(f"data.regenerate.backend: {cfg.backend!r} is not one of {list(BACKENDS)}")
     if cfg.backend == "openai" and not cfg.urls:
         raise InvalidInput("data.regenerate.urls: empty; the openai backend needs at least one server URL "
-                         "(e.g. http://127.0.0.1:30000)")
+                           "(e.g. http://127.0.0.1:30000)")
     for name in ("batch_size", "concurrency", "max_new_tokens"):
         if int(getattr(cfg, name)) < 1:
             raise InvalidInput(f"data.regenerate.{name}: must be >= 1, got {getattr(cfg, name)}")
