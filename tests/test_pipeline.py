@@ -202,7 +202,8 @@ def test_flex_attention_without_a_gpu_is_refused_before_the_first_stage(weather_
                                                ("extract=server", "needs extract.aux_url"),
                                                ("eval.engine=server", "needs eval.url"),
                                                ("eval.engine=sglang", "SGLang is not installed here"),
-                                               ("target.aux_layer_ids=[0,1,99]", r"\[0, 1, 99\] must be 3 distinct")])
+                                               ("target.aux_layer_ids=[0,1,99]", r"\[0, 1, 99\] must be 3 distinct"),
+                                               ("eval.epochs=[2,3]", r"eval.epochs: \[3\] will not be trained")])
 def test_what_cannot_run_here_is_refused_before_the_data_stage(weather_files, tiny_target_dir,
                                                                override, message):
     """Not after the data stage's regeneration, or the hours of training before an evaluation."""

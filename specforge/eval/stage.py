@@ -13,6 +13,10 @@ def check(cfg) -> None:
     """The pipeline's check before its first stage, so that training hours are not spent on an
     evaluation that cannot run."""
     check_eval(cfg.eval)
+    never = [e for e in cfg.eval.epochs or () if not 1 <= e <= cfg.train.epochs]
+    if "train" in cfg.stages and never:
+        raise InvalidInput(f"eval.epochs: {never} will not be trained (train.epochs={cfg.train.epochs}: epoch_1 .. "
+                           f"epoch_{cfg.train.epochs})")
     if not cfg.data.eval_files and _uses_heldout(cfg.eval):
         raise InvalidInput("eval: the evaluation prompts are the held-out split's (eval.suites: heldout; a server "
                            "engine's eval.prompts=conversations), but data.eval_files is empty; name held-out files, "
