@@ -25,7 +25,8 @@ class MissingInput(InputError, FileNotFoundError):
 
 
 def exit_refused(error: InputError, prog: str) -> None:
-    """Print `error`'s message (on rank 0 of a distributed run: every rank refuses alike) and exit."""
-    if os.environ.get("RANK", "0") == "0":
+    """Print `error`'s message (on rank 0 of a distributed run: every rank refuses alike; a Slurm
+    task's rank before the process group exports it) and exit."""
+    if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
         print(f"{prog}: error: {error}", file=sys.stderr, flush=True)
     sys.exit(INPUT_ERROR_EXIT)

@@ -238,3 +238,18 @@ def test_sbatch_script_under_srun_emulator_saves_requeues_and_resumes(prep, slur
     for k in ref_weights:
         torch.testing.assert_close(weights[k], ref_weights[k], rtol=0, atol=1e-6, msg=k)
     assert log.read_text().count("requeue") == 1
+
+
+def test_a_refusal_before_the_process_group_is_printed_by_task_0_only():
+    """srun starts every task with the same arguments: an up-front refusal (before the process group
+    exports RANK) is printed once, by SLURM_PROCID 0; every task exits 2."""
+    outputs = []
+    for procid in ("0", "1"):
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+        proc = subprocess.run([sys.executable, "train.py", "+exp=smollm2_weather", "train.epochs=0"],
+                              cwd=REPO, env={**env, "SLURM_PROCID": procid}, capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        outputs.append(proc.stderr)
+    assert "train.py: error: invalid settings, refused before anything runs:" in outputs[0]
+    assert "error" not in outputs[1]
