@@ -99,6 +99,24 @@ def test_pipeline_end_to_end_then_skips_then_reruns_only_what_changed(weather_fi
     assert read_json(run_dir / ".stage_train.json")["summary"]["steps"] == 2 * 5
 
 
+def test_a_run_fine_tunes_another_runs_checkpoint(weather_files, tiny_target_dir):
+    """draft.init_from through the training loop (the checks passed up front, build_draft again):
+    the second run starts where the first ended, with its vocab map."""
+    run_pipeline(compose_cfg(weather_files, tiny_target_dir))
+    first = weather_files / "outputs" / "smollm2_weather"
+    run_pipeline(compose_cfg(weather_files, tiny_target_dir, "run_name=tuned", f"draft.init_from={first / 'epoch_2'}",
+                             "train.epochs=1"))
+    tuned = weather_files / "outputs" / "tuned"
+
+    def losses(run):
+        return [m["loss"] for m in read_metrics(run / "metrics.jsonl") if m["split"] == "train"]
+
+    fresh_start, first_end, tuned_start = losses(first)[0], losses(first)[-1], losses(tuned)[0]
+    assert fresh_start - first_end > 0.2  # the first run learned something (9.48 -> 9.04 when written)
+    assert tuned_start < (fresh_start + first_end) / 2, (tuned_start, fresh_start, first_end)  # nearer its end
+    assert torch.equal(load_draft(tuned / "epoch_1").d2t, load_draft(first / "epoch_2").d2t)
+
+
 def test_stage_subset_needs_its_inputs(weather_files, tiny_target_dir):
     cfg = compose_cfg(weather_files, tiny_target_dir, "stages=[train]")
     with pytest.raises(InvalidInput, match="needs the output of"):
