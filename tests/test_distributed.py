@@ -180,6 +180,16 @@ def test_errors_name_their_rank(monkeypatch, capsys):
             raise ValueError("bad shard")
     assert "raised on rank 3/8 (local 1/4)" in getattr(err.value, "__notes__", [""])[0]
     assert "[rank 3/8 (local 1/4)] pipeline failed: ValueError: bad shard" in capsys.readouterr().err
+    from specforge.errors import InvalidInput
+
+    with pytest.raises(InvalidInput):  # a refusal of this rank's own: train.py prints rank 0's only
+        with dist_env.rank_errors("pipeline"):
+            raise InvalidInput("no such shard")
+    assert "[rank 3/8 (local 1/4)] pipeline failed: InvalidInput: no such shard" in capsys.readouterr().err
+    with pytest.raises(InvalidInput):  # rank 0's, relayed by run_on_main: rank 0 prints it
+        with dist_env.rank_errors("pipeline"):
+            raise dist_env.RefusedOnRankZero("[rank 3/8] stage 'data' failed on rank 0: InvalidInput: x")
+    assert "failed" not in capsys.readouterr().err
     with pytest.raises(TrainingInterrupted):  # a requested stop is not reported as a failure
         with dist_env.rank_errors("pipeline"):
             raise TrainingInterrupted("SIGTERM", "state/step_1")

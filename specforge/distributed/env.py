@@ -204,9 +204,13 @@ def run_on_main(fn, *args, what: str = "work", **kwargs):
     if error is not None:
         raise error
     if outcome[0] != "ok":  # a refusal stays one on every rank (train.py prints it once, no traceback)
-        raise (InvalidInput if outcome[0] == "refused" else RuntimeError)(
+        raise (RefusedOnRankZero if outcome[0] == "refused" else RuntimeError)(
             f"[{_CURRENT.describe()}] {what} failed on rank 0: {outcome[1]}")
     return outcome[1]
+
+
+class RefusedOnRankZero(InvalidInput):
+    """Rank 0's refusal as the other ranks learn it (run_on_main): rank 0 prints it."""
 
 
 @contextlib.contextmanager
@@ -223,6 +227,7 @@ def rank_errors(what: str = "") -> Iterator[None]:
             tag = f"[{env.describe()}]" + (f" {what}" if what else "")
             if hasattr(e, "add_note"):
                 e.add_note(f"raised on {env.describe()}")
-            if not isinstance(e, InputError):  # a refusal is printed once, by rank 0 (train.py)
+            # rank 0's refusals are printed by train.py, once; another rank's own are printed here
+            if not isinstance(e, InputError) or not (env.is_main or isinstance(e, RefusedOnRankZero)):
                 print(f"{tag} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         raise
