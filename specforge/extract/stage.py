@@ -273,6 +273,7 @@ BACKENDS = ("embedded", "server", "sglang", "online")
 def check(cfg) -> None:
     """The pipeline's check before its first stage: a backend that cannot run here must not cost a
     data stage (and its regeneration) first."""
+    from specforge.targets.loader import aux_layer_ids, local_target_config
     from specforge.targets.vl import is_vl
 
     backend = cfg.extract.backend
@@ -291,13 +292,8 @@ def check(cfg) -> None:
         from specforge.launch.sglang_commands import check_aux_support
 
         check_aux_support(cfg.extract.sglang_version)  # installed (or named), and returns aux hidden states
-    if (Path(cfg.target.path) / "config.json").is_file():  # a local target (one still to fetch: checked then)
-        from transformers import AutoConfig
-
-        from specforge.targets.loader import aux_layer_ids
-
-        aux_layer_ids(cfg.target, AutoConfig.from_pretrained(cfg.target.path,
-                                                             trust_remote_code=cfg.target.trust_remote_code))
+    if (target_config := local_target_config(cfg.target)) is not None:
+        aux_layer_ids(cfg.target, target_config)
 
 
 def store_meta(cfg, model_config, target_path: Path) -> dict:

@@ -45,6 +45,17 @@ def resolve_target_path(target_cfg) -> Path:
     return path
 
 
+def local_target_config(target_cfg):
+    """The target's transformers config where target.path already is a model directory here, else
+    None (a target still to fetch or download is checked once it is there): what the stages'
+    up-front checks read, without fetching anything or loading weights."""
+    if not (Path(target_cfg.path) / "config.json").is_file():
+        return None
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(target_cfg.path, trust_remote_code=target_cfg.trust_remote_code)
+
+
 def _refuse_a_draft(path: Path) -> None:
     """A draft checkpoint named as the target would load as a model whose every layer but one
     is random (transformers only warns): say what it is instead."""
