@@ -9,9 +9,9 @@ import weakref
 from dataclasses import dataclass, field
 
 from specforge.data.fix import Quarantine, fix_row
-from specforge.data.fix.conversations import ImageChecker
+from specforge.data.fix.conversations import ImageChecker, prompt_turns
 from specforge.data.formats import DataError, RawRow
-from specforge.data.template import first_answer_start, render
+from specforge.data.template import render, template_length
 from specforge.data.vl_render import render_vl
 
 
@@ -64,11 +64,15 @@ def prompt_overlength(tokenizer, messages: list[dict], max_length: int, tools=No
     """The reason a row cannot become a sample whatever its answers say, or None: the turns before
     its first answer already fill max_length, so truncation keeps no loss token and
     data.overlength=drop drops it. Checked before regeneration, which would answer it for nothing."""
-    try:
-        start = first_answer_start(tokenizer, messages, tools)
+    head = prompt_turns(messages)
+    if len(head) == len(messages) or not any(m["role"] == "user" for m in head) \
+            or any(not isinstance(m.get("content"), (str, type(None))) for m in head):
+        return None  # no answer, a canned greeting first, or images (the processor counts their tokens)
+    try:  # the first loss token comes after these turns (less one: their last may merge with the next)
+        start = template_length(tokenizer, head, tools) - 1
     except DataError:  # the template cannot render it: the render after regeneration says so
         return None
-    if start is None or start < max_length:
+    if start < max_length:
         return None
     return (f"prompt_overlength: the turns before the first answer take {start + 1} tokens, max_length "
             f"{max_length}: no answer would fit (not regenerated)")

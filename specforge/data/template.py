@@ -59,18 +59,9 @@ def _template_ids(tokenizer, messages: list[dict], tools=None) -> list[int]:
     return list(ids)
 
 
-def first_answer_start(tokenizer, messages: list[dict], tools=None) -> int | None:
-    """A bound on the first token the first assistant turn's loss can start at, whatever the answer
-    says: the turns before it, less one (their last token may merge with what follows; the header
-    is left out, as a generation prompt may add more than the turn's own header). None for a
-    conversation with images (their tokens come from the processor) or with no assistant turn
-    after a user turn."""
-    first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
-    if first is None or not any(m["role"] == "user" for m in messages[:first]) \
-            or any(not isinstance(m.get("content"), (str, type(None))) for m in messages[:first]):
-        return None
-    out = _apply(tokenizer, messages[:first], tokenize=True, add_generation_prompt=False, **tools_entry(tools))
-    return len(out["input_ids"] if hasattr(out, "keys") else out) - 1
+def template_length(tokenizer, messages: list[dict], tools=None) -> int:
+    """Tokens of these turns through the chat template, without a generation prompt."""
+    return len(_template_ids(tokenizer, messages, tools))
 
 
 THINKING_SWITCH = "enable_thinking"  # the chat template variable of Qwen3's hybrid models: think first or not
