@@ -239,10 +239,9 @@ def process_split(cfg, split: str, files: list[str], tokenizer, progress=None, r
                 if (key := prompt_key(c["messages"])) and (where := train_prompts.get(key))}
         in_train = len(seen)
         if cfg.data.eval_in_train == "quarantine" and seen:
-            quarantine += [{"split": split, "file": convs[i].get("file"), "line": convs[i].get("line"),
-                            "reason": f"in_train: opens with the prompt of the train sample from {where}; the "
-                                      "draft is trained on it, so it would not measure held-out accept length",
-                            "row": {"id": convs[i]["id"], "messages": convs[i]["messages"]}}
+            quarantine += [_quarantined(split, convs[i], f"in_train: opens with the prompt of the train sample "
+                                                         f"from {where}; the draft is trained on it, so it would "
+                                                         "not measure held-out accept length")
                            for i, where in seen.items()]
             convs = [c for i, c in enumerate(convs) if i not in seen]
             if renders is not None:  # rendered in the workers already, one per conversation
@@ -260,8 +259,8 @@ def process_split(cfg, split: str, files: list[str], tokenizer, progress=None, r
 
         if run_dir is None:
             raise ValueError("data.regenerate: needs the run directory for its resume journal")
-        convs, too_long = _prompt_overlength(convs, tokenizer, cfg.data.max_length)
-        quarantine += [{"split": split, **q} for q in too_long]
+        convs, too_long = _prompt_overlength(split, convs, tokenizer, cfg.data.max_length)
+        quarantine += too_long
         refuse_before_regeneration(cfg, split, n_rows, quarantine, RunLayout(run_dir))
         convs, regenerated = regenerate_conversations(
             convs, cfg.data.regenerate, cfg.target, RunLayout(run_dir).data_dir, split,
@@ -288,14 +287,19 @@ def process_split(cfg, split: str, files: list[str], tokenizer, progress=None, r
     return result
 
 
-def _prompt_overlength(convs: list[dict], tokenizer, max_length: int) -> tuple[list[dict], list[dict]]:
+def _quarantined(split: str, conv: dict, reason: str) -> dict:
+    """The quarantine entry of a parsed conversation (data/quarantine.jsonl)."""
+    return {"split": split, "file": conv.get("file"), "line": conv.get("line"), "reason": reason,
+            "row": {"id": conv["id"], "messages": conv["messages"]}}
+
+
+def _prompt_overlength(split: str, convs: list[dict], tokenizer, max_length: int) -> tuple[list[dict], list[dict]]:
     """(the conversations an answer can fit, quarantine entries of those whose prompt alone fills
     max_length): the target is not asked for answers that would be cut away."""
     keep, out = [], []
     for conv in convs:
         if reason := prompt_overlength(tokenizer, conv["messages"], max_length, conv.get("tools")):
-            out.append({"file": conv.get("file"), "line": conv.get("line"), "reason": reason,
-                        "row": {"id": conv["id"], "messages": conv["messages"]}})
+            out.append(_quarantined(split, conv, reason))
         else:
             keep.append(conv)
     return keep, out
@@ -312,8 +316,7 @@ def _collect(split: str, convs: list[dict], renders: list, quarantine: list[dict
     kept = fixed = truncated = tool_rows = tool_calls = 0
     for conv, r in zip(convs, renders, strict=True):
         if r.reason is not None:
-            quarantine.append({"split": split, "file": conv.get("file"), "line": conv.get("line"), "reason": r.reason,
-                               "row": {"id": conv["id"], "messages": conv["messages"]}})
+            quarantine.append(_quarantined(split, conv, r.reason))
             continue
         truncated += r.truncated
         tool_rows += uses_tools(conv["messages"], conv.get("tools"))
