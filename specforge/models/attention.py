@@ -410,13 +410,26 @@ def _compiled_flex():
     return torch.compile(flex_attention), torch.compile(create_block_mask)
 
 
-def flex_attention(q, k, v, mask: TTTMask) -> torch.Tensor:
+def flex_kernel_options(q: torch.Tensor) -> Optional[dict]:
+    """Backward tiles of 64 for 16-bit heads wider than 64 on a GPU. torch's default for them on
+    Hopper (64 x 128 / 128 x 64, 3 stages) can ask more shared memory than an H100/H200 has (256
+    of 227 KiB): on the H200, bf16 document-packed rows of 16 / 8 heads of 128 did not compile
+    (pytorch/pytorch#133254). None (torch's tiles) elsewhere."""
+    if q.device.type == "cpu" or q.dtype not in (torch.bfloat16, torch.float16) or q.shape[-1] <= 64:
+        return None
+    return {"BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 64}
+
+
+def flex_attention(q, k, v, mask: TTTMask, kernel_options="auto") -> torch.Tensor:
     """Compiled on GPUs. On the CPU (no backward there: forward checks only) the reference
-    implementation: torch 2.13's compiled CPU kernel returns wrong rows for per-row masks."""
+    implementation: torch 2.13's compiled CPU kernel returns wrong rows for per-row masks.
+    `kernel_options`: torch's flex tiles; "auto" is flex_kernel_options, None torch's defaults."""
     if q.device.type == "cpu":
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention as flex
     else:
         flex, create_block_mask = _compiled_flex()
+    if kernel_options == "auto":
+        kernel_options = flex_kernel_options(q)
 
     def mask_mod(b, h, q_idx, kv_idx):
         return mask.allows(q_idx, kv_idx, b)
@@ -425,7 +438,7 @@ def flex_attention(q, k, v, mask: TTTMask) -> torch.Tensor:
     block_mask = create_block_mask(
         mask_mod, B=batch, H=None, Q_LEN=q.shape[2], KV_LEN=k.shape[2], device=q.device
     )
-    return flex(q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1])
+    return flex(q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1], kernel_options=kernel_options)
 
 
 def attend(q, k, v, mask, impl: str = "sdpa") -> torch.Tensor:
