@@ -7,8 +7,8 @@ to run where a GPU is lent (one short call); on the CPU it runs small shapes as 
   the later steps' diagonals as one sink key per query);
 - flex: FlexAttention, compiled, over the concatenated steps' keys with the TTT block mask, with
   the tiles train.attention=flex runs (`flex_kernel_options`);
-- flex-torch-tiles: the same with torch's default tiles (on an H200 these failed to compile for
-  bf16 document-packed rows: an error is recorded as the row's).
+- flex-torch-tiles: the same with torch's default tiles (on an H200 their forward did not compile
+  for bf16 document-packed rows: a failure is recorded as the row's error).
 
 Peak memory is the device's allocator peak over the call beyond its inputs (CUDA only); an
 out-of-memory is recorded as such and the next configuration runs. Agreement: the largest

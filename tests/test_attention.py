@@ -174,16 +174,20 @@ def test_flex_forward_matches_sdpa():
     assert flex is not None
 
 
-@pytest.mark.parametrize("device, dtype, head_dim, tiles", [
-    ("meta", torch.bfloat16, 128, 64), ("meta", torch.float16, 96, 64),  # off the CPU (meta stands in for a GPU)
-    ("meta", torch.bfloat16, 64, None), ("meta", torch.float32, 128, None), ("cpu", torch.bfloat16, 128, None)])
-def test_flex_takes_backward_tiles_of_64_for_16_bit_heads_wider_than_64_off_the_cpu(device, dtype, head_dim, tiles):
-    """torch's default backward tiles for such heads overran an H200's shared memory (packed rows)."""
-    options = flex_kernel_options(torch.empty(1, 2, 8, head_dim, device=device, dtype=dtype))
+@pytest.mark.parametrize("device, dtype, head_dim, packed, tiles", [
+    ("meta", torch.bfloat16, 128, True, 64), ("meta", torch.float16, 96, True, 64),  # meta stands in for a GPU
+    ("meta", torch.bfloat16, 128, False, None), ("meta", torch.bfloat16, 64, True, None),
+    ("meta", torch.float32, 128, True, None), ("cpu", torch.bfloat16, 128, True, None)])
+def test_flex_takes_tiles_of_64_for_packed_16_bit_heads_wider_than_64_off_the_cpu(device, dtype, head_dim, packed,
+                                                                                   tiles):
+    """torch's default tiles for such rows overran an H200's shared memory; without documents they ran."""
+    mask = TTTMask(8, 1, _documents(1, 8) if packed else None)
+    options = flex_kernel_options(torch.empty(1, 2, 8, head_dim, device=device, dtype=dtype), mask)
     if tiles is None:
         assert options is None
     else:
-        assert options == {name: tiles for name in ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2")}
+        assert options == {name: tiles for name in ("BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2",
+                                                     "BLOCK_N2")}
 
 
 def test_unknown_impl_is_refused():

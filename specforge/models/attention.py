@@ -410,14 +410,15 @@ def _compiled_flex():
     return torch.compile(flex_attention), torch.compile(create_block_mask)
 
 
-def flex_kernel_options(q: torch.Tensor) -> Optional[dict]:
-    """Backward tiles of 64 for 16-bit heads wider than 64 on a GPU. torch's default for them on
-    Hopper (64 x 128 / 128 x 64, 3 stages) can ask more shared memory than an H100/H200 has (256
-    of 227 KiB): on the H200, bf16 document-packed rows of 16 / 8 heads of 128 did not compile
-    (pytorch/pytorch#133254). None (torch's tiles) elsewhere."""
-    if q.device.type == "cpu" or q.dtype not in (torch.bfloat16, torch.float16) or q.shape[-1] <= 64:
+def flex_kernel_options(q: torch.Tensor, mask: TTTMask) -> Optional[dict]:
+    """Tiles of 64 for document-packed rows of 16-bit heads wider than 64 on a GPU. On an H200
+    (torch 2.11) torch's forward tiles for those (128 x 64, 3 stages) asked 256 KiB of shared memory
+    where it has 227 (pytorch/pytorch#133254); the same heads without documents compiled and ran.
+    The backward's take 64 too, as its default tiles are larger still. None: torch's tiles."""
+    if (q.device.type == "cpu" or mask.doc_ids is None or q.dtype not in (torch.bfloat16, torch.float16)
+            or q.shape[-1] <= 64):
         return None
-    return {"BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 64}
+    return dict.fromkeys(("BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2"), 64)
 
 
 def flex_attention(q, k, v, mask: TTTMask, kernel_options="auto") -> torch.Tensor:
@@ -429,7 +430,7 @@ def flex_attention(q, k, v, mask: TTTMask, kernel_options="auto") -> torch.Tenso
     else:
         flex, create_block_mask = _compiled_flex()
     if kernel_options == "auto":
-        kernel_options = flex_kernel_options(q)
+        kernel_options = flex_kernel_options(q, mask)
 
     def mask_mod(b, h, q_idx, kv_idx):
         return mask.allows(q_idx, kv_idx, b)
