@@ -2,7 +2,9 @@
 versions, every figure (extraction tokens/s, the draft's training tokens/s per kernel, the verify
 cost curve, the attention kernels), the tests' outcome from their JUnit files and each part's exit
 status. Several folders (a check split over calls) merge, the later one winning per file; a part
-that did not run is listed under "missing", never filled in.
+that did not run is listed under "missing", never filled in. Where a part's file did not come
+back from the machine, the gpu.json gpu_check wrote there stands in for it; where a test part was
+cut off by its limit before pytest wrote its JUnit file, its counts come from its log (`cut_off`).
 
     python benchmarks/gpu_summary.py OUT [OUT2 ...] --out benchmarks/results/gpu.json
     python benchmarks/gpu_summary.py --env OUT/env.json      # what gpu_check records first
@@ -48,11 +50,25 @@ def latest(folders: list[Path], name: str) -> Path | None:
     return found[-1] if found else None
 
 
+def from_summaries(folders: list[Path], *keys: str):
+    """The value at `keys` in the latest gpu.json (gpu_check's own summary, written on the machine)
+    that has one."""
+    for folder in reversed(folders):
+        path = folder / "gpu.json"
+        if path.is_file():
+            value = json.loads(path.read_text())
+            for key in keys:
+                value = value.get(key) if isinstance(value, dict) else None
+            if value is not None:
+                return value
+    return None
+
+
 def exit_status(log: Path | None):
     """The part's exit status from the last `rc=N` of its log: 0 passed, 124 timed out; None: cut off."""
     if log is None:
         return None
-    codes = re.findall(r"^rc=(\d+)$", log.read_text(errors="replace"), re.M)
+    codes = re.findall(r"(?:^|\s)rc=(\d+)$", log.read_text(errors="replace"), re.M)  # also after a cut-off line
     return int(codes[-1]) if codes else None
 
 
@@ -69,6 +85,20 @@ def junit(path: Path) -> dict:
         else:
             passed += 1
     return {"passed": passed, "failed": len(failed), "skipped": skipped, "failures": failed}
+
+
+def counted_in_log(path: Path) -> dict:
+    """A pytest -v log's outcomes per test, for a run cut off before its JUnit file was written."""
+    outcomes = {}
+    for line in path.read_text(errors="replace").splitlines():
+        found = re.search(r"\b(PASSED|FAILED|ERROR|SKIPPED)\b", line)
+        test = re.search(r"(\S+\.py::\S+)", line)
+        if found and test:
+            outcomes[test.group(1)] = found.group(1)
+    failed = sorted(t for t, o in outcomes.items() if o in ("FAILED", "ERROR"))
+    values = list(outcomes.values())
+    return {"passed": values.count("PASSED"), "failed": len(failed), "skipped": values.count("SKIPPED"),
+            "failures": failed, "cut_off": True}
 
 
 def extraction(d: dict) -> dict:
@@ -101,17 +131,23 @@ def summarize(folders: list[Path]) -> dict:
     summary = {"device": env.get("device"), "memory_gib": env.get("memory_gib"),
                "versions": {k: env.get(k) for k in ("torch", "cuda", "transformers", "driver")},
                "parts": {p: exit_status(latest(folders, f"{p}.log")) for p in PARTS}}
+    for part, status in summary["parts"].items():
+        if status is None:
+            summary["parts"][part] = from_summaries(folders, "parts", part)
     missing = [] if env else ["env"]
     for part, (key, read) in READERS.items():
         path = latest(folders, FIGURES[part])
-        summary[key] = read(json.loads(path.read_text())) if path else None
-        if path is None:
+        summary[key] = read(json.loads(path.read_text())) if path else from_summaries(folders, key)
+        if summary[key] is None:
             missing.append(part)
     summary["tests"] = {}
     for part, name in TESTS.items():
-        path = latest(folders, name)
-        summary["tests"][part] = junit(path) if path else None
-        if path is None:
+        path, log = latest(folders, name), latest(folders, f"{part}.log")
+        if path:
+            summary["tests"][part] = junit(path)
+        else:
+            summary["tests"][part] = from_summaries(folders, "tests", part) or (counted_in_log(log) if log else None)
+        if summary["tests"][part] is None:
             missing.append(part)
     summary["missing"] = missing
     return summary

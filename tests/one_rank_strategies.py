@@ -41,13 +41,13 @@ def one_step(strategy_class, env, device) -> tuple[float, dict[str, torch.Tensor
 
 
 def main(device_name: str) -> None:
-    device = torch.device(device_name)
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = "nccl" if device_name == "cuda" else "gloo"
+    env = DistEnv(0, 1, 0, 1, "torchrun", backend)
+    device = env.device if backend == "nccl" else torch.device("cpu")  # with its index: set_device needs one
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
                             **({"device_id": device} if backend == "nccl" else {}))
-    env = DistEnv(0, 1, 0, 1, "torchrun", backend)
     start = {k: v.detach().cpu() for k, v in TTTModule(tiny_draft(), None, 3, 0.8).state_dict().items()}
     want_loss, want = one_step(Strategy, env, device)
     result = {"backend": backend, "loss": want_loss,  # the step moved the weights: the comparison means something

@@ -95,3 +95,26 @@ def test_gpu_summary_gathers_the_parts_and_names_what_is_missing(tiny_target_dir
     assert gpu["extraction"] is None and gpu["training"] is None
 
     assert summary.main([str(tmp_path / "nowhere"), "--out", str(out)]) == 2
+
+
+def test_gpu_summary_fills_what_did_not_come_back_from_the_machines_own_summary_and_a_cut_off_log(tmp_path):
+    """Files can stay behind on the machine (gpu_check's gpu.json there has their figures), and a test
+    part killed by its limit leaves no JUnit file (its -v log has the outcomes so far)."""
+    summary = benchmark("gpu_summary")
+    call = tmp_path / "call1"
+    call.mkdir()
+    assert summary.main(["--env", str(call / "env.json")]) == 0
+    verify = {"target": "t", "dtype": "bfloat16", "prefix_len": 16, "t_decode_ms": 1.0,
+              "rows": [{"n": 1, "t_verify_ms": 1.0, "vs_decode": 1.0}]}
+    (call / "gpu.json").write_text(json.dumps({"verify": verify, "parts": {"verify": 0, "stages": None}}))
+    (call / "stages.log").write_text(
+        "[gw0] [ 10%] PASSED tests/test_a.py::test_one \n[gw1] [ 20%] FAILED tests/test_a.py::test_two[x-1] \n"
+        "tests/test_b.py::test_three PASSED [ 30%]\n[gw2] [ 40%] SKIPPED tests/test_b.py::test_four \n"
+        "tests/test_b.py::test_five[0] rc=124\n")  # test_five was running when the limit came
+    out = tmp_path / "gpu.json"
+    assert summary.main([str(call), "--out", str(out)]) == 0
+    gpu = json.loads(out.read_text())
+    assert gpu["verify"] == verify and gpu["parts"]["verify"] == 0 and gpu["parts"]["stages"] == 124
+    assert gpu["tests"]["stages"] == {"passed": 2, "failed": 1, "skipped": 1, "cut_off": True,
+                                      "failures": ["tests/test_a.py::test_two[x-1]"]}
+    assert "verify" not in gpu["missing"] and "stages" not in gpu["missing"] and "extract" in gpu["missing"]
