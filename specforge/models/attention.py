@@ -393,12 +393,17 @@ def ttt_sdpa_attention(q, keys, values, mask: TTTMask) -> torch.Tensor:
         allowed = TTTMask(mask.seq_len, 0, mask.doc_ids).causal_block(q.device)[:, None, lo:hi, :hi]
         if later:
             allowed = F.pad(allowed, (1, 0), value=True)
+    # zeros up to a multiple of 8 dimensions (130 with the sink's): the memory-efficient kernel, the
+    # fused one that takes a document mask (and fp32), refuses others and SDPA falls back to its math
+    # path with [B, h, L, S] scores; flash pads the same way itself
+    extra = -rows.shape[-1] % 8
+    rows, k0, v0 = (F.pad(x, (0, extra)) for x in (rows, k0, v0))
     out = F.scaled_dot_product_attention(rows, k0, v0, attn_mask=allowed, scale=scale)
     if mask.slots is not None:
         out = take(out, mask.slots - lo, 2)
     if later:
-        out = out[..., :dim].float() + out[..., dim : dim + 1].float() * diag_out
-    return out.to(q.dtype)
+        return (out[..., :dim].float() + out[..., dim : dim + 1].float() * diag_out).to(q.dtype)
+    return out[..., :dim]
 
 
 @functools.cache
