@@ -1,9 +1,9 @@
 """Extraction throughput and storage cost: tokens/s and bytes/token of the embedded extractor.
 
-For each target dtype x token budget it runs the real extract path (EmbeddedExtractor ->
-HiddenStateStoreWriter) over the same synthetic samples (random token ids, lengths uniform in
-[--min-len, --max-len], fixed seed) and reports forward tokens/s, end-to-end tokens/s (forward +
-shard writes), the end-to-end rate from CPU time (tokens / (process CPU s / threads): what the run
+For each target dtype x token budget it runs the real extract path (the stage's extract_split:
+EmbeddedExtractor, the store written in place on the CPU, behind the forwards elsewhere) over the same synthetic samples (random token ids,
+lengths uniform in [--min-len, --max-len], fixed seed) and reports forward tokens/s, end-to-end
+tokens/s (forward + shard writes), the end-to-end rate from CPU time (tokens / (process CPU s / threads): what the run
 gets with its cores to itself, for shared machines), padding efficiency (real / padded tokens) and
 bytes per token on disk.
 
@@ -11,6 +11,7 @@ bytes per token on disk.
     .venv/bin/python benchmarks/extract_bench.py --tiny     # tiny random Llama, seconds
     python benchmarks/extract_bench.py --config benchmarks/targets/llama-3.1-8b --dtypes bfloat16 \
         --budgets 16384 65536 --samples 128 --max-len 2048        # on a GPU: random weights at 8B geometry
+    .venv/bin/python benchmarks/extract_bench.py --writes behind in-place --repeats 2   # the writer's overlap, A/B
 
 It runs on the allocator train.py runs with (mimalloc; SPECFORGE_ALLOCATOR=system: glibc's).
 """
@@ -56,6 +57,9 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--repeats", type=int, default=1, help="runs per setting; the fastest is reported")
+    p.add_argument("--writes", nargs="+", choices=("behind", "in-place"), default=None,
+                   help="how the store is written: behind the forwards and/or in place (default: the "
+                        "stage's way on --device: in place on the CPU, behind elsewhere)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "extract.json"))
     return p.parse_args(argv)
 
@@ -69,23 +73,27 @@ def make_samples(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[dict]:
     ]
 
 
-def bench_one(model, aux, samples, budget: int, shard_samples: int, meta: dict) -> dict:
+def bench_one(model, aux, samples, budget: int, shard_samples: int, meta: dict, writes: str = "behind") -> dict:
+    """writes: "behind" (the store written on a thread of its own while the next batch computes,
+    the stage's way off the CPU) or "in-place" (each batch written before the next forward, its way
+    on the CPU); both through the stage's extract_split."""
     from specforge.extract.embedded import EmbeddedExtractor
-    from specforge.extract.store import HiddenStateStore, HiddenStateStoreWriter
+    from specforge.extract.stage import extract_split
+    from specforge.extract.store import HiddenStateStore
 
     ex = EmbeddedExtractor(model, aux, batch_tokens=budget)
     ex.forward([samples[0]["input_ids"]])  # warm-up (allocator, kernels)
     ex.stats = {"tokens": 0, "padded_tokens": 0, "seconds": 0.0}
     with tempfile.TemporaryDirectory() as d:
         t0, c0 = time.perf_counter(), time.process_time()
-        with HiddenStateStoreWriter(d, meta, shard_samples=shard_samples) as w:
-            for s, states in ex.run(samples, chunk=shard_samples):  # as the extract stage writes
-                w.add(s["id"], s["input_ids"], s["loss_mask"], **states)
+        ex.writes_behind = writes == "behind"
+        extract_split(ex, samples, Path(d), meta, shard_samples)
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         store = HiddenStateStore(d)
         bpt, tokens, shards = store.bytes_per_token, store.num_tokens, len(store.shards)
     return {
         "batch_tokens": budget,
+        "writes": writes,
         "tokens": tokens,
         "forward_s": round(ex.stats["seconds"], 2),
         "wall_s": round(wall, 2),
@@ -127,7 +135,7 @@ def header(args, name: str, aux: list[int], cfg, samples: list[dict], load_befor
 
 def markdown(rows: list[dict]) -> str:
     cols = [
-        ("target dtype", "dtype"), ("batch_tokens", "batch_tokens"), ("tokens", "tokens"),
+        ("target dtype", "dtype"), ("batch_tokens", "batch_tokens"), ("writes", "writes"), ("tokens", "tokens"),
         ("forward tok/s", "forward_tok_s"), ("end-to-end tok/s", "end_to_end_tok_s"),
         ("tok/s per CPU-s x threads", "cpu_tok_s"), ("padding eff.", "padding_efficiency"),
         ("bytes/token", "bytes_per_token"), ("wall s", "wall_s"), ("load avg", "load_avg_1m"),
@@ -146,6 +154,8 @@ def main(argv=None) -> int:
     from specforge.utils.io import write_json
 
     torch.set_num_threads(args.threads)
+    if args.writes is None:
+        args.writes = ["in-place" if torch.device(args.device).type == "cpu" else "behind"]
     tmp = None
     if args.tiny:
         from specforge.targets.tiny import build_tiny_llama
@@ -172,14 +182,19 @@ def main(argv=None) -> int:
         meta = {"hidden_size": cfg.hidden_size, "aux_layer_ids": aux, "storage_dtype": "bfloat16",
                 "target_fingerprint": target_fingerprint(model_dir), "target_dtype": dtype}
         for budget in args.budgets:
-            runs = [bench_one(model, aux, samples, budget, args.shard_samples, meta) for _ in range(args.repeats)]
-            r = {"dtype": dtype, **min(runs, key=lambda x: x["wall_s"]), "load_avg_1m": round(os.getloadavg()[0], 2)}
-            print(f"[bench] {dtype} batch_tokens={budget}: {r['forward_tok_s']} tok/s forward, "
-                  f"{r['end_to_end_tok_s']} tok/s end to end", file=sys.stderr, flush=True)
-            results.append(r)
+            runs = {w: [] for w in args.writes}
+            for _ in range(args.repeats):  # alternating, so that a slow stretch hits every way of writing
+                for w in args.writes:
+                    runs[w].append(bench_one(model, aux, samples, budget, args.shard_samples, meta, w))
+            for w in args.writes:
+                r = {"dtype": dtype, **min(runs[w], key=lambda x: x["wall_s"]),
+                     "load_avg_1m": round(os.getloadavg()[0], 2)}
+                print(f"[bench] {dtype} batch_tokens={budget} writes {w}: {r['forward_tok_s']} tok/s forward, "
+                      f"{r['end_to_end_tok_s']} tok/s end to end", file=sys.stderr, flush=True)
+                results.append(r)
             report = {**header(args, name, aux, cfg, samples, load_before), "results": results,
                       "total_s": round(time.perf_counter() - t_start, 1)}
-            write_json(args.out, report)  # after every row: a run cut short keeps what it measured
+            write_json(args.out, report)  # after every budget: a run cut short keeps what it measured
         del model
 
     print(f"\n{report['model']}: {report['samples']} samples, {report['tokens']} tokens "

@@ -3,7 +3,8 @@
 # JSON under OUT (default benchmarks/results/gpu_check), then OUT/gpu.json (benchmarks/gpu_summary.py).
 # Parts, most important first (PARTS: a comma list of their names, default all):
 #   test_cuda     tests/test_cuda.py: the kernels and a TTT step on CUDA against the CPU, DDP/FSDP2 on NCCL
-#   extract       benchmarks/extract_bench.py: a Llama-3.1-8B-shaped target's extraction tokens/s
+#   extract       benchmarks/extract_bench.py: a Llama-3.1-8B-shaped target's extraction tokens/s, the
+#                 store written behind the forwards and in place
 #   verify        benchmarks/verify_cost_bench.py: its verify cost curve t_verify(N), N = 1..64
 #   train_length  benchmarks/train_bench.py --length-scaling: its draft's whole step, sdpa and flex
 #   attention     benchmarks/attention_device_bench.py: the TTT attention kernels alone, on rows of 4 packed
@@ -55,7 +56,7 @@ fi  # with what it requires where the image's does not do
 python3 benchmarks/gpu_summary.py --env "$OUT/env.json"
 PYTEST=(python3 -m pytest -v -p no:cacheprovider --tb=short)
 part test_cuda 240 "${PYTEST[@]}" --junitxml="$OUT/test_cuda.xml" tests/test_cuda.py
-part extract 150 python3 benchmarks/extract_bench.py --config "$TARGET" --dtypes bfloat16 \
+part extract 150 python3 benchmarks/extract_bench.py --config "$TARGET" --dtypes bfloat16 --writes behind in-place \
   --budgets 16384 65536 --samples 128 --min-len 256 --max-len 2048 --out "$OUT/extract_gpu.json"
 part verify 60 python3 benchmarks/verify_cost_bench.py --config "$TARGET" --prefix 2048 \
   --ns 1,2,4,8,12,16,24,32,40,48,56,64 --out "$OUT/verify_cost_gpu.json"

@@ -103,8 +103,8 @@ def counted_in_log(path: Path) -> dict:
 
 def extraction(d: dict) -> dict:
     return {"target": d["model"], "hidden_size": d["hidden_size"], "num_layers": d["num_layers"],
-            "rows": [{k: r[k] for k in ("dtype", "batch_tokens", "tokens", "forward_tok_s", "end_to_end_tok_s",
-                                         "padding_efficiency")} for r in d["results"]]}
+            "rows": [{k: r.get(k) for k in ("dtype", "batch_tokens", "writes", "tokens", "forward_tok_s",
+                                             "end_to_end_tok_s", "padding_efficiency")} for r in d["results"]]}
 
 
 def training(d: dict) -> dict:

@@ -58,6 +58,7 @@ class EmbeddedExtractor(Extractor):
         self.pad_token_id = 0 if pad is None else int(pad)
         self.vocab_size = getattr(self.base.config, "vocab_size", None)
         self.device = next(model.parameters()).device
+        self.writes_behind = self.device.type != "cpu"
 
     def pad(self, sequences: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """Right-padded ids [B, W], attention mask [B, W] and the lengths."""

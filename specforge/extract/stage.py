@@ -33,6 +33,7 @@ from specforge.extract.batching import Extractor, total_tokens
 from specforge.extract.embedded import EmbeddedExtractor
 from specforge.extract.store import (FORMAT, MANIFEST, STORAGE_DTYPES, VERSION, HiddenStateStore,
                                      HiddenStateStoreWriter, handoff_dtype, remove_store, store_layout)
+from specforge.extract.write_behind import WriteBehind
 from specforge.run_layout import RunLayout
 from specforge.utils.io import file_fingerprint, read_json, read_jsonl, write_json
 
@@ -123,9 +124,11 @@ def extract_split(extractor: Extractor, rows: list[dict], out_dir: Path, meta: d
         print(f"[extract] {label}: resuming, {skipped} samples already stored", flush=True)
     stats0 = dict(extractor.stats)
     task = progress.add_task(f"extract {label}", total=total_tokens(todo), rate=0.0) if progress else None
-    with writer:
+    sink = (WriteBehind(writer, limit_tokens=extractor.batch_tokens) if extractor.writes_behind
+            else contextlib.nullcontext(writer))
+    with writer, sink as store_writer:
         for sample, states in extractor.run(todo, chunk=shard_samples):
-            writer.add(sample["id"], sample["input_ids"], sample["loss_mask"], **states)
+            store_writer.add(sample["id"], sample["input_ids"], sample["loss_mask"], **states)
             if progress is not None:
                 done = extractor.stats["tokens"] - stats0["tokens"]
                 secs = extractor.stats["seconds"] - stats0["seconds"]
