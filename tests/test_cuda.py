@@ -129,6 +129,23 @@ def test_sdpa_on_cuda_keeps_a_tenth_of_the_eager_split_for_the_backward():
 
 
 @needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("packed", [False, True])
+def test_sdpa_on_cuda_runs_a_fused_kernel_never_the_math_path(dtype, packed):
+    """With SDPA's math path ruled out, the call still runs (forward and backward): a fused kernel
+    takes it, with and without documents, in bf16 and fp32 (the head dim with the sink's two, 130,
+    kept the memory-efficient kernel out until it was padded to 136)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    seq = 256
+    q, k, v = (t.to(CUDA, dtype).requires_grad_() for t in _qkv(seq, 6, 16, 8, 128, batch=1))
+    mask = TTTMask(seq, 6, _documents(1, seq).to(CUDA) if packed else None)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]):
+        attend(q, k, v, mask, "sdpa").float().sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+@needs_cuda
 def test_sdpa_on_cuda_keeps_under_a_fifth_of_the_eager_split_on_packed_rows_too():
     """A document mask rules flash out; the memory-efficient kernel takes it once the head dim (130
     with the sink's) is padded to a multiple of 8. Unpadded, SDPA fell to its math path on an
