@@ -1,4 +1,7 @@
-"""Runs the stages in order; each is skipped when the fingerprint of its inputs is unchanged.
+"""Runs the stages in order; each is skipped when the fingerprint of its inputs is unchanged and
+its outputs are still there (a stage's `damaged`, where it has one, says what of them is gone or
+broken; then it runs again: the extract stage's stores, which it rebuilds the same from the same
+samples, so the stages after it need not run again).
 
 A stage's fingerprint covers its config sections, its own extra inputs (e.g. raw data files) and
 the fingerprints of the stages it reads from, so a change anywhere upstream re-runs everything
@@ -33,7 +36,9 @@ from specforge.utils.run_lock import RunDirLock
 class Stage:
     name: str
     # exposes run(cfg, run_dir, fingerprint) -> dict (train keeps its fingerprint in its training states,
-    # so that only the same run resumes them) and optionally extra_inputs(cfg) -> dict
+    # so that only the same run resumes them) and optionally extra_inputs(cfg) -> dict, check(cfg)
+    # (refusals before the first stage) and damaged(cfg, run_dir, summary) -> str | None (what of a
+    # finished stage's outputs is gone or broken: cheap checks, no model)
     module: str
     config_keys: tuple[str, ...]
     depends: tuple[str, ...]
@@ -115,7 +120,12 @@ def _decide(cfg, stage: Stage, run_dir: Path) -> tuple[str, str, dict]:
     fp = stage_fingerprint(cfg, stage, run_dir)
     marker = RunLayout(run_dir).marker(stage.name)
     if marker.exists() and read_json(marker).get("fingerprint") == fp:
-        return "skip", fp, read_json(marker).get("summary", {})
+        summary = read_json(marker).get("summary", {})
+        damaged = stage.entry("damaged")
+        problem = damaged(cfg, run_dir, summary) if damaged else None
+        if problem is None:
+            return "skip", fp, summary
+        print(f"[pipeline] {stage.name}: up to date, but {problem}: running it again", flush=True)
     return "run", fp, {}
 
 

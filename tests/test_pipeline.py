@@ -99,6 +99,30 @@ def test_pipeline_end_to_end_then_skips_then_reruns_only_what_changed(weather_fi
     assert read_json(run_dir / ".stage_train.json")["summary"]["steps"] == 2 * 5
 
 
+def test_a_store_damaged_after_its_stage_finished_is_extracted_again_not_handed_to_training(
+        weather_files, tiny_target_dir, capsys):
+    """A shard deleted by hand (to save disk, say): the next run's extract stage, though its inputs
+    are unchanged, runs again and rebuilds the same store; before, training failed on it."""
+    import shutil
+
+    from tests.test_extract import assert_equal_stores
+
+    cfg = compose_cfg(weather_files, tiny_target_dir, "stages=[data,extract]", "extract.shard_samples=8")
+    run_pipeline(cfg)
+    store = weather_files / "outputs" / "smollm2_weather" / "extract" / "train"
+    shutil.copytree(store, weather_files / "ref")
+    (store / "shard_00001.safetensors").unlink()
+    capsys.readouterr()
+    run_pipeline(cfg)
+    out = capsys.readouterr().out
+    assert "data: up to date" in out
+    assert f"extract: up to date, but in its store {store}, listed shard shard_00001.safetensors is missing" in out
+    assert "extracting it again" in out
+    assert_equal_stores(weather_files / "ref", store)
+    run_pipeline(cfg)
+    assert capsys.readouterr().out.count("up to date") == 2
+
+
 def test_a_run_fine_tunes_another_runs_checkpoint(weather_files, tiny_target_dir):
     """draft.init_from through the training loop (the checks passed up front, build_draft again):
     the second run starts where the first ended, with its vocab map."""

@@ -15,6 +15,7 @@ from specforge.extract.store import (
     MANIFEST,
     HiddenStateStore,
     HiddenStateStoreWriter,
+    StoreDamaged,
     StoreMetaMismatch,
 )
 
@@ -206,7 +207,7 @@ def test_kill_mid_shard_then_resume_equals_uninterrupted(tmp_path):
     assert [s["name"] for s in manifest["shards"]] == ["shard_00000.safetensors", "shard_00001.safetensors"]
     assert not (out / "shard_00002.safetensors").exists()
     assert any(p.name.startswith(".shard_00002") for p in out.iterdir())  # the half temp file
-    with pytest.raises(RuntimeError, match="incomplete"):
+    with pytest.raises(StoreDamaged, match="incomplete"):
         HiddenStateStore(out)
     partial = HiddenStateStore(out, require_complete=False)
     assert len(partial) == 4 and torch.equal(partial[3]["aux"], samples[3]["aux"])
@@ -258,8 +259,25 @@ def test_reader_detects_damaged_shard(tmp_path):
     write_all(tmp_path, make_samples(3))
     shard = tmp_path / "shard_00000.safetensors"
     shard.write_bytes(shard.read_bytes()[:-10])
-    with pytest.raises(RuntimeError, match="shard_00000.safetensors is missing or has the wrong size"):
+    with pytest.raises(StoreDamaged, match=r"shard_00000.safetensors has \d+ bytes, \d+ were written; run the "
+                                           "extract stage again"):
         HiddenStateStore(tmp_path)
+
+
+def test_a_damaged_store_is_refused_or_extracted_anew(tmp_path):
+    """A listed shard deleted by hand: the writer refuses to resume from it, or (the extract stage's
+    if_mismatch="restart") starts the store again; nothing of it is trusted."""
+    samples, out, ref = make_samples(5), tmp_path / "store", tmp_path / "ref"
+    write_all(out, samples)
+    write_all(ref, samples)
+    (out / "shard_00001.safetensors").unlink()
+    with pytest.raises(StoreDamaged, match=r"listed shard shard_00001.safetensors is missing.*delete"):
+        HiddenStateStoreWriter(out, META)
+    w = HiddenStateStoreWriter(out, META, shard_samples=2, if_mismatch="restart")
+    assert not w.done_ids and not list(out.glob("shard_*"))
+    add_missing(w, samples)
+    w.close()
+    assert_same_store(ref, out)
 
 
 def test_vision_language_store_round_trip(tmp_path):

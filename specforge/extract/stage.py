@@ -32,7 +32,8 @@ from specforge.errors import InvalidInput, MissingInput
 from specforge.extract.batching import Extractor, total_tokens
 from specforge.extract.embedded import EmbeddedExtractor
 from specforge.extract.store import (FORMAT, MANIFEST, STORAGE_DTYPES, VERSION, HiddenStateStore,
-                                     HiddenStateStoreWriter, handoff_dtype, remove_store, store_layout)
+                                     HiddenStateStoreWriter, handoff_dtype, remove_store, shard_damage,
+                                     store_layout)
 from specforge.extract.write_behind import WriteBehind
 from specforge.run_layout import RunLayout
 from specforge.utils.io import file_fingerprint, read_json, read_jsonl, write_json
@@ -406,6 +407,25 @@ def run(cfg, run_dir, fingerprint: str | None = None) -> dict:
             flush=True,
         )
     return summary
+
+
+def damaged(cfg, run_dir, summary: dict) -> str | None:
+    """A finished extraction's stores that are gone or broken (a shard deleted or cut by hand):
+    the pipeline extracts again instead of handing training a store it cannot read."""
+    if cfg.extract.backend == "online":
+        return None
+    layout = RunLayout(run_dir)
+    for split in summary.get("splits", {}):
+        manifest = layout.store(split) / MANIFEST
+        if not manifest.is_file():
+            return f"its store {layout.store(split)} is gone"
+        try:
+            problem = shard_damage(manifest.parent, read_json(manifest)["shards"])
+        except (ValueError, KeyError) as e:
+            problem = f"its manifest cannot be read ({e})"
+        if problem:
+            return f"in its store {layout.store(split)}, {problem}"
+    return None
 
 
 def check_online(cfg, run_dir: Path, splits: dict, env) -> dict:

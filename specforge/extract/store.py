@@ -39,6 +39,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from specforge.config import STORE_DTYPES
+from specforge.errors import InvalidInput
 from specforge.utils.io import atomic_path, read_json, write_json
 
 FORMAT = "specforge-hidden-states"
@@ -57,6 +58,11 @@ EXACT_STATES = ("last",)
 
 class StoreMetaMismatch(ValueError):
     """An existing store was produced from different inputs than the writer was given."""
+
+
+class StoreDamaged(InvalidInput):
+    """A store on disk that cannot be read as its manifest says: a listed shard missing or cut, a
+    file that is not a shard, an interrupted extraction. The message says what to do."""
 
 
 def shard_name(index: int) -> str:
@@ -198,14 +204,15 @@ class HiddenStateStoreWriter:
                 f"{manifest_path}: existing store was written with different meta (keys {diff}); "
                 f"delete {self.dir} or write with if_mismatch='restart'"
             )
+        damage = shard_damage(self.dir, shards)
+        if damage:
+            if if_mismatch == "restart":  # nothing in it can be trusted to resume from
+                print(f"[extract] {self.dir}: {damage}; extracting it again", flush=True)
+                self._wipe()
+                return
+            raise StoreDamaged(f"{manifest_path}: {damage}; the store is damaged, delete {self.dir} and extract again")
         for entry in shards:
-            path = self.dir / entry["name"]
-            if not path.exists() or path.stat().st_size != entry["bytes"]:
-                raise RuntimeError(
-                    f"{manifest_path}: listed shard {entry['name']} is missing or has the wrong size; "
-                    f"the store is damaged, delete {self.dir} and extract again"
-                )
-            self.done_ids.update(_shard_ids(path))
+            self.done_ids.update(_shard_ids(self.dir / entry["name"]))
         self.shards = list(shards)
         self.resumed = bool(shards)
         self._complete_on_open = bool(manifest.get("complete"))
@@ -375,11 +382,22 @@ class HiddenStateStoreWriter:
             self._closed = True
 
 
+def shard_damage(store_dir: Path, shards: list[dict]) -> str | None:
+    """What is wrong with the listed shards on disk (missing, another size), or None: a stat each."""
+    for entry in shards:
+        path = Path(store_dir) / entry["name"]
+        if not path.exists():
+            return f"listed shard {entry['name']} is missing"
+        if path.stat().st_size != entry["bytes"]:
+            return f"listed shard {entry['name']} has {path.stat().st_size} bytes, {entry['bytes']} were written"
+    return None
+
+
 def _shard_ids(path: Path) -> list[str]:
     with safe_open(str(path), framework="pt") as f:
         meta = f.metadata() or {}
     if "ids" not in meta:
-        raise RuntimeError(f"{path}: shard header has no 'ids' metadata; not a store shard")
+        raise StoreDamaged(f"{path}: shard header has no 'ids' metadata; not a store shard")
     return json.loads(meta["ids"])
 
 
@@ -418,14 +436,13 @@ class HiddenStateStore:
                 f"expected {FORMAT!r} v{VERSION}"
             )
         if require_complete and not manifest.get("complete"):
-            raise RuntimeError(
+            raise StoreDamaged(
                 f"{manifest_path}: the store is incomplete (an extraction was interrupted); "
                 "run the extract stage again to finish it"
             )
-        for entry in manifest["shards"]:
-            p = self.dir / entry["name"]
-            if not p.exists() or p.stat().st_size != entry["bytes"]:
-                raise RuntimeError(f"{manifest_path}: shard {entry['name']} is missing or has the wrong size")
+        damage = shard_damage(self.dir, manifest["shards"])
+        if damage:
+            raise StoreDamaged(f"{manifest_path}: {damage}; run the extract stage again (it extracts the store anew)")
         self.manifest = manifest
         self.meta: dict = manifest["meta"]
         self.shards: list[dict] = manifest["shards"]
@@ -532,7 +549,7 @@ class HiddenStateStore:
             off = self._shard_offsets(k, "last_offsets")
             rows, at = self._states(h, "last", off[j], off[j + 1]), scored_rows(sample["loss_mask"])
             if rows.shape[0] != at.numel():
-                raise RuntimeError(f"{self.dir / self.shards[k]['name']}: sample {j} has {rows.shape[0]} stored "
+                raise StoreDamaged(f"{self.dir / self.shards[k]['name']}: sample {j} has {rows.shape[0]} stored "
                                    f"`last` rows, its loss mask scores {at.numel()}; the store is damaged")
             sample["last"] = rows.new_zeros(b - a, rows.shape[1])
             sample["last"][at] = rows
