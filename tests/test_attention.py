@@ -79,6 +79,19 @@ def test_split_ttt_attention_equals_the_dense_mask(impl, seq, step, heads, kv_he
         torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dim", [6, 12])
+@pytest.mark.parametrize("step, packed", [(0, False), (0, True), (3, False), (3, True)])
+def test_off_the_cpu_sdpa_pads_the_head_dim_and_still_equals_the_dense_mask(dim, step, packed):
+    """The head dim SDPA sees off the CPU (dim, the sink's two, zeros up to a multiple of 8) gives
+    the dense mask's numbers, whatever padding that takes (12 -> 16 at step 0, 6 + 2 -> 8 none)."""
+    q, k, v = _qkv(21, step, dim=dim)
+    mask = TTTMask(21, step, _documents(2, 21) if packed else None)
+    got = _output_and_grads(ttt_sdpa_attention, q, k, v, mask)
+    for a, b in zip(got, _output_and_grads("dense", q, k, v, mask)):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, atol=2e-6, rtol=1e-5)
+
+
 def test_per_step_keys_give_what_concatenated_keys_give():
     """Training keeps the keys of each TTT step apart (a list); the dense layout concatenates them."""
     q, k, v = _qkv(13, 3)

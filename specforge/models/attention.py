@@ -370,6 +370,10 @@ def ttt_sdpa_attention(q, keys, values, mask: TTTMask) -> torch.Tensor:
     lo, hi = _span(mask.slots, mask.seq_len)
     k0, v0 = (_expand_kv(x[:, :, :hi], n_rep) for x in (keys[0], values[0]))
     later = len(keys) > 1
+    # SDPA's head dim: dim, the sink's two, then zeros up to a multiple of 8 (the same scores). The
+    # memory-efficient kernel, the fused one that takes a document mask (and fp32), refuses others,
+    # and SDPA then falls back to its math path with [B, h, L, S] scores; flash pads so itself.
+    extra = -(dim + 2 * later) % 8
     if later:
         kvh = keys[0].shape[1]
         qg = _grouped(q.float(), kvh)  # [B,g,r,n,d]
@@ -379,13 +383,16 @@ def ttt_sdpa_attention(q, keys, values, mask: TTTMask) -> torch.Tensor:
         diag_out = sum(w[..., None] * v[:, :, None] for w, v in zip(weights, values[1:])).flatten(1, 2)
         score = (sink * math.sqrt(dim)).flatten(1, 2)  # [B,h,n]: times the kernel's scale, b
         high = score.detach().to(q.dtype)
-        q = torch.cat([q, high[..., None], (score - high.float()).to(q.dtype)[..., None]], dim=-1)
-        sink_k = k0.new_zeros(*k0.shape[:2], 1, dim + 2)
-        sink_k[..., dim:] = 1
+        q = torch.cat([q, high[..., None], (score - high.float()).to(q.dtype)[..., None],
+                       q.new_zeros(*q.shape[:-1], extra)], dim=-1)
+        sink_k = k0.new_zeros(*k0.shape[:2], 1, dim + 2 + extra)
+        sink_k[..., dim : dim + 2] = 1
         sink_v = torch.zeros_like(sink_k)
         sink_v[..., dim] = 1
-        k0 = torch.cat([sink_k, F.pad(k0, (0, 2))], dim=2)
-        v0 = torch.cat([sink_v, F.pad(v0, (0, 2))], dim=2)
+        k0 = torch.cat([sink_k, F.pad(k0, (0, 2 + extra))], dim=2)
+        v0 = torch.cat([sink_v, F.pad(v0, (0, 2 + extra))], dim=2)
+    elif extra:
+        q, k0, v0 = (F.pad(x, (0, extra)) for x in (q, k0, v0))
     rows = _all_rows(q, mask.slots, lo, hi)  # [B,h,L,..]: the span's rows, zeros between slots
     if mask.doc_ids is None:
         allowed = causal_lower_right(hi - lo, k0.shape[2])
@@ -393,11 +400,6 @@ def ttt_sdpa_attention(q, keys, values, mask: TTTMask) -> torch.Tensor:
         allowed = TTTMask(mask.seq_len, 0, mask.doc_ids).causal_block(q.device)[:, None, lo:hi, :hi]
         if later:
             allowed = F.pad(allowed, (1, 0), value=True)
-    # zeros up to a multiple of 8 dimensions (130 with the sink's): the memory-efficient kernel, the
-    # fused one that takes a document mask (and fp32), refuses others and SDPA falls back to its math
-    # path with [B, h, L, S] scores; flash pads the same way itself
-    extra = -rows.shape[-1] % 8
-    rows, k0, v0 = (F.pad(x, (0, extra)) for x in (rows, k0, v0))
     out = F.scaled_dot_product_attention(rows, k0, v0, attn_mask=allowed, scale=scale)
     if mask.slots is not None:
         out = take(out, mask.slots - lo, 2)
