@@ -6,7 +6,8 @@
 #   extract       benchmarks/extract_bench.py: a Llama-3.1-8B-shaped target's extraction tokens/s, the
 #                 store written behind the forwards and in place
 #   verify        benchmarks/verify_cost_bench.py: its verify cost curve t_verify(N), N = 1..64
-#   train_length  benchmarks/train_bench.py --length-scaling: its draft's whole step, sdpa and flex
+#   train_length  benchmarks/train_bench.py --length-scaling: its draft's whole step, sdpa and flex, and
+#                 each step's top CUDA kernels (--profile)
 #   attention     benchmarks/attention_device_bench.py: the TTT attention kernels alone, on rows of 4 packed
 #                 documents (flex with our tiles and with torch's, which failed to compile there on an H200)
 #   stages        the tests that run the stages (extract=online too), the engine and the planner, here on the GPU
@@ -62,7 +63,7 @@ part verify 60 python3 benchmarks/verify_cost_bench.py --config "$TARGET" --pref
   --ns 1,2,4,8,12,16,24,32,40,48,56,64 --out "$OUT/verify_cost_gpu.json"
 part train_length 200 python3 benchmarks/train_bench.py --length-scaling --device cuda \
   --target "$TARGET" --seq-lens 512,4096,8192 --tokens-per-step 16384 \
-  --attentions sdpa,flex --dtypes bf16 --draft-vocab 32000 --out "$OUT/train_length_gpu.json"
+  --attentions sdpa,flex --dtypes bf16 --draft-vocab 32000 --profile --out "$OUT/train_length_gpu.json"
 part attention 120 python3 benchmarks/attention_device_bench.py --documents 4 \
   --impls sdpa,flex,flex-torch-tiles --out "$OUT/attention_device.json"
 XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")  # pytest-xdist where installed

@@ -110,7 +110,7 @@ def extraction(d: dict) -> dict:
 def training(d: dict) -> dict:
     return {"target": d["target"], "ttt": d["ttt"], "draft_vocab": d["draft_vocab"],
             "rows": [{k: r.get(k) for k in ("attention", "precision", "batch", "seq", "tokens_per_s", "step_s",
-                                             "peak_gpu_mb", "error")} for r in d["rows"]]}
+                                             "peak_gpu_mb", "error", "top_ops")} for r in d["rows"]]}
 
 
 def verify(d: dict) -> dict:

@@ -7,6 +7,7 @@ lengths, draft vocab sizes, sequence lengths and packing, on the target geometry
     python benchmarks/train_bench.py --allocator-ab                                    # allocator.json
     python benchmarks/train_bench.py --slots-ab --batch 4 --seq 512                    # scored_slots.json
     python benchmarks/train_bench.py --length-scaling --device cuda --target DIR       # train_length_gpu.json
+    python benchmarks/train_bench.py --length-scaling --device cuda --target DIR --profile  # + each step's top ops
 
 Features are random, except that the target's final state points at the next token (as on
 regenerated data), so that every position is scored as on a real store. Each configuration runs
@@ -71,10 +72,26 @@ def _document(seq: int, draft_vocab: int, hidden: int, lm_head: torch.Tensor, sc
     return {"input_ids": ids, "loss_mask": loss_mask, "aux": torch.randn(seq, 3 * hidden), "last": last}
 
 
+def top_ops(step, device: torch.device, n: int = 12) -> list[dict]:
+    """One more `step` under torch's profiler: its ops by their own time on the device (the CUDA
+    kernels' on a GPU, the CPU's otherwise), the first `n`, each with its share of the step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        step()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)
+    total = sum(getattr(e, key) for e in events) or 1
+    return [{"op": e.key, "ms": round(getattr(e, key) / 1e3, 2), "share": round(getattr(e, key) / total, 3),
+             "calls": e.count} for e in events[:n]]
+
+
 def time_config(target_config, attention, precision, ttt_length, draft_vocab, batch, seq, repeats,
-                packed=False, scored=1.0, skip_unscored=True, device="cpu"):
+                packed=False, scored=1.0, skip_unscored=True, device="cpu", profile=False):
     """`batch` sequences of `seq` tokens per step; packed: the same documents in one row; scored:
-    the fraction of each document with a loss; skip_unscored: ttt_forward's."""
+    the fraction of each document with a loss; skip_unscored: ttt_forward's; profile: the step's
+    top ops (`top_ops`) after the timed steps."""
     torch.manual_seed(0)
     device = torch.device(device)
     cuda = device.type == "cuda"
@@ -93,11 +110,7 @@ def time_config(target_config, attention, precision, ttt_length, draft_vocab, ba
     docs = [_document(seq, cfg.draft_vocab_size, hidden, lm_head, scored) for _ in range(batch)]
     data = {k: v.to(device) for k, v in collate(docs, pack_tokens=batch * seq if packed else 0).items()}
     opt = torch.optim.AdamW(draft.trainable_parameters(), lr=1e-4)
-    times = []
-    for i in range(repeats + 1):  # the first step warms up allocators and kernels (flex compiles)
-        if cuda and i == 1:
-            torch.cuda.reset_peak_memory_stats(device)
-        t0 = time.perf_counter()
+    def one_step():
         with autocast_for(precision, device):
             loss, _ = ttt_forward(draft, data, teacher, ttt_length, 0.8, skip_unscored=skip_unscored)
         loss.backward()
@@ -105,6 +118,13 @@ def time_config(target_config, attention, precision, ttt_length, draft_vocab, ba
         opt.zero_grad(set_to_none=True)
         if cuda:
             torch.cuda.synchronize(device)
+
+    times = []
+    for i in range(repeats + 1):  # the first step warms up allocators and kernels (flex compiles)
+        if cuda and i == 1:
+            torch.cuda.reset_peak_memory_stats(device)
+        t0 = time.perf_counter()
+        one_step()
         if i:
             times.append(time.perf_counter() - t0)
     step = statistics.median(times)
@@ -115,6 +135,11 @@ def time_config(target_config, attention, precision, ttt_length, draft_vocab, ba
               "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}
     if cuda:
         result["peak_gpu_mb"] = round(torch.cuda.max_memory_allocated(device) / 2**20)
+    if profile:
+        try:
+            result["top_ops"] = top_ops(one_step, device)
+        except Exception as e:  # noqa: BLE001 - the timing stands without the profile
+            result["top_ops_error"] = f"{type(e).__name__}: {e}"[:300]
     return result
 
 
@@ -212,7 +237,8 @@ def length_scaling(args):
                     if args.device == "cpu":
                         r = ours(args, attention, precision, args.ttt, args.draft_vocab, batch, seq)
                     else:
-                        r = time_config(target_config, repeats=args.repeats, device=args.device, **one)
+                        r = time_config(target_config, repeats=args.repeats, device=args.device,
+                                        profile=args.profile, **one)
                 except torch.cuda.OutOfMemoryError:
                     torch.cuda.empty_cache()
                     r = {**one, "step_s": None, "tokens_per_s": None, "error": "out of memory"}
@@ -221,6 +247,8 @@ def length_scaling(args):
                 rows.append(r)
                 print(f"| {attention} | {precision} | {batch} x {seq} | {r['step_s']} | {r['tokens_per_s']} | "
                       f"{r['vs_first']} | {r.get('peak_gpu_mb', '-')} |", flush=True)
+                for op in r.get("top_ops", [])[:6]:
+                    print(f"|   {op['op'][:60]} | {op['ms']} ms | {op['share']:.0%} of the step | {op['calls']} calls |")
                 write_json(Path(args.out), result)
     return result
 
@@ -296,6 +324,8 @@ def main():
                     help="our step at each --seq-lens with --tokens-per-step, per --attentions and --dtypes")
     ap.add_argument("--attentions", type=lambda s: s.split(","), default=["sdpa"])
     ap.add_argument("--device", default="cpu", help="--length-scaling: cpu or cuda")
+    ap.add_argument("--profile", action="store_true",
+                    help="--length-scaling off the CPU: each step's top ops on the device (one more step, profiled)")
     ap.add_argument("--seq-lens", type=lambda s: [int(x) for x in s.split(",")], default=[512, 2048, 4096])
     ap.add_argument("--dtypes", type=lambda s: s.split(","), default=["bf16", "fp32"])
     ap.add_argument("--tokens-per-step", type=int, default=2048, help="--vs-peer: documents of a step below it")

@@ -118,3 +118,19 @@ def test_gpu_summary_fills_what_did_not_come_back_from_the_machines_own_summary_
     assert gpu["tests"]["stages"] == {"passed": 2, "failed": 1, "skipped": 1, "cut_off": True,
                                       "failures": ["tests/test_a.py::test_two[x-1]"]}
     assert "verify" not in gpu["missing"] and "stages" not in gpu["missing"] and "extract" in gpu["missing"]
+
+
+def test_a_training_step_timed_and_profiled_as_on_a_gpu(tiny_target_dir):
+    """train_bench's --length-scaling step off the CPU (time_config), here on the CPU: its time,
+    and with profile=True its top ops by own time, each with its share of the step."""
+    from transformers import AutoConfig
+
+    bench = benchmark("train_bench")
+    r = bench.time_config(AutoConfig.from_pretrained(tiny_target_dir), "sdpa", "fp32", 3, 64, batch=2, seq=32,
+                          repeats=1, profile=True)
+    assert r["step_s"] > 0 and r["tokens_per_s"] > 0
+    ops = r["top_ops"]
+    assert 3 <= len(ops) <= 12 and all(op["ms"] >= 0 and op["calls"] >= 1 for op in ops)
+    assert [op["ms"] for op in ops] == sorted((op["ms"] for op in ops), reverse=True)
+    assert 0 < sum(op["share"] for op in ops) <= 1.001
+    assert any(op["op"] in ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear") for op in ops)
