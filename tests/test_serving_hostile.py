@@ -23,7 +23,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
 from specforge.checkpoint import CheckpointError, check_fits_target, save_checkpoint
-from specforge.launch.process import free_port
+from specforge.launch.embedded_commands import embedded_server_command
+from specforge.launch.process import ServerProcess, free_port
 from specforge.models.draft import Eagle3Config, Eagle3Draft
 from specforge.serving.app import EmbeddedServer, warn_if_exposed
 from specforge.serving.images import resolve_image_path
@@ -506,3 +507,25 @@ def test_serve_refuses_a_misfit_draft_at_start_up(target_config, tiny_target_dir
         f"serve: {ckpt}/config.json: the draft does not fit the target: eagle_config.eagle_aux_hidden_state_layer_ids: "
         "[1, 2, 7] must be 3 distinct ascending ids in [0, 4) (the target has 4 decoder layers)")
     assert "on http://" not in proc.stderr  # it never listened
+
+
+def test_serve_refuses_a_bad_tree_in_one_line_before_it_loads(tiny_target_dir, target_config, tmp_path):
+    ckpt = _checkpoint(Eagle3Config.from_target(target_config, [0, 1, 3]), tmp_path / "ckpt")
+    proc = subprocess.run([sys.executable, "-m", "specforge.cli", "serve", "--target", str(tiny_target_dir),
+                           "--draft", str(ckpt), "--tree", "0_1_2", "--port", str(free_port())],
+                          capture_output=True, text=True, timeout=300, cwd=os.getcwd())
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().endswith("serve: tree 0_1_2: steps must be a positive integer, got 0")
+
+
+def test_a_server_stopped_by_sigterm_exits_cleanly(tiny_target_dir, tmp_path):
+    """SIGTERM (what ServerProcess, Slurm and `kill` send) ends `specforge serve` with exit 0.
+    Its engine thread used to be left freeing tensors while the interpreter finalised: the process
+    aborted ("terminate called without an active exception", exit 134) on every stop."""
+    port = free_port()
+    log = tmp_path / "serve.log"
+    server = ServerProcess(embedded_server_command(tiny_target_dir, port=port, dtype="float32", threads=1), port, log,
+                           startup_timeout_s=120)
+    server.start().wait_healthy()  # the model loaded, waiting for requests
+    assert server.stop() == 0, log.read_text()[-2000:]
+    assert "terminate called" not in log.read_text() and "shutting down" in log.read_text()

@@ -163,7 +163,10 @@ def serve(args: argparse.Namespace) -> None:
         if path is not None and not Path(path).is_dir():
             raise SystemExit(f"serve: {path} is not a directory")
     if args.draft:
-        TreeSpec.parse(args.tree)  # a bad tree fails before anything loads
+        try:  # a bad tree fails before anything loads
+            TreeSpec.parse(args.tree)
+        except ValueError as e:
+            raise SystemExit(f"serve: {e}") from None
     aux_ids = None
     if args.enable_return_aux_hidden_states or args.return_aux_hidden_state_layer_ids:
         if not (args.enable_return_aux_hidden_states and args.return_aux_hidden_state_layer_ids

@@ -54,13 +54,22 @@ class EngineWorker:
         self.num_requests = 0
         self.spec_rounds = 0  # verify rounds, all requests since start
         self.spec_round_tokens = 0  # tokens those rounds produced (accepted drafts + bonus)
+        self.running: Job | None = None  # the request the engine thread is on
         self.thread = threading.Thread(target=self._main, name="specforge-engine", daemon=True)
 
     def start(self):
         self.thread.start()
 
-    def stop(self):
+    def stop(self, timeout_s: float = 30.0):
+        """End the engine thread and wait for it, cancelling the request it runs. A thread still
+        freeing tensors when the interpreter finalises aborts the process ("terminate called
+        without an active exception", exit 134: every SIGTERM of `specforge serve` did)."""
         self.jobs.put(None)
+        running = self.running
+        if running is not None:
+            running.cancelled = True
+        if self.thread.is_alive() and self.thread is not threading.current_thread():
+            self.thread.join(timeout_s)
 
     def submit(self, job: Job) -> Job:
         self.jobs.put(job)
@@ -78,6 +87,7 @@ class EngineWorker:
         while (job := self.jobs.get()) is not None:
             if job.cancelled:
                 continue
+            self.running = job
             try:
                 self._run(job)
             except _Cancelled:
@@ -85,6 +95,8 @@ class EngineWorker:
             except Exception as e:
                 log.exception("request %s failed", job.rid)
                 job.events.put(("error", f"{type(e).__name__}: {e}"))
+            finally:
+                self.running = None
 
     def _run(self, job: Job):
         import torch
