@@ -10,6 +10,7 @@ from pathlib import Path
 
 
 def main(argv=None) -> None:
+    from specforge.config import TARGET_KINDS
     from specforge.eval import bench_client
     from specforge.serving import app
 
@@ -23,7 +24,7 @@ def main(argv=None) -> None:
     p_import.add_argument("src", help="the draft's directory (config.json + model.safetensors or pytorch_model.bin)")
     p_import.add_argument("dst", help="a new directory for our checkpoint")
     p_import.add_argument("--target", required=True, help="the target's directory (its layer count, vocab, embedding)")
-    p_import.add_argument("--kind", default="causal_lm", help="target.kind: causal_lm | qwen3_vl | qwen2_5_vl")
+    p_import.add_argument("--kind", default="causal_lm", choices=TARGET_KINDS, help="target.kind")
     p_import.add_argument("--trust-remote-code", action="store_true")
     args = parser.parse_args(argv)
     if args.command == "serve":

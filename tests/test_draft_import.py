@@ -199,3 +199,6 @@ def test_an_imported_draft_is_measured_like_our_own(tiny_run, tmp_path, capsys):
 
     with pytest.raises(SystemExit, match=r"import-draft: .*theirs: exists"):
         cli(["import-draft", str(src), str(tiny_run / "theirs"), "--target", run_cfg.target.path])
+    with pytest.raises(SystemExit):  # an unknown --kind was taken and ignored (a text target)
+        cli(["import-draft", str(src), str(tmp_path / "other"), "--target", run_cfg.target.path, "--kind", "bogus"])
+    assert not (tmp_path / "other").exists()
