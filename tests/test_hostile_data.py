@@ -66,6 +66,19 @@ def test_wrong_format_fails_after_writing_quarantine_and_report(tmp_path, tiny_t
     assert not (run_dir / ".stage_data.json").exists()
 
 
+def test_a_file_of_repeats_is_told_so_not_to_check_data_format(tmp_path, tiny_target_dir):
+    """The share check's hint follows the top reason; a reason without a hint of its own used to get
+    the data.format one, which sent the user to the wrong place."""
+    train = tmp_path / "raw" / "train.jsonl"
+    write_jsonl(train, weather_rows(2) * 10)
+    with pytest.raises(ValueError) as err:
+        stage.run(make_cfg(tmp_path, tiny_target_dir, train), tmp_path / "out" / "t")
+    msg = str(err.value)
+    assert "top reasons: duplicate 18;" in msg and "check data.format" not in msg
+    assert ("hint: the rows repeat one another (the first of each is kept): is a file exported with repeats, "
+            "or are the same conversations in two files?") in msg
+
+
 def test_wrong_format_fails_before_any_regeneration(tmp_path, tiny_target_dir):
     """With regeneration on, the share is checked on the parsed rows first: the (unreachable) server
     is never asked, and the quarantine is written."""

@@ -29,7 +29,12 @@ GENERATE_HINT = "it can be generated with `python data_prep/weather.py --out dat
 SHARE_HINTS = {
     "invalid_row": "the rows do not have the shape data.format={format} expects; check data.format "
                    "('auto' detects messages, sharegpt and conversations rows one by one)",
+    "no_messages": "the rows hold no conversation where data.format={format} looks; check data.format",
     "invalid_json": "is the file JSON Lines (.jsonl, one object per line) or one JSON list (.json)?",
+    "duplicate": "the rows repeat one another (the first of each is kept): is a file exported with repeats, "
+                 "or are the same conversations in two files?",
+    "no_assistant_turn": "the conversations have no answer to train on: are these prompts only?",
+    "empty_turn": "turns with empty content: check the field the texts are in (data.format={format})",
     "row_too_long": "raise data.max_chars_per_row (now {max_chars})",
     "overlength": "raise data.max_length or set data.overlength=truncate",
     "no_loss_tokens_after_truncation": "the answers start after data.max_length (now {max_length}): raise it",
@@ -481,12 +486,12 @@ def quarantined_share_problem(cfg, split: str, result: dict) -> str | None:
     top = _ranked_reasons(counts)[0][0]
     example = next(q for q in result["quarantine"] if reason_code(q["reason"]) == top)
     reason = example["reason"] if len(example["reason"]) <= 200 else example["reason"][:197] + "..."
-    hint = SHARE_HINTS.get(top, SHARE_HINTS["invalid_row"]).format(
+    hint = SHARE_HINTS.get(top, "").format(  # none for a reason without one (the data.format hint misled)
         format=cfg.data.format, max_chars=max_chars_per_row(cfg.data), image_root=cfg.data.image_root,
         max_length=cfg.data.max_length)
     return (f"data {split}: {quarantined} of {rows} rows quarantined ({quarantined / rows:.1%}), more than "
             f"data.max_quarantined_share={limit}; top reasons: {_top_reasons(counts)}; e.g. {example['file']} "
-            f"line {example['line']}: {reason}; hint: {hint}")
+            f"line {example['line']}: {reason}" + (f"; hint: {hint}" if hint else ""))
 
 
 def _write_report(layout: RunLayout, summary: dict, vocab: dict | None) -> None:
