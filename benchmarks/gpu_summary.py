@@ -23,9 +23,10 @@ sys.path.insert(0, str(ROOT))
 
 from specforge.utils.io import write_json  # noqa: E402
 
-PARTS = ["test_cuda", "extract", "verify", "train_length", "attention", "stages"]
+PARTS = ["test_cuda", "extract", "verify", "train_length", "attention", "stages", "train_vs_peer"]
 FIGURES = {"extract": "extract_gpu.json", "verify": "verify_cost_gpu.json",
-           "train_length": "train_length_gpu.json", "attention": "attention_device.json"}
+           "train_length": "train_length_gpu.json", "attention": "attention_device.json",
+           "train_vs_peer": "train_vs_peer_gpu.json"}
 TESTS = {"test_cuda": "test_cuda.xml", "stages": "stages.xml"}
 
 
@@ -113,6 +114,10 @@ def training(d: dict) -> dict:
                                              "peak_gpu_mb", "error", "top_ops")} for r in d["rows"]]}
 
 
+def vs_peer(d: dict) -> dict:
+    return {k: d.get(k) for k in ("ttt", "draft_vocab", "ours", "peer", "rows")}
+
+
 def verify(d: dict) -> dict:
     return {k: d[k] for k in ("target", "dtype", "prefix_len", "t_decode_ms", "rows")}
 
@@ -122,7 +127,8 @@ def attention(d: dict) -> dict:
 
 
 READERS = {"extract": ("extraction", extraction), "verify": ("verify", verify),
-           "train_length": ("training", training), "attention": ("attention", attention)}
+           "train_length": ("training", training), "attention": ("attention", attention),
+           "train_vs_peer": ("training_vs_peer", vs_peer)}
 
 
 def summarize(folders: list[Path]) -> dict:

@@ -11,8 +11,9 @@ speculators only, never specforge.
 - optimizers and schedulers: `build_optimizers` and the schedule its `Trainer` makes;
 - a step: the body of `Trainer.train_epoch` (forward under autocast with its hidden-states dtype,
   zero_grad, backward, clip_grad_norm_(1.0), every optimizer, every scheduler).
-Its Trainer itself is not instantiated: it moves the model to accelerator 0 and wants a DataLoader
-and a checkpoint directory; on CPU its autocast would name "cuda".
+Its Trainer itself is not instantiated: it wants a DataLoader and a checkpoint directory, and on a
+CPU its autocast would name "cuda". The callers move the model where it trains, as it does (to
+accelerator 0: `Module.to` keeps the parameters the optimizers hold).
 """
 from __future__ import annotations
 
@@ -34,10 +35,11 @@ class Peer:
     def hs_dtype(self) -> torch.dtype:
         return getattr(torch, self.args.hidden_states_dtype)
 
-    def step(self, batch: dict):
-        """One optimizer step on a collated batch -> (draft_tokens, loss, metrics)."""
-        autocast = self.hs_dtype != torch.float32  # CPU autocast with float32 is a disabled no-op
-        with torch.autocast("cpu", dtype=self.hs_dtype, enabled=autocast):
+    def step(self, batch: dict, device_type: str = "cpu"):
+        """One optimizer step on a collated batch (on the model's device) -> (draft_tokens, loss,
+        metrics). Autocast on `device_type`, as its trainer's on its accelerator."""
+        autocast = self.hs_dtype != torch.float32  # autocast to float32 is a disabled no-op (or refused)
+        with torch.autocast(device_type, dtype=self.hs_dtype, enabled=autocast):
             draft_tokens, loss, metrics = self.model(**batch, **self.train_kwargs)
         for opt in self.optimizers:
             opt.zero_grad()

@@ -14,6 +14,12 @@ re-implementation:
   `shift_batch`, i.e. one packed row of exactly `--docs x --seq-len` tokens with per-
   document `document_ids` and position ids, as its dataloader produces.
 
+On a GPU (`--device cuda`) it runs its defaults: `simple_flex_attention` (its forward compiled)
+and the `fused` loss (Triton), its model and batch on the GPU, autocast there, as its Trainer
+does on one accelerator. A target directory that holds only a config (benchmarks/targets/*) gets
+random weights for the three tensors its draft reads from the verifier (`verifier_dir`), and the
+config's end-of-sequence id as its mask token (its own fallback where a tokenizer has none).
+
 Deviations forced by CPU (the first two are options its trainer documents):
 - attention: its default `simple_flex_attention` cannot train on CPU (torch 2.13 raises
   "FlexAttention does not support backward on CPU"; its forward is only torch.compile'd
@@ -36,9 +42,12 @@ Run by the peer's own virtualenv (`make peer-venv`), never by ours; it imports o
 transformers and speculators:
 
     .venv-peer/bin/python benchmarks/peer_train_worker.py --seq-len 512 --docs 4 --dtype bf16
+    python3 benchmarks/peer_train_worker.py --device cuda --target benchmarks/targets/llama-3.1-8b \
+        --seq-len 4096 --docs 4 --draft-vocab 32000     # where speculators is installed beside CUDA torch
 
 One JSON line on stdout at the end (peer, seq_len, docs, tokens, dtype, ttt, draft_vocab,
-step_s = median of the timed steps, tokens_per_s, peak_rss_mb, attn_impl, optimizer);
+step_s = median of the timed steps, tokens_per_s, peak_rss_mb, attn_impl, loss_impl, optimizer,
+device; peak_gpu_mb on a GPU);
 everything else goes to stderr. On a 2-core machine, time it with nothing else running:
 OpenMP threads sharing a core with another process slow a step two- to three-fold.
 """
@@ -50,6 +59,7 @@ import json
 import logging
 import os
 import resource
+import shutil
 import statistics
 import sys
 import time
@@ -70,15 +80,71 @@ def parse_args(argv=None):
     p.add_argument("--draft-vocab", type=int, default=8192)
     p.add_argument("--repeats", type=int, default=3, help="timed steps (after 1 warm-up)")
     p.add_argument("--threads", type=int, default=os.cpu_count())
-    p.add_argument("--attn-impl", default="sdpa",
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--attn-impl", default=None,
                    choices=("sdpa", "eager", "simple_flex_attention"),
-                   help="its --draft-attn-impl; flex cannot train on CPU")
+                   help="its --draft-attn-impl (default: sdpa on CPU, where flex cannot train; its "
+                        "default simple_flex_attention on a GPU)")
     p.add_argument("--optimizer", default=None, choices=("adamw", "muon"),
                    help="its --optimizer (default: its default, muon)")
-    p.add_argument("--loss-impl", default="eager", choices=("eager", "fused"),
-                   help="its --loss-implementation; fused needs Triton")
+    p.add_argument("--loss-impl", default=None, choices=("eager", "fused"),
+                   help="its --loss-implementation (default: eager on CPU, where Triton is not; "
+                        "its default fused on a GPU)")
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    gpu = args.device == "cuda"
+    args.attn_impl = args.attn_impl or ("simple_flex_attention" if gpu else "sdpa")
+    args.loss_impl = args.loss_impl or ("fused" if gpu else "eager")
+    return args
+
+
+def verifier_dir(target: str, seed: int = 0) -> str:
+    """`target` itself where it holds weights; for a config alone (a geometry), a folder beside the
+    system's temporary files with that config and random `model.embed_tokens`, `lm_head` and
+    `model.norm` weights (bf16), the tensors its draft reads from the verifier: their values do not
+    change a step's cost. Made once per config (the next configuration's process reuses it: an
+    8B target's two matrices are 2 GB to draw and write) and renamed into place when complete."""
+    import hashlib
+    import tempfile
+    from pathlib import Path
+
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    folder = Path(target)
+    if any(folder.glob("*.safetensors")) or any(folder.glob("*.safetensors.index.json")):
+        return target
+    key = hashlib.sha256((folder / "config.json").read_bytes() + str(seed).encode()).hexdigest()[:16]
+    out = Path(tempfile.gettempdir()) / f"peer_verifier_{key}"
+    if (out / "model.safetensors").exists():
+        return str(out)
+    config = AutoConfig.from_pretrained(target)
+    text = getattr(config, "text_config", config)
+    partial = Path(tempfile.mkdtemp(prefix=f"{out.name}.", dir=out.parent))
+    config.save_pretrained(partial)
+    g = torch.Generator().manual_seed(seed)
+    shape = (text.vocab_size, text.hidden_size)
+    save_file({"model.embed_tokens.weight": (0.02 * torch.randn(shape, generator=g)).bfloat16(),
+               "lm_head.weight": (0.02 * torch.randn(shape, generator=g)).bfloat16(),
+               "model.norm.weight": torch.ones(text.hidden_size, dtype=torch.bfloat16)},
+              str(partial / "model.safetensors"))
+    try:
+        partial.rename(out)
+    except OSError:  # another process made it first
+        shutil.rmtree(partial)
+    return str(out)
+
+
+def verifier_eos(target: str) -> int:
+    """The config's end-of-sequence id (its first, where it lists several), else its last token."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(target)
+    text = getattr(config, "text_config", config)
+    eos = getattr(text, "eos_token_id", None) or getattr(config, "eos_token_id", None)
+    eos = eos[0] if isinstance(eos, (list, tuple)) else eos
+    return int(eos) if eos is not None else text.vocab_size - 1
 
 
 def main(argv=None) -> None:
@@ -99,8 +165,9 @@ def main(argv=None) -> None:
     n_steps = args.repeats + 1
 
     # Its typed config with its defaults, overridden only where this benchmark decides.
+    verifier = verifier_dir(args.target, args.seed)
     flat = {
-        "verifier_name_or_path": args.target,
+        "verifier_name_or_path": verifier,
         "draft_vocab_size": args.draft_vocab,
         "ttt_steps": args.ttt,
         "total_seq_len": total_seq_len,
@@ -111,6 +178,8 @@ def main(argv=None) -> None:
     }
     if args.optimizer is not None:
         flat["optimizer"] = args.optimizer
+    if verifier != args.target:  # no tokenizer to take its mask token from: its fallback's kind
+        flat["mask_token_id"] = verifier_eos(args.target)
 
     tcfg = AutoConfig.from_pretrained(args.target)
     tcfg = getattr(tcfg, "text_config", tcfg)
@@ -138,7 +207,10 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     peer = build_peer(flat, t2d, d2t, n_steps)
     model, targs = peer.model, peer.args
+    device = torch.device(args.device)
+    model.to(device)
     batch = collate_documents(samples, hidden, peer.hs_dtype)
+    batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
     n_tokens = int((batch["document_ids"] != -1).sum())
     if n_tokens != total_seq_len:
         raise SystemExit(f"packed row holds {n_tokens} tokens, expected {total_seq_len}")
@@ -153,10 +225,15 @@ def main(argv=None) -> None:
           file=sys.stderr)
 
     def step():
-        return peer.step(batch)
+        result = peer.step(batch, device.type)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return result
 
     times = []
     for i in range(n_steps):
+        if i == 1 and device.type == "cuda":  # the peak of the timed steps, after the warm-up's compile
+            torch.cuda.reset_peak_memory_stats(device)
         t = time.perf_counter()
         draft_tokens, loss, metrics = step()
         dt = time.perf_counter() - t
@@ -172,6 +249,7 @@ def main(argv=None) -> None:
             times.append(dt)
 
     step_s = statistics.median(times)
+    gpu = {"peak_gpu_mb": round(torch.cuda.max_memory_allocated(device) / 2**20)} if device.type == "cuda" else {}
     print(json.dumps({
         "peer": "speculators 0.9.0",
         "seq_len": args.seq_len,
@@ -184,7 +262,10 @@ def main(argv=None) -> None:
         "tokens_per_s": round(total_seq_len / step_s, 2),
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "attn_impl": args.attn_impl,
+        "loss_impl": args.loss_impl,
         "optimizer": targs.optimizer,
+        "device": args.device,
+        **gpu,
     }), flush=True)
 
 

@@ -4,6 +4,7 @@ lengths, draft vocab sizes, sequence lengths and packing, on the target geometry
 
     python benchmarks/train_bench.py [--target .cache/models/SmolLM2-135M-Instruct]   # kernel grid
     make peer-venv && python benchmarks/train_bench.py --vs-peer                       # train_vs_peer.json
+    python benchmarks/train_bench.py --vs-peer --device cuda --target DIR --peer-python python3  # *_gpu.json
     python benchmarks/train_bench.py --allocator-ab                                    # allocator.json
     python benchmarks/train_bench.py --slots-ab --batch 4 --seq 512                    # scored_slots.json
     python benchmarks/train_bench.py --length-scaling --device cuda --target DIR       # train_length_gpu.json
@@ -25,6 +26,9 @@ process gets the same library preloaded); `SPECFORGE_ALLOCATOR=system` times bot
 (scored slots), on documents that open with an unscored prompt, each shape twice, alternating.
 --length-scaling times our step at each sequence length with the same tokens per step, for each
 attention kernel and dtype, on the CPU or a GPU (there in one process, with the allocator's peak).
+--vs-peer --device cuda: both sides on the GPU, each at its defaults there (the peer: flex
+attention and its fused loss; speculators installed beside CUDA torch, `--peer-python python3`),
+on a target that may be a config alone (the peer worker gives it random head weights).
 """
 from __future__ import annotations
 
@@ -37,6 +41,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -168,7 +173,16 @@ def peer(args, precision, ttt, vocab, docs, seq) -> dict:
     env = mimalloc_env()  # the peer's process on the same allocator as ours
     return in_subprocess([args.peer_python, PEER_WORKER, "--target", args.target, "--seq-len", str(seq),
                           "--docs", str(docs), "--dtype", precision, "--ttt", str(ttt),
-                          "--draft-vocab", str(vocab), "--repeats", str(args.repeats), "--optimizer", "adamw"], env)
+                          "--draft-vocab", str(vocab), "--repeats", str(args.repeats), "--optimizer", "adamw",
+                          "--device", "cuda" if args.device.startswith("cuda") else "cpu"], env)
+
+
+def _measured(side, *a, **kw) -> dict:
+    """One side's result, or its error (the table goes on: a run on a lent GPU gets no second try)."""
+    try:
+        return side(*a, **kw)
+    except (RuntimeError, ValueError) as e:  # a failed process, or no JSON line from it
+        return {"tokens_per_s": None, "peak_rss_mb": None, "error": str(e)[-1500:]}
 
 
 def kernel_grid(args):
@@ -186,30 +200,52 @@ def kernel_grid(args):
 
 
 def vs_peer(args):
+    """Ours and the peer on the same shapes, each configuration in a fresh process; the JSON is
+    rewritten after every row (a run cut short keeps what it measured). On a GPU both sides run
+    their defaults there (ours: --attentions' first kernel; the peer: flex and its fused loss) and
+    the rows carry each side's peak GPU memory; on a CPU a last row of ours with a 32K draft vocab
+    records the peak RSS of the longest length."""
+    gpu = args.device.startswith("cuda")
+    attention = args.attentions[0]
+    peer_kernels = "flex attention, fused loss" if gpu else "sdpa attention, eager loss"
     rows = []
-    print("| tokens/sequence | layout | dtype | ours tok/s | peer tok/s | ours / peer | ours peak RSS MB | peer peak RSS MB |\n"
-          "|---|---|---|---|---|---|---|---|")
+    result = {"rows": rows, "device": torch.cuda.get_device_name(0) if gpu else f"cpu ({os.cpu_count()} threads)",
+              "ttt": args.ttt, "draft_vocab": args.draft_vocab, "threads": os.cpu_count(), "allocator": allocator(),
+              "ours": f"train.attention={attention}",
+              "peer": f"speculators 0.9.0 ({peer_kernels}, AdamW; benchmarks/peer_train_worker.py)",
+              "command": "python " + " ".join(sys.argv)}
+    memory = "GPU" if gpu else "RSS"
+    print(f"| tokens/sequence | layout | dtype | ours tok/s | peer tok/s | ours / peer | ours peak {memory} MB | "
+          f"peer peak {memory} MB |\n|---|---|---|---|---|---|---|---|")
     for seq in args.seq_lens:
         docs = max(1, args.tokens_per_step // seq)
         for precision in args.dtypes:
-            mine = ours(args, "sdpa", precision, args.ttt, args.draft_vocab, docs, seq)
-            theirs = peer(args, precision, args.ttt, args.draft_vocab, docs, seq)
+            mine = _measured(ours, args, attention, precision, args.ttt, args.draft_vocab, docs, seq,
+                             device=args.device)
+            theirs = _measured(peer, args, precision, args.ttt, args.draft_vocab, docs, seq)
             layout = f"{docs} x {seq}"
-            rows.append({"seq_len": seq, "layout": layout, "dtype": precision,
-                         "ours_tok_s": mine["tokens_per_s"], "peer_tok_s": theirs["tokens_per_s"],
-                         "ours_peak_rss_mb": mine["peak_rss_mb"], "peer_peak_rss_mb": theirs["peak_rss_mb"]})
-            print(f"| {seq} | {layout} | {precision} | {mine['tokens_per_s']} | {theirs['tokens_per_s']} | "
-                  f"{mine['tokens_per_s'] / theirs['tokens_per_s']:.2f} | {mine['peak_rss_mb']} | "
-                  f"{theirs['peak_rss_mb']} |", flush=True)
-    memory = ours(args, "sdpa", "bf16", args.ttt, 32000, 1, max(args.seq_lens))
-    print(f"\nours, 1 x {max(args.seq_lens)} tokens, TTT {args.ttt}, draft vocab 32000, bf16: "
-          f"{memory['tokens_per_s']} tok/s, peak RSS {memory['peak_rss_mb']} MB")
-    return {"rows": rows, "memory": {"seq_len": max(args.seq_lens), "ttt": args.ttt, "draft_vocab": 32000,
-                                     "dtype": "bf16", "peak_rss_mb": memory["peak_rss_mb"],
-                                     "tokens_per_s": memory["tokens_per_s"]},
-            "ttt": args.ttt, "draft_vocab": args.draft_vocab, "threads": os.cpu_count(), "allocator": allocator(),
-            "peer": "speculators 0.9.0 (sdpa attention, eager loss, AdamW; benchmarks/peer_train_worker.py)",
-            "command": "python " + " ".join(sys.argv)}
+            row = {"seq_len": seq, "layout": layout, "dtype": precision,
+                   "ours_tok_s": mine["tokens_per_s"], "peer_tok_s": theirs["tokens_per_s"],
+                   "ours_peak_rss_mb": mine["peak_rss_mb"], "peer_peak_rss_mb": theirs["peak_rss_mb"]}
+            if gpu:
+                row.update(ours_peak_gpu_mb=mine.get("peak_gpu_mb"), peer_peak_gpu_mb=theirs.get("peak_gpu_mb"))
+            row.update({f"{side}_error": r["error"] for side, r in (("ours", mine), ("peer", theirs)) if "error" in r})
+            rows.append(row)
+            ratio = f"{mine['tokens_per_s'] / theirs['tokens_per_s']:.2f}" if mine["tokens_per_s"] and theirs["tokens_per_s"] else "-"
+            key = "peak_gpu_mb" if gpu else "peak_rss_mb"
+            print(f"| {seq} | {layout} | {precision} | {mine['tokens_per_s']} | {theirs['tokens_per_s']} | {ratio} | "
+                  f"{mine.get(key)} | {theirs.get(key)} |", flush=True)
+            for side, r in (("ours", mine), ("peer", theirs)):
+                if "error" in r:
+                    print(f"|   {side} failed: {r['error'].strip().splitlines()[-1][:200]} |", flush=True)
+            write_json(Path(args.out), result)
+    if not gpu:
+        big = _measured(ours, args, attention, "bf16", args.ttt, 32000, 1, max(args.seq_lens))
+        print(f"\nours, 1 x {max(args.seq_lens)} tokens, TTT {args.ttt}, draft vocab 32000, bf16: "
+              f"{big['tokens_per_s']} tok/s, peak RSS {big['peak_rss_mb']} MB")
+        result["memory"] = {"seq_len": max(args.seq_lens), "ttt": args.ttt, "draft_vocab": 32000, "dtype": "bf16",
+                            "peak_rss_mb": big["peak_rss_mb"], "tokens_per_s": big["tokens_per_s"]}
+    return result
 
 
 def length_scaling(args):
@@ -323,7 +359,7 @@ def main():
     ap.add_argument("--length-scaling", action="store_true",
                     help="our step at each --seq-lens with --tokens-per-step, per --attentions and --dtypes")
     ap.add_argument("--attentions", type=lambda s: s.split(","), default=["sdpa"])
-    ap.add_argument("--device", default="cpu", help="--length-scaling: cpu or cuda")
+    ap.add_argument("--device", default="cpu", help="--length-scaling, --vs-peer: cpu or cuda")
     ap.add_argument("--profile", action="store_true",
                     help="--length-scaling off the CPU: each step's top ops on the device (one more step, profiled)")
     ap.add_argument("--seq-lens", type=lambda s: [int(x) for x in s.split(",")], default=[512, 2048, 4096])
@@ -346,7 +382,7 @@ def main():
         result["allocator"] = running_allocator()  # what this process runs on
         print(json.dumps(result))
         return
-    if args.vs_peer and not Path(args.peer_python).exists():
+    if args.vs_peer and not (Path(args.peer_python).exists() or shutil.which(args.peer_python)):
         sys.exit(f"{args.peer_python} not found: run `make peer-venv` first (speculators in its own virtualenv)")
     if args.allocator_ab:
         result, default_out = allocator_ab(args), "benchmarks/results/allocator.json"
@@ -356,7 +392,8 @@ def main():
         args.out = args.out or f"benchmarks/results/train_length_{'cpu' if args.device == 'cpu' else 'gpu'}.json"
         result, default_out = length_scaling(args), args.out
     elif args.vs_peer:
-        result, default_out = vs_peer(args), "benchmarks/results/train_vs_peer.json"
+        args.out = args.out or f"benchmarks/results/train_vs_peer{'_gpu' if args.device.startswith('cuda') else ''}.json"
+        result, default_out = vs_peer(args), args.out
     else:
         result, default_out = kernel_grid(args), "benchmarks/results/train.json"
     out = Path(args.out or default_out)

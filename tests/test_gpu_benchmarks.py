@@ -91,7 +91,7 @@ def test_gpu_summary_gathers_the_parts_and_names_what_is_missing(tiny_target_dir
     assert [r["n"] for r in gpu["verify"]["rows"]] == [1, 4]
     assert gpu["tests"]["test_cuda"] == {"passed": 1, "failed": 1, "skipped": 0,
                                          "failures": ["test_two::test_fails"]}
-    assert gpu["missing"] == ["extract", "train_length", "attention", "stages"]
+    assert gpu["missing"] == ["extract", "train_length", "attention", "train_vs_peer", "stages"]
     assert gpu["extraction"] is None and gpu["training"] is None
 
     assert summary.main([str(tmp_path / "nowhere"), "--out", str(out)]) == 2
@@ -134,3 +134,37 @@ def test_a_training_step_timed_and_profiled_as_on_a_gpu(tiny_target_dir):
     assert [op["ms"] for op in ops] == sorted((op["ms"] for op in ops), reverse=True)
     assert 0 < sum(op["share"] for op in ops) <= 1.001
     assert any(op["op"] in ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear") for op in ops)
+
+
+def test_the_peer_worker_gives_a_geometry_random_verifier_weights_once(tiny_target_dir, tmp_path, monkeypatch):
+    """benchmarks/peer_train_worker.py on a target that is a config alone (benchmarks/targets/*, as
+    on a GPU machine): a folder with that config and the three tensors the peer's draft reads from
+    its verifier, at the config's shapes, made once and reused; a target with weights is used as it
+    is. Its kernels default per device: sdpa and the eager loss on a CPU, its own defaults on a GPU."""
+    import tempfile
+
+    from safetensors import safe_open
+
+    worker = benchmark("peer_train_worker")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    geometry = _config_only(tiny_target_dir, tmp_path)
+    made = Path(worker.verifier_dir(str(geometry)))
+    assert made.parent == tmp_path and made != geometry
+    config = json.loads((geometry / "config.json").read_text())
+    with safe_open(str(made / "model.safetensors"), "pt") as f:
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    vocab, hidden = config["vocab_size"], config["hidden_size"]
+    assert shapes == {"model.embed_tokens.weight": (vocab, hidden), "lm_head.weight": (vocab, hidden),
+                      "model.norm.weight": (hidden,)}
+    assert json.loads((made / "config.json").read_text())["hidden_size"] == hidden
+    stamp = (made / "model.safetensors").stat().st_mtime_ns
+    assert worker.verifier_dir(str(geometry)) == str(made)  # the next configuration's process: reused
+    assert (made / "model.safetensors").stat().st_mtime_ns == stamp
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("peer_verifier_")] == [made.name]
+    assert worker.verifier_dir(str(tiny_target_dir)) == str(tiny_target_dir)
+    assert worker.verifier_eos(str(geometry)) in range(vocab)
+
+    cpu, gpu = worker.parse_args([]), worker.parse_args(["--device", "cuda"])
+    assert (cpu.attn_impl, cpu.loss_impl) == ("sdpa", "eager")
+    assert (gpu.attn_impl, gpu.loss_impl) == ("simple_flex_attention", "fused")
+    assert worker.parse_args(["--device", "cuda", "--attn-impl", "sdpa"]).attn_impl == "sdpa"
