@@ -160,6 +160,30 @@ def test_missing_file_says_how_to_generate_it(tmp_path, tiny_target_dir):
         stage.run(cfg, tmp_path / "run")
 
 
+def test_an_empty_file_or_held_out_split_is_refused_before_training(tmp_path, tiny_target_dir, raw):
+    """A 0-byte data file is refused with the inputs' check (before the stage reads anything); held-out
+    files whose rows all drop out (blank lines, or every row quarantined with the share check off)
+    are refused by the stage, as an empty training split is: every held-out metric would be of nothing."""
+    train_file, eval_file = raw
+    empty = tmp_path / "empty.jsonl"
+    empty.write_bytes(b"")
+    for train, held_out in ((empty, eval_file), (train_file, empty)):
+        cfg = make_cfg(tmp_path, tiny_target_dir, train, held_out)
+        with pytest.raises(ValueError, match=rf"data file {empty} is empty \(0 bytes\)"):
+            stage.extra_inputs(cfg)
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text("\n\n")
+    cfg = make_cfg(tmp_path, tiny_target_dir, train_file, blank)
+    with pytest.raises(ValueError, match=r"no held-out samples left out of 0 rows of data.eval_files.*eval_files=\[\]"):
+        stage.run(cfg, tmp_path / "run")
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text("not json\n{\"messages\": []}\n")
+    cfg = make_cfg(tmp_path, tiny_target_dir, train_file, broken, max_quarantined_share=1.0)  # share check off
+    with pytest.raises(ValueError, match=r"no held-out samples left out of 2 rows .*top reasons: invalid_json 1"):
+        stage.run(cfg, tmp_path / "run2")
+    assert stage.run(make_cfg(tmp_path, tiny_target_dir, train_file, None), tmp_path / "run3") is not None
+
+
 def test_extra_inputs_follow_file_contents(tmp_path, tiny_target_dir, raw):
     train_file, eval_file = raw
     cfg = make_cfg(tmp_path, tiny_target_dir, train_file, eval_file)

@@ -50,8 +50,8 @@ def hub_name_split(spec: str) -> tuple[str, str]:
 
 
 def check_source(path: str) -> None:
-    """Raise naming `path` when it cannot be an input: a missing file, or a folder that is not a
-    save_to_disk folder (hub names are only checked for their spelling: no network here)."""
+    """Raise naming `path` when it cannot be an input: a missing or empty file, or a folder that is
+    not a save_to_disk folder (hub names are only checked for their spelling: no network here)."""
     if is_hub(path):
         hub_name_split(path)
     elif Path(path).is_dir():
@@ -60,6 +60,8 @@ def check_source(path: str) -> None:
                                f"(none of {', '.join(DATASET_FOLDER_FILES)} in it)")
     elif not Path(path).is_file():
         raise MissingInput(f"data file {path} not found")
+    elif Path(path).stat().st_size == 0:
+        raise InvalidInput(f"data file {path} is empty (0 bytes): it holds no conversation")
 
 
 def source_fingerprint(path: str) -> str:

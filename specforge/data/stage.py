@@ -427,6 +427,14 @@ def run(cfg, run_dir, fingerprint: str | None = None) -> dict:
         _write_report(layout, summary, None)
         raise InvalidInput("; ".join(too_many) + f". Every row is accounted for in {layout.quarantine} and "
                            f"{layout.data_report_md}; to accept this, raise data.max_quarantined_share (1.0: never fail)")
+    held_out = results.get("eval")
+    if held_out is not None and not held_out["samples"]:  # every held-out metric would be of nothing
+        _write_report(layout, summary, None)
+        raise InvalidInput(
+            f"data: no held-out samples left out of {held_out['counts']['input_rows']} rows of data.eval_files "
+            f"(top reasons: {_top_reasons(held_out['counts'])}); see {layout.quarantine} and {layout.data_report_md}; "
+            "name files with held-out conversations, or data.eval_files=[] to train without a held-out split"
+        )
 
     vocab_size = target_vocab_size(target_path, tokenizer)
     requested = cfg.draft.draft_vocab_size
