@@ -184,6 +184,20 @@ def test_an_empty_file_or_held_out_split_is_refused_before_training(tmp_path, ti
     assert stage.run(make_cfg(tmp_path, tiny_target_dir, train_file, None), tmp_path / "run3") is not None
 
 
+def test_a_max_length_past_the_targets_context_is_refused_before_any_row_is_read(tmp_path, tiny_target_dir, raw):
+    from transformers import AutoConfig
+
+    positions = AutoConfig.from_pretrained(tiny_target_dir).max_position_embeddings
+    cfg = make_cfg(tmp_path, tiny_target_dir, raw[0], None, max_length=positions + 1)
+    with pytest.raises(ValueError, match=rf"data.max_length={positions + 1} is past the target's context: "
+                                         rf"max_position_embeddings={positions} in .*config.json"):
+        stage.check(cfg)
+    with pytest.raises(ValueError, match="past the target's context"):
+        stage.run(cfg, tmp_path / "run")
+    assert not (tmp_path / "run" / "data" / "train.jsonl").exists()
+    stage.check(make_cfg(tmp_path, tiny_target_dir, raw[0], None, max_length=positions))
+
+
 def test_extra_inputs_follow_file_contents(tmp_path, tiny_target_dir, raw):
     train_file, eval_file = raw
     cfg = make_cfg(tmp_path, tiny_target_dir, train_file, eval_file)

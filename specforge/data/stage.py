@@ -129,10 +129,14 @@ def check(cfg) -> None:
     from specforge.data.fix import check_config as check_fix
     from specforge.data.regen.run import check_config as check_regen
 
+    from specforge.targets.loader import local_target_config
+
     check_ranges(cfg, ["data"])
     check_fix(cfg.data.fix)
     if cfg.data.regenerate.enabled:
         check_regen(cfg.data.regenerate)
+    if (target_config := local_target_config(cfg.target)) is not None:  # else once it is fetched (run)
+        check_max_length(cfg, target_config, cfg.target.path)
     splits = split_files(cfg)
     ids = _identities([f for files in splits.values() for f in files])
     for split, files in splits.items():  # the second copy's rows would all be quarantined as duplicates
@@ -151,6 +155,17 @@ def check(cfg) -> None:
                 raise InvalidInput(f"data.eval_files: {e} is also a training file ({train[ids[e]]}): no held-out row "
                                    "would be left; name another file, or set data.eval_in_train=keep to evaluate on "
                                    "training prompts")
+
+
+def check_max_length(cfg, target_config, where) -> None:
+    """data.max_length within the target's positions: past them its hidden states are not what it
+    serves (RoPE beyond its training), and training would learn from them without a sign."""
+    from specforge.targets.loader import text_config
+
+    positions = getattr(text_config(target_config), "max_position_embeddings", None)
+    if positions and cfg.data.max_length > positions:
+        raise InvalidInput(f"data.max_length={cfg.data.max_length} is past the target's context: "
+                           f"max_position_embeddings={positions} in {where}/config.json; set data.max_length <= {positions}")
 
 
 def _identities(entries: list[str]) -> dict[str, tuple]:
@@ -391,6 +406,8 @@ def run(cfg, run_dir, fingerprint: str | None = None) -> dict:
         for f in files:
             _check_exists(f)
     target_path = resolve_target_path(cfg.target)
+    check_max_length(cfg, AutoConfig.from_pretrained(target_path, trust_remote_code=cfg.target.trust_remote_code),
+                     target_path)
     tokenizer = load_tokenizer(cfg.target)
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidInput(f"target tokenizer at {target_path} has no chat template; the data stage needs one")
