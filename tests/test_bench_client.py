@@ -237,6 +237,13 @@ def test_conversation_requests_send_images_as_sglang_image_data(tmp_path, tiny_v
 @pytest.mark.parametrize("args, message", [
     (["--num-prompts", "0"], "bench: scenario chat: num_prompts must be >= 1, got 0"),
     (["--scenario", "bogus"], "bench: unknown scenario 'bogus'; known: ['chat', 'code', 'completion']"),
+    (["--url", "127.0.0.1:30000"], "bench: --url '127.0.0.1:30000' is not an http(s) URL (e.g. http://127.0.0.1:30000)"),
+    (["--baseline-url", "localhost"], "bench: --baseline-url 'localhost' is not an http(s) URL (e.g. http://127.0.0.1:30000)"),
+    (["--temperature", "-1"], "bench: --temperature must be >= 0 (0: greedy), got -1.0"),
+    (["--vocab-size", "0"], "bench: --vocab-size must be >= 2, got 0"),
+    # a server that is not there: the warm-up's failure, one line (nothing was measured)
+    (["--num-prompts", "2"], "bench: benchmark warmup request to http://127.0.0.1:9 failed: ConnectError: "
+                             "All connection attempts failed; is the server up at http://127.0.0.1:9?"),
 ])
 def test_bench_command_refuses_bad_values_with_the_message_not_a_traceback(args, message):
     import subprocess

@@ -26,6 +26,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
+from urllib.parse import urlsplit
 
 import httpx
 import numpy as np
@@ -35,6 +36,10 @@ from specforge.launch.process import api_key_from_env, auth_headers
 from specforge.run_layout import RunLayout
 
 BACKENDS = ("sglang", "openai")
+
+
+class ServerUnreachable(RuntimeError):
+    """The server did not answer the warm-up request: nothing was measured."""
 
 
 @dataclass
@@ -288,7 +293,7 @@ async def run_benchmark_async(base_url: str, requests: Sequence[BenchRequest], *
         for req in requests[:warmup]:
             r = await one(BenchRequest(req.prompt, req.prompt_len, min(req.output_len, 16), req.images))
             if not r.success:
-                raise RuntimeError(f"benchmark warmup request to {base_url} failed: {r.error}")
+                raise ServerUnreachable(f"benchmark warmup request to {base_url} failed: {r.error}")
         start = time.perf_counter()
         tasks = []
         async for i in _arrivals(len(requests), request_rate, seed):
@@ -429,6 +434,14 @@ def add_bench_args(p) -> None:
                    help="the servers' --api-key, sent as Authorization: Bearer (default: $SPECFORGE_API_KEY)")
 
 
+def _run_or_exit(url: str, *a, **kw):
+    """run_scenario, where a server that does not answer the warm-up is one line, not a traceback."""
+    try:
+        return run_scenario(url, *a, **kw)
+    except ServerUnreachable as e:
+        raise SystemExit(f"bench: {e}; is the server up at {url}?") from None
+
+
 def bench(args) -> dict:
     from specforge.eval.scenarios import get_scenario
 
@@ -438,6 +451,13 @@ def bench(args) -> dict:
             request_rate=args.request_rate, max_concurrency=args.max_concurrency)
     except ValueError as e:  # an unknown scenario or a value it cannot run: the message, not a traceback
         raise SystemExit(f"bench: {e}") from None
+    for flag, value in (("--url", args.url), ("--baseline-url", args.baseline_url)):
+        if value is not None and (urlsplit(value).scheme not in ("http", "https") or not urlsplit(value).hostname):
+            raise SystemExit(f"bench: {flag} {value!r} is not an http(s) URL (e.g. http://127.0.0.1:30000)")
+    if args.temperature < 0:
+        raise SystemExit(f"bench: --temperature must be >= 0 (0: greedy), got {args.temperature}")
+    if args.vocab_size is not None and args.vocab_size < 2:
+        raise SystemExit(f"bench: --vocab-size must be >= 2, got {args.vocab_size}")
     tokenizer = None
     if args.tokenizer:
         from transformers import AutoTokenizer
@@ -456,10 +476,10 @@ def bench(args) -> dict:
                                          vocab, exclude_ids=special, seed=args.seed)
     kw = dict(backend=args.backend, temperature=args.temperature, seed=args.seed, api_key=args.api_key)
     results = {"scenario": scenario.to_dict()}
-    eagle = run_scenario(args.url, scenario, requests, label="eagle3", **kw)
+    eagle = _run_or_exit(args.url, scenario, requests, label="eagle3", **kw)
     results["eagle3"] = eagle.to_dict(with_requests=False)
     if args.baseline_url:
-        base = run_scenario(args.baseline_url, scenario, requests, label="baseline", **kw)
+        base = _run_or_exit(args.baseline_url, scenario, requests, label="baseline", **kw)
         results["baseline"] = base.to_dict(with_requests=False)
         results["comparison"] = comparison(base.metrics, eagle.metrics)
         print(comparison_table(base.metrics, eagle.metrics))
