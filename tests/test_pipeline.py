@@ -255,6 +255,16 @@ def test_what_cannot_run_here_is_refused_before_the_data_stage(weather_files, ti
     assert not (weather_files / "outputs" / "smollm2_weather").exists()
 
 
+@pytest.mark.parametrize("setting", ["eval.url=127.0.0.1:30000", "eval.baseline_url=localhost"])
+def test_a_server_url_that_is_not_one_is_refused_before_the_data_stage(weather_files, tiny_target_dir, setting):
+    cfg = compose_cfg(weather_files, tiny_target_dir, "stages=[data,extract,train,eval]", "eval.engine=server",
+                      "eval.url=http://127.0.0.1:30000", setting)
+    name, value = setting.split("=")
+    with pytest.raises(InvalidInput, match=rf"{name} '{value}' is not an http\(s\) URL"):
+        run_pipeline(cfg)
+    assert not (weather_files / "outputs" / "smollm2_weather").exists()
+
+
 def test_an_evaluation_on_a_held_out_split_that_is_not_there_is_refused_before_training(weather_files,
                                                                                        tiny_target_dir):
     cfg = compose_cfg(weather_files, tiny_target_dir, "stages=[data,extract,train,eval]", "data.eval_files=[]",

@@ -434,6 +434,16 @@ def add_bench_args(p) -> None:
                    help="the servers' --api-key, sent as Authorization: Bearer (default: $SPECFORGE_API_KEY)")
 
 
+def url_problem(name: str, value: str | None) -> str | None:
+    """Why `value` (a server's base URL, setting or flag `name`) cannot be one, or None (also unset)."""
+    if value is None or value == "":
+        return None
+    parts = urlsplit(str(value))
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return f"{name} {str(value)!r} is not an http(s) URL (e.g. http://127.0.0.1:30000)"
+    return None
+
+
 def _run_or_exit(url: str, *a, **kw):
     """run_scenario, where a server that does not answer the warm-up is one line, not a traceback."""
     try:
@@ -452,8 +462,8 @@ def bench(args) -> dict:
     except ValueError as e:  # an unknown scenario or a value it cannot run: the message, not a traceback
         raise SystemExit(f"bench: {e}") from None
     for flag, value in (("--url", args.url), ("--baseline-url", args.baseline_url)):
-        if value is not None and (urlsplit(value).scheme not in ("http", "https") or not urlsplit(value).hostname):
-            raise SystemExit(f"bench: {flag} {value!r} is not an http(s) URL (e.g. http://127.0.0.1:30000)")
+        if (problem := url_problem(flag, value)) is not None:
+            raise SystemExit(f"bench: {problem}")
     if args.temperature < 0:
         raise SystemExit(f"bench: --temperature must be >= 0 (0: greedy), got {args.temperature}")
     if args.vocab_size is not None and args.vocab_size < 2:

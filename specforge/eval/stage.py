@@ -53,6 +53,12 @@ def check_eval(eval_cfg) -> None:
     check_suites(eval_cfg)  # an unknown suite, a missing file, suites for a server engine
     if str(eval_cfg.engine) == "server" and not eval_cfg.url:
         raise InvalidInput("eval.engine=server needs eval.url (the base URL of a running server)")
+    if str(eval_cfg.engine) == "server":
+        from specforge.eval.bench_client import url_problem
+
+        for name in ("url", "baseline_url"):
+            if (problem := url_problem(f"eval.{name}", getattr(eval_cfg, name, None))) is not None:
+                raise InvalidInput(problem)
     if str(eval_cfg.engine) == "sglang":
         from specforge.launch.sglang_commands import flag_table
 
