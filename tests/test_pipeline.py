@@ -255,10 +255,12 @@ def test_what_cannot_run_here_is_refused_before_the_data_stage(weather_files, ti
     assert not (weather_files / "outputs" / "smollm2_weather").exists()
 
 
-@pytest.mark.parametrize("setting", ["eval.url=127.0.0.1:30000", "eval.baseline_url=localhost"])
+@pytest.mark.parametrize("setting", ["eval.url=127.0.0.1:30000", "eval.baseline_url=localhost",
+                                     "extract.aux_url=127.0.0.1:30001", "extract.final_url=ftp://host"])
 def test_a_server_url_that_is_not_one_is_refused_before_the_data_stage(weather_files, tiny_target_dir, setting):
     cfg = compose_cfg(weather_files, tiny_target_dir, "stages=[data,extract,train,eval]", "eval.engine=server",
-                      "eval.url=http://127.0.0.1:30000", setting)
+                      "eval.url=http://127.0.0.1:30000", "extract=server", "extract.aux_url=http://127.0.0.1:30001",
+                      "extract.final_url=http://127.0.0.1:30002", setting)
     name, value = setting.split("=")
     with pytest.raises(InvalidInput, match=rf"{name} '{value}' is not an http\(s\) URL"):
         run_pipeline(cfg)

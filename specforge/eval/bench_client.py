@@ -26,13 +26,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
-from urllib.parse import urlsplit
 
 import httpx
 import numpy as np
 
 from specforge.eval.scenarios import Scenario
-from specforge.launch.process import api_key_from_env, auth_headers
+from specforge.launch.process import api_key_from_env, auth_headers, url_problem
 from specforge.run_layout import RunLayout
 
 BACKENDS = ("sglang", "openai")
@@ -432,16 +431,6 @@ def add_bench_args(p) -> None:
     p.add_argument("--out", default=None, help="write the JSON results here")
     p.add_argument("--api-key", default=None,
                    help="the servers' --api-key, sent as Authorization: Bearer (default: $SPECFORGE_API_KEY)")
-
-
-def url_problem(name: str, value: str | None) -> str | None:
-    """Why `value` (a server's base URL, setting or flag `name`) cannot be one, or None (also unset)."""
-    if value is None or value == "":
-        return None
-    parts = urlsplit(str(value))
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        return f"{name} {str(value)!r} is not an http(s) URL (e.g. http://127.0.0.1:30000)"
-    return None
 
 
 def _run_or_exit(url: str, *a, **kw):

@@ -292,6 +292,12 @@ def check(cfg) -> None:
     if backend == "server" and not (cfg.extract.aux_url and cfg.extract.final_url):
         raise InvalidInput("extract.backend=server needs extract.aux_url (a server capturing the aux layers) "
                            "and extract.final_url (a server returning final hidden states)")
+    if backend == "server":
+        from specforge.launch.process import url_problem
+
+        for name in ("aux_url", "final_url"):
+            if (problem := url_problem(f"extract.{name}", getattr(cfg.extract, name))) is not None:
+                raise InvalidInput(problem)
     if backend == "sglang":
         from specforge.launch.sglang_commands import check_aux_support
 

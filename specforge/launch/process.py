@@ -19,6 +19,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from urllib.parse import urlsplit
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -45,6 +46,16 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 # Local servers are never reached through a proxy from the environment (http_proxy without no_proxy).
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def url_problem(name: str, value: str | None) -> str | None:
+    """Why `value` (a server's base URL, setting or flag `name`) cannot be one, or None (also unset)."""
+    if value is None or value == "":
+        return None
+    parts = urlsplit(str(value))
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return f"{name} {str(value)!r} is not an http(s) URL (e.g. http://127.0.0.1:30000)"
+    return None
 
 
 def http_status(url: str, timeout: float = 5.0) -> int | None:
