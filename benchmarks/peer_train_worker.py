@@ -19,6 +19,8 @@ and the `fused` loss (Triton), its model and batch on the GPU, autocast there, a
 does on one accelerator. A target directory that holds only a config (benchmarks/targets/*) gets
 random weights for the three tensors its draft reads from the verifier (`verifier_dir`), and the
 config's end-of-sequence id as its mask token (its own fallback where a tokenizer has none).
+`--flex-tiles 64` gives its flex attention tiles of 64, as ours takes on packed rows of 16-bit heads
+wider than 64 (an H200 with torch 2.11 had too little shared memory for torch's default tiles).
 
 Deviations forced by CPU (the first two are options its trainer documents):
 - attention: its default `simple_flex_attention` cannot train on CPU (torch 2.13 raises
@@ -90,6 +92,9 @@ def parse_args(argv=None):
     p.add_argument("--loss-impl", default=None, choices=("eager", "fused"),
                    help="its --loss-implementation (default: eager on CPU, where Triton is not; "
                         "its default fused on a GPU)")
+    p.add_argument("--flex-tiles", type=int, default=None,
+                   help="its flex attention with tiles of this size (torch's kernel_options), where "
+                        "torch's default tiles ask more shared memory than the GPU has")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     gpu = args.device == "cuda"
@@ -159,6 +164,15 @@ def main(argv=None) -> None:
     from peer_common import build_peer, collate_documents
     from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
     from transformers import AutoConfig
+
+    if args.flex_tiles:  # its attention calls the module's flex_attention: that one, with the tiles
+        import functools
+
+        import speculators.models.attention as its_attention
+        from torch.nn.attention.flex_attention import flex_attention
+
+        tiles = dict.fromkeys(("BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2"), args.flex_tiles)
+        its_attention.flex_attention = functools.partial(flex_attention, kernel_options=tiles)
 
     hs_dtype_name = {"bf16": "bfloat16", "fp32": "float32"}[args.dtype]
     total_seq_len = args.docs * args.seq_len
@@ -263,6 +277,7 @@ def main(argv=None) -> None:
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "attn_impl": args.attn_impl,
         "loss_impl": args.loss_impl,
+        "flex_tiles": args.flex_tiles,
         "optimizer": targs.optimizer,
         "device": args.device,
         **gpu,
