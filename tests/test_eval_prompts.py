@@ -104,7 +104,7 @@ def test_num_prompts_is_per_suite_in_the_order_given(tiny_run, tiny_tokenizer, t
 
 
 @pytest.mark.parametrize("rows, message", [
-    ([], r"asks.jsonl: no rows"),
+    ([], r"asks.jsonl is empty \(0 bytes\)"),
     ([{"prompt": "fine"}, {"text": "no prompt here"}],
      r"asks.jsonl, line 2: row: no 'messages' or 'conversations' field .*\{\"prompt\": text or messages\}"),
     ([{"prompt": "  "}], r"asks.jsonl, line 1: prompt: empty"),
@@ -150,7 +150,7 @@ def test_images_for_a_text_target_are_refused(tiny_run, tiny_tokenizer, tmp_path
 def test_bad_suite_lists_are_refused_without_reading_a_row(tiny_run, tmp_path, suites, engine, message):
     for sub in ("a", "b"):
         (tmp_path / sub).mkdir()
-        (tmp_path / sub / "x.jsonl").write_text("")  # empty: never read by the cheap check
+        (tmp_path / sub / "x.jsonl").write_text("not json\n")  # never read by the cheap check
     _, ev = configs(tiny_run, f"suites={suites.format(d=tmp_path)}", f"engine={engine}")
     with pytest.raises(ValueError, match=message):
         check_suites(ev)
