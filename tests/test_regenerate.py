@@ -669,6 +669,9 @@ def test_openai_nothing_answers_names_the_url(tmp_path):
         regenerate_conversations(dataset(2), cfg(backend="openai", urls=[url]), None, tmp_path, "train")
     with pytest.raises(ValueError, match="data.regenerate.urls"):
         regenerate_conversations(dataset(2), cfg(backend="openai"), None, tmp_path, "train")
+    with pytest.raises(ValueError, match=r"data.regenerate.urls\[1\] '127.0.0.1:30000' is not an http\(s\) URL"):
+        regenerate_conversations(dataset(2), cfg(backend="openai", urls=[url, "127.0.0.1:30000"]), None, tmp_path,
+                                 "train")
     with pytest.raises(ValueError, match="data.regenerate.backend"):
         regenerate_conversations(dataset(2), cfg(backend="vllm"), None, tmp_path, "train")
 

@@ -128,7 +128,6 @@ def check(cfg) -> None:
     """Fail on a setting that cannot work before any file is read, not after minutes of work."""
     from specforge.data.fix import check_config as check_fix
     from specforge.data.regen.run import check_config as check_regen
-
     from specforge.targets.loader import local_target_config
 
     check_ranges(cfg, ["data"])

@@ -140,6 +140,12 @@ def check_config(cfg) -> None:
     if cfg.backend == "openai" and not cfg.urls:
         raise InvalidInput("data.regenerate.urls: empty; the openai backend needs at least one server URL "
                            "(e.g. http://127.0.0.1:30000)")
+    if cfg.backend == "openai":
+        from specforge.launch.process import url_problem
+
+        for i, url in enumerate(cfg.urls):
+            if (problem := url_problem(f"data.regenerate.urls[{i}]", url)) is not None:
+                raise InvalidInput(problem)
     for name in ("batch_size", "concurrency", "max_new_tokens"):
         if int(getattr(cfg, name)) < 1:
             raise InvalidInput(f"data.regenerate.{name}: must be >= 1, got {getattr(cfg, name)}")
