@@ -234,7 +234,9 @@ def vs_peer(args):
         for precision in args.dtypes:
             mine = _measured(ours, args, attention, precision, args.ttt, args.draft_vocab, docs, seq,
                              device=args.device)
-            theirs = _measured(peer, args, precision, args.ttt, args.draft_vocab, docs, seq)
+            theirs = (_measured(peer, args, precision, args.ttt, args.draft_vocab, docs, seq)
+                      if args.peer_seq_lens is None or seq in args.peer_seq_lens
+                      else {"tokens_per_s": None, "peak_rss_mb": None})  # ours alone at this length
             layout = f"{docs} x {seq}"
             row = {"seq_len": seq, "layout": layout, "dtype": precision,
                    "ours_tok_s": mine["tokens_per_s"], "peer_tok_s": theirs["tokens_per_s"],
@@ -381,6 +383,8 @@ def main():
     ap.add_argument("--ttt", type=int, default=7)
     ap.add_argument("--draft-vocab", type=int, default=8192)
     ap.add_argument("--peer-python", default=PEER_PYTHON)
+    ap.add_argument("--peer-seq-lens", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                    help="--vs-peer: the lengths the peer runs at too (default: every --seq-lens)")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: one configuration, JSON in and out
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
