@@ -145,6 +145,10 @@ class DraftConfig:
     """Geometry of the EAGLE3 head; None means: copy the target's value."""
 
     draft_vocab_size: int = 32000
+    # the data stage refuses a draft vocab that covers less of the training loss tokens: the draft
+    # never proposes the others, and the held-out simulated accept length (counted where the target's
+    # token is in the draft vocab, docs/contract.md §4) would hide it (0: never refuse)
+    min_vocab_coverage: float = 0.8
     hidden_size: Optional[int] = None
     intermediate_size: Optional[int] = None
     num_attention_heads: Optional[int] = None
@@ -430,6 +434,7 @@ RANGES = {
         "train.resume": (lambda v: v in ("never", "auto") or Path(v).is_dir(),
                          "be never, auto or an existing state directory"),
         "draft.draft_vocab_size": _at_least(1),
+        "draft.min_vocab_coverage": _within(0.0, 1.0),
         "draft.hidden_size": _none_or(_at_least(1)),
         "draft.intermediate_size": _none_or(_at_least(1)),
         "draft.num_attention_heads": _none_or(_at_least(1)),

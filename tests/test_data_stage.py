@@ -198,6 +198,22 @@ def test_a_max_length_past_the_targets_context_is_refused_before_any_row_is_read
     stage.check(make_cfg(tmp_path, tiny_target_dir, raw[0], None, max_length=positions))
 
 
+def test_a_draft_vocab_that_covers_too_few_loss_tokens_is_refused_with_its_report(tmp_path, tiny_target_dir, raw):
+    """With 2 draft tokens the held-out simulated accept length looked perfect (it counts the
+    positions whose token is in the draft vocab) while the draft could propose almost nothing."""
+    cfg = make_cfg(tmp_path, tiny_target_dir, raw[0], raw[1])
+    cfg.draft.draft_vocab_size = 2
+    with pytest.raises(ValueError, match=r"draft.draft_vocab_size=2 covers \d+\.\d% of the training loss tokens, "
+                                         r"below draft.min_vocab_coverage=0.8: .* The data has \d+ distinct loss tokens"):
+        stage.run(cfg, tmp_path / "run")
+    report = read_json(tmp_path / "run" / "data" / "report.json")
+    assert report["vocab"]["coverage"]["train"] < 0.8  # the report says what was found
+    cfg.draft.min_vocab_coverage = 0.0  # never refuse
+    assert stage.run(cfg, tmp_path / "run2")["vocab"]["draft_vocab_size"] == 2
+    cfg.draft.min_vocab_coverage, cfg.draft.init_from = 0.8, str(tmp_path / "some_draft")  # its own vocab map
+    assert stage.run(cfg, tmp_path / "run3")["vocab"]["coverage"]["train"] < 0.8
+
+
 def test_extra_inputs_follow_file_contents(tmp_path, tiny_target_dir, raw):
     train_file, eval_file = raw
     cfg = make_cfg(tmp_path, tiny_target_dir, train_file, eval_file)

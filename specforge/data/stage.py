@@ -472,7 +472,25 @@ def run(cfg, run_dir, fingerprint: str | None = None) -> dict:
         "coverage": {split: _coverage(r["samples"], t2d) for split, r in results.items()},
     }
     _write_report(layout, summary, vocab)
+    refuse_low_coverage(cfg, vocab, train["samples"], layout)
     return {**summary, "vocab": vocab}
+
+
+def refuse_low_coverage(cfg, vocab: dict, samples: list[dict], layout: RunLayout) -> None:
+    """A draft vocab that covers too few of the training loss tokens (the most frequent ones are
+    kept, so no draft vocab of that size covers more): the draft never proposes the rest, and the
+    held-out simulated accept length, counted where the target's token is in the draft vocab
+    (docs/contract.md §4), would not show it."""
+    covered, floor = vocab["coverage"]["train"], cfg.draft.min_vocab_coverage
+    if covered >= floor or cfg.draft.init_from:  # a draft trained on keeps its own vocab map
+        return
+    distinct = len({t for s in samples for t, m in zip(s["input_ids"], s["loss_mask"]) if m})
+    raise InvalidInput(
+        f"draft.draft_vocab_size={vocab['draft_vocab_size']} covers {covered:.1%} of the training loss tokens, "
+        f"below draft.min_vocab_coverage={floor:g}: the draft never proposes the other {1 - covered:.1%}, and the "
+        f"held-out simulated accept length (counted where the target's token is in the draft vocab) would hide it. "
+        f"The data has {distinct} distinct loss tokens: raise draft.draft_vocab_size, or lower "
+        f"draft.min_vocab_coverage (0: never refuse). See {layout.data_report_md}")
 
 
 def refuse_before_regeneration(cfg, split: str, rows: int, quarantine: list[dict], layout: RunLayout) -> None:
