@@ -472,6 +472,11 @@ def main(argv: list[str] | None = None) -> int:
                         "(written under <out>/images/<split>/)")
     p.add_argument("--image-size", type=int, default=224, help=f"widget width = height in pixels (>= {MIN_IMAGE_SIZE})")
     args = p.parse_args(argv)
+    for flag, n in (("--train", args.train), ("--eval", args.eval)):
+        if n < 0:
+            p.error(f"{flag}: a number of conversations, >= 0, got {n}")
+    if not 0.0 <= args.multi_turn <= 1.0:
+        p.error(f"--multi-turn: a fraction in [0, 1], got {args.multi_turn}")
     if args.corrupt and args.format != "messages":
         p.error("--corrupt works on --format messages rows")
     if not 0.0 <= args.images <= 1.0:
@@ -480,6 +485,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--image-size: must be >= {MIN_IMAGE_SIZE}, got {args.image_size}")
     out = Path(args.out)
     for split, n in (("train", args.train), ("eval", args.eval)):
+        if n == 0:  # no file (an earlier one removed) rather than an empty one, which the data stage refuses
+            (out / f"{split}.jsonl").unlink(missing_ok=True)
+            print(f"no {split} conversations asked for: no {out / f'{split}.jsonl'} (data.{split}_files=[])")
+            continue
         samples = generate_samples(n, args.seed, split, args.multi_turn, args.images)
         rows = [to_row(s, args.format) for s in samples]
         path = out / f"{split}.jsonl"

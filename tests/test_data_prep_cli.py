@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -75,3 +77,15 @@ def test_regenerate_refuses_an_unknown_dtype_before_writing_anything(tmp_path):
     assert proc.returncode == 2
     assert "argument --dtype: invalid choice: 'fp17'" in proc.stderr and "bfloat16" in proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["one.jsonl"]
+
+
+def test_weather_refuses_negative_counts_and_writes_no_empty_split(tmp_path, capsys):
+    """An empty eval.jsonl would be refused by the data stage: --eval 0 leaves none (an old one goes)."""
+    from data_prep.weather import main
+
+    with pytest.raises(SystemExit):
+        main(["--out", str(tmp_path), "--train", "-5"])
+    assert "--train: a number of conversations, >= 0, got -5" in capsys.readouterr().err
+    assert main(["--out", str(tmp_path), "--train", "3", "--eval", "2"]) == 0
+    assert main(["--out", str(tmp_path), "--train", "3", "--eval", "0"]) == 0
+    assert (tmp_path / "train.jsonl").stat().st_size > 0 and not (tmp_path / "eval.jsonl").exists()
