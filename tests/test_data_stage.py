@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import toon_format
@@ -190,12 +191,19 @@ def test_a_max_length_past_the_targets_context_is_refused_before_any_row_is_read
     positions = AutoConfig.from_pretrained(tiny_target_dir).max_position_embeddings
     cfg = make_cfg(tmp_path, tiny_target_dir, raw[0], None, max_length=positions + 1)
     with pytest.raises(ValueError, match=rf"data.max_length={positions + 1} is past the target's context: "
-                                         rf"max_position_embeddings={positions} in .*config.json"):
+                                         rf"{positions} positions \(max_position_embeddings and RoPE scaling in .*config.json"):
         stage.check(cfg)
     with pytest.raises(ValueError, match="past the target's context"):
         stage.run(cfg, tmp_path / "run")
     assert not (tmp_path / "run" / "data" / "train.jsonl").exists()
     stage.check(make_cfg(tmp_path, tiny_target_dir, raw[0], None, max_length=positions))
+    # a RoPE scaling factor stated beside the original length extends it; Llama 3.1's names the original
+    from transformers import LlamaConfig
+
+    assert stage.target_context(LlamaConfig(max_position_embeddings=4096, rope_scaling={"rope_type": "linear",
+                                                                                        "factor": 4.0})) == 16384
+    llama31 = AutoConfig.from_pretrained(Path(__file__).resolve().parents[1] / "benchmarks/targets/llama-3.1-8b")
+    assert stage.target_context(llama31) == 131072
 
 
 def test_a_draft_vocab_that_covers_too_few_loss_tokens_is_refused_with_its_report(tmp_path, tiny_target_dir, raw):

@@ -156,15 +156,30 @@ def check(cfg) -> None:
                                    "training prompts")
 
 
+def target_context(target_config) -> int | None:
+    """The positions the target serves: max_position_embeddings, times a RoPE scaling factor that
+    the config states beside it (linear, dynamic, YaRN on the original length), not where
+    max_position_embeddings is already the scaled length (Llama 3.1's llama3 type names the original)."""
+    from specforge.targets.loader import text_config
+
+    text = text_config(target_config)
+    positions = getattr(text, "max_position_embeddings", None)
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    factor = rope.get("factor") if isinstance(rope, dict) else None
+    original = rope.get("original_max_position_embeddings") if isinstance(rope, dict) else None
+    if positions and factor and factor > 1 and not (original and positions > original):
+        return int(positions * factor)
+    return positions
+
+
 def check_max_length(cfg, target_config, where) -> None:
     """data.max_length within the target's positions: past them its hidden states are not what it
     serves (RoPE beyond its training), and training would learn from them without a sign."""
-    from specforge.targets.loader import text_config
-
-    positions = getattr(text_config(target_config), "max_position_embeddings", None)
+    positions = target_context(target_config)
     if positions and cfg.data.max_length > positions:
-        raise InvalidInput(f"data.max_length={cfg.data.max_length} is past the target's context: "
-                           f"max_position_embeddings={positions} in {where}/config.json; set data.max_length <= {positions}")
+        raise InvalidInput(f"data.max_length={cfg.data.max_length} is past the target's context: {positions} "
+                           f"positions (max_position_embeddings and RoPE scaling in {where}/config.json); "
+                           f"set data.max_length <= {positions}")
 
 
 def _identities(entries: list[str]) -> dict[str, tuple]:
