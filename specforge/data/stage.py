@@ -157,9 +157,9 @@ def check(cfg) -> None:
 
 
 def target_context(target_config) -> int | None:
-    """The positions the target serves: max_position_embeddings, times a RoPE scaling factor that
-    the config states beside it (linear, dynamic, YaRN on the original length), not where
-    max_position_embeddings is already the scaled length (Llama 3.1's llama3 type names the original)."""
+    """The positions the target serves: max_position_embeddings, or its RoPE scaling's reach where
+    that is longer: the factor times the original length it names (YaRN on Qwen3: 4 x 32,768; Llama
+    3.1's max_position_embeddings is that already), else times max_position_embeddings (linear)."""
     from specforge.targets.loader import text_config
 
     text = text_config(target_config)
@@ -167,8 +167,8 @@ def target_context(target_config) -> int | None:
     rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
     factor = rope.get("factor") if isinstance(rope, dict) else None
     original = rope.get("original_max_position_embeddings") if isinstance(rope, dict) else None
-    if positions and factor and factor > 1 and not (original and positions > original):
-        return int(positions * factor)
+    if positions and factor and factor > 1:
+        return max(positions, int((original or positions) * factor))
     return positions
 
 
