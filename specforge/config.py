@@ -111,7 +111,7 @@ class DataConfig:
     # hub:OWNER/NAME[:SPLIT] (data/sources.py); glob patterns expand to their sorted matches
     train_files: List[str] = MISSING
     eval_files: List[str] = field(default_factory=list)
-    format: str = "auto"  # auto | sharegpt | messages | conversations
+    format: str = "auto"  # auto | sharegpt | messages | conversations | alpaca
     image_root: Optional[str] = None  # relative image paths resolve here (default: the data file's folder)
     # Images are resized (aspect kept) so that their pixel count lies in [min, max]; None: the
     # target's image processor defaults. Fewer pixels, fewer image tokens per sample.

@@ -96,6 +96,22 @@ def test_auto_detection_matches_explicit_formats():
     assert to_conversation(sharegpt)["messages"] == to_conversation(messages)["messages"]
 
 
+def test_alpaca_rows_with_input_system_and_history():
+    """Stanford's instruction / input / output, LLaMA-Factory's system and history: the user turn
+    is the instruction and its input on the next line; the rest of the row stays."""
+    row = {"id": "a-1", "system": "Be brief.", "history": [["Oslo?", "rain"]],
+           "instruction": "Translate to French.", "input": "sunny", "output": "ensoleillé"}
+    conv = to_conversation(row)
+    assert conv == {"id": "a-1", "messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Oslo?"}, {"role": "assistant", "content": "rain"},
+        {"role": "user", "content": "Translate to French.\nsunny"}, {"role": "assistant", "content": "ensoleillé"},
+    ]}
+    assert to_conversation(row, "alpaca") == conv
+    plain = to_conversation({"instruction": "Lima?", "input": "", "output": "sky: sunny"})["messages"]
+    assert plain == [{"role": "user", "content": "Lima?"}, {"role": "assistant", "content": "sky: sunny"}]
+
+
 def test_hash_id_is_stable_and_content_dependent():
     row = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
     other = json.loads(json.dumps(row))
@@ -116,7 +132,12 @@ def test_hash_id_is_stable_and_content_dependent():
     ({"messages": ["hi"]}, "auto", r"messages\[0\]: expected an object"),
     ({"conversations": [{"from": "human"}]}, "auto", r"conversations\[0\]\.value: missing"),
     ({"conversations": [{"from": 3, "value": "x"}]}, "sharegpt", r"conversations\[0\]\.from: unknown role 3"),
-    ({"text": "hi"}, "auto", "no 'messages' or 'conversations'"),
+    ({"text": "hi"}, "auto", "no 'messages' or 'conversations' field, nor Alpaca's 'instruction' and 'output'"),
+    ({"instruction": "hi"}, "alpaca", "output: expected a string, got nothing"),
+    ({"instruction": ["hi"], "output": "x"}, "auto", "instruction: expected a string, got list"),
+    ({"instruction": "hi", "input": 3, "output": "x"}, "auto", "input: expected a string, got int"),
+    ({"instruction": "hi", "output": "x", "history": [["q"]]}, "auto", r"history\[0\]: expected a \[question, answer\]"),
+    ({"instruction": "hi", "output": "x", "history": "q"}, "auto", "history: expected a list"),
     ({"conversations": []}, "messages", "messages: missing"),
     ({"system": 5, "messages": [{"role": "user", "content": "x"}]}, "auto", "system: expected a string"),
 ])
@@ -127,7 +148,7 @@ def test_malformed_rows_name_the_field(row, fmt, field):
 
 def test_unknown_format_is_a_config_error_not_a_row_error():
     with pytest.raises(ValueError, match="data.format") as e:
-        to_conversation({"messages": []}, "alpaca")
+        to_conversation({"messages": []}, "vicuna")
     assert not isinstance(e.value, DataError)
 
 

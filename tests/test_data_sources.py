@@ -69,6 +69,11 @@ SHAPES = {
                                        {"role": "assistant", "content": ANSWER}]},
         {"id": "c3", "conversations": [{"role": "user", "content": "Quito?"}]},
     ],
+    "alpaca": [  # Stanford's fields, LLaMA-Factory's system and history
+        {"id": "a1", "instruction": "Oslo?", "input": "in TOON", "output": ANSWER},
+        {"id": "a2", "system": "Be brief.", "history": [["Hi", "Hello"]], "instruction": "Lima?", "output": ANSWER},
+        {"id": "a3", "instruction": "Quito?", "input": "", "output": ""},  # no answer to train on
+    ],
     # one table mixing shapes: every row gets the other shape's column as null
     "mixed": [
         {"id": "x1", "messages": [{"role": "user", "content": "Oslo?"}, {"role": "assistant", "content": ANSWER}]},

@@ -27,7 +27,8 @@ from typing import Any, BinaryIO, Iterator, NoReturn
 from specforge.errors import InvalidInput
 from specforge.utils.io import fingerprint
 
-FORMATS = ("auto", "sharegpt", "messages", "conversations")
+FORMATS = ("auto", "sharegpt", "messages", "conversations", "alpaca")
+ALPACA_KEYS = ("instruction", "input", "output", "history")  # and "system", as the other formats
 
 # Role spellings seen in public datasets -> the roles chat templates understand (a tool's result:
 # OpenAI's "tool", its older "function", Llama 3's "ipython", glaive's ShareGPT "observation").
@@ -310,12 +311,16 @@ def _read_json_list(path: Path) -> Iterator[RawRow]:
 
 
 def detect_format(data: dict) -> str:
-    """'messages', 'sharegpt' (from/value turns) or 'conversations' (role/content turns)."""
+    """'messages', 'sharegpt' (from/value turns), 'conversations' (role/content turns) or 'alpaca'
+    (instruction / input / output)."""
     if "messages" in data:
         return "messages"
     turns = data.get("conversations")
+    if turns is None and "instruction" in data and "output" in data:
+        return "alpaca"
     if turns is None:
-        raise DataError(f"row: no 'messages' or 'conversations' field (keys: {sorted(data)[:8]})")
+        raise DataError(f"row: no 'messages' or 'conversations' field, nor Alpaca's 'instruction' and 'output' "
+                        f"(keys: {sorted(data)[:8]})")
     if isinstance(turns, list) and turns and isinstance(turns[0], dict) and "from" in turns[0]:
         return "sharegpt"
     return "conversations"
@@ -339,6 +344,8 @@ def to_conversation(data: dict, fmt: str = "auto") -> dict:
         raise DataError(f"row: expected a JSON object, got {type(data).__name__}")
     if fmt == "auto":
         fmt = detect_format(data)
+    if fmt == "alpaca":
+        return to_conversation(alpaca_as_messages(data), "messages")
     if fmt == "sharegpt":
         field, role_key, content_key = "conversations", "from", "value"
     elif fmt == "messages":
@@ -395,6 +402,33 @@ def to_conversation(data: dict, fmt: str = "auto") -> dict:
         messages.insert(0, {"role": "system", "content": system})
 
     return {"id": _row_id(data, messages), "messages": messages, **tools_entry(_tools(data.get("tools")))}
+
+
+def alpaca_as_messages(data: dict) -> dict:
+    """An Alpaca row (Stanford's `instruction`, optional `input`, `output`; LLaMA-Factory's optional
+    `system` and `history` of [question, answer] pairs before it) as an OpenAI-messages row: the
+    user turn is the instruction and the input joined by a newline, as LLaMA-Factory renders it.
+    The row's other fields (id, images, tools) stay as they are."""
+    def text(key: str, required: bool) -> str:
+        value = data.get(key)
+        if value is None and not required:
+            return ""
+        if not isinstance(value, str):
+            raise DataError(f"{key}: expected a string, got {'nothing' if value is None else type(value).__name__}")
+        return value
+
+    instruction, extra, output = text("instruction", True), text("input", False), text("output", True)
+    messages = []
+    history = data.get("history") or []
+    if not isinstance(history, list):
+        raise DataError(f"history: expected a list of [question, answer] pairs, got {type(history).__name__}")
+    for i, pair in enumerate(history):
+        if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(t, str) for t in pair)):
+            raise DataError(f"history[{i}]: expected a [question, answer] pair of strings")
+        messages += [{"role": "user", "content": pair[0]}, {"role": "assistant", "content": pair[1]}]
+    messages += [{"role": "user", "content": "\n".join(t for t in (instruction, extra) if t)},
+                 {"role": "assistant", "content": output}]
+    return {**{k: v for k, v in data.items() if k not in ALPACA_KEYS}, "messages": messages}
 
 
 # Where servers put split-off thinking: vLLM "reasoning" (it removed "reasoning_content" in January
