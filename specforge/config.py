@@ -333,6 +333,7 @@ class EvaluateConfig:
 
 # The values of string settings that stages after the first act on; refused before any stage runs
 # (the modules that act on them take these tuples from here).
+DATA_FORMATS = ("auto", "sharegpt", "messages", "conversations", "alpaca")  # specforge/data/formats.py
 TARGET_KINDS = ("causal_lm", "qwen3_vl", "qwen2_5_vl")  # specforge/targets/loader.py
 TARGET_DTYPES = ("bfloat16", "float16", "float32")  # specforge/targets/loader.py
 OPTIMIZERS = ("adamw", "muon")  # specforge/distributed/optimizer.py
@@ -386,6 +387,7 @@ RANGES = {
     },
     "data": {
         "data.train_files": (lambda v: len(v) > 0, "name at least one file"),
+        "data.format": _one_of(DATA_FORMATS),
         "data.max_length": _at_least(2),
         "data.max_samples": _none_or(_at_least(1)),
         "data.max_chars_per_row": _none_or(_at_least(1)),

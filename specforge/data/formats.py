@@ -24,10 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator, NoReturn
 
+from specforge.config import DATA_FORMATS
 from specforge.errors import InvalidInput
 from specforge.utils.io import fingerprint
 
-FORMATS = ("auto", "sharegpt", "messages", "conversations", "alpaca")
+FORMATS = DATA_FORMATS  # auto, sharegpt, messages, conversations, alpaca
 ALPACA_KEYS = ("instruction", "input", "output", "history")  # and "system", as the other formats
 
 # Role spellings seen in public datasets -> the roles chat templates understand (a tool's result:
