@@ -209,6 +209,7 @@ def test_empty_tree_list_is_refused_before_anything_runs(weather_files, tiny_tar
       "data.format: must be one of auto, sharegpt, messages, conversations, alpaca, got 'vicuna'",
       "draft.min_vocab_coverage: must lie in [0, 1], got 1.5"]),
     (["eval.trees=['3_2_4','3_0_4']"], ["eval.trees: tree 3_0_4: topk must be a positive integer"]),
+    (["eval.trees=['3_2_4','2_1_3','3_2_4']"], ["eval.trees: 3_2_4 listed more than once"]),
     (["eval.suites=[no_such_suite.jsonl]"], ["eval.suites: 'no_such_suite.jsonl' is neither a built-in suite"]),
     (["eval.num_prompts=0", "eval.temperature=-1"],
      ["eval.num_prompts: must be >= 1, got 0", "eval.temperature: must be >= 0, got -1.0"]),

@@ -238,6 +238,8 @@ def test_eval_stage_plans_every_epoch_and_tree_and_recommends_the_best(planner_r
 
 @pytest.mark.parametrize("override, message", [
     ("temperature=0.7", "greedy only"), ("planner_trees=['3_1_5']", "chain"), ("planner_trees=[]", "empty"),
+    ("planner_trees=['3_0_4']", "eval.planner_trees: tree 3_0_4: topk must be a positive integer"),
+    ("planner_trees=['5_1_6','2_1_3','5_1_6']", "eval.planner_trees: 5_1_6 listed more than once"),
     ("planner_chains=17", r"eval.planner_chains.*\[0, 16\]"),
     ("engine=server", "embedded")])
 def test_planner_refuses_what_it_cannot_run_before_loading(planner_run, tmp_path, override, message):
