@@ -518,6 +518,16 @@ def test_serve_refuses_a_bad_tree_in_one_line_before_it_loads(tiny_target_dir, t
     assert proc.stderr.strip().endswith("serve: tree 0_1_2: steps must be a positive integer, got 0")
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--port", "99999"], "serve: --port must lie in [1, 65535], got 99999"),  # was bind()'s OverflowError
+    (["--port", "31999", "--threads", "-1"], "serve: --threads must be >= 0 (0: torch's default), got -1")])
+def test_serve_refuses_a_port_or_thread_count_that_cannot_be_in_one_line(tiny_target_dir, flags, message):
+    proc = subprocess.run([sys.executable, "-m", "specforge.cli", "serve", "--target", str(tiny_target_dir), *flags],
+                          capture_output=True, text=True, timeout=300, cwd=os.getcwd())
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().endswith(message)
+
+
 def test_a_server_stopped_by_sigterm_exits_cleanly(tiny_target_dir, tmp_path):
     """SIGTERM (what ServerProcess, Slurm and `kill` send) ends `specforge serve` with exit 0.
     Its engine thread used to be left freeing tensors while the interpreter finalised: the process

@@ -159,6 +159,10 @@ def serve(args: argparse.Namespace) -> None:
     from specforge.engine.tree import TreeSpec
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if not 1 <= args.port <= 65535:
+        raise SystemExit(f"serve: --port must lie in [1, 65535], got {args.port}")
+    if args.threads is not None and args.threads < 0:
+        raise SystemExit(f"serve: --threads must be >= 0 (0: torch's default), got {args.threads}")
     for path in (args.target, args.draft):
         if path is not None and not Path(path).is_dir():
             raise SystemExit(f"serve: {path} is not a directory")
