@@ -241,6 +241,7 @@ def test_conversation_requests_send_images_as_sglang_image_data(tmp_path, tiny_v
     (["--baseline-url", "localhost"], "bench: --baseline-url 'localhost' is not an http(s) URL (e.g. http://127.0.0.1:30000)"),
     (["--temperature", "-1"], "bench: --temperature must be >= 0 (0: greedy), got -1.0"),
     (["--vocab-size", "0"], "bench: --vocab-size must be >= 2, got 0"),
+    (["--tokenizer", "/no/such/dir"], "bench: --tokenizer /no/such/dir: not a directory (the target's, with its tokenizer)"),
     # a server that is not there: the warm-up's failure, one line (nothing was measured)
     (["--num-prompts", "2"], "bench: benchmark warmup request to http://127.0.0.1:9 failed: ConnectError: "
                              "All connection attempts failed; is the server up at http://127.0.0.1:9?"),

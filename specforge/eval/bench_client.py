@@ -30,6 +30,7 @@ from typing import Iterable, Sequence
 import httpx
 import numpy as np
 
+from specforge.errors import InputError
 from specforge.eval.scenarios import Scenario
 from specforge.launch.process import api_key_from_env, auth_headers, url_problem
 from specforge.run_layout import RunLayout
@@ -461,11 +462,16 @@ def bench(args) -> dict:
     if args.tokenizer:
         from transformers import AutoTokenizer
 
+        if not Path(args.tokenizer).is_dir():
+            raise SystemExit(f"bench: --tokenizer {args.tokenizer}: not a directory (the target's, with its tokenizer)")
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     if args.run_dir:
         if tokenizer is None:
             raise SystemExit("bench: --run-dir needs --tokenizer (the target dir) to render the chat template")
-        requests = conversation_requests(args.run_dir, tokenizer, scenario.num_prompts, scenario.output_len)
+        try:
+            requests = conversation_requests(args.run_dir, tokenizer, scenario.num_prompts, scenario.output_len)
+        except InputError as e:  # no held-out conversations there: the message, not a traceback
+            raise SystemExit(f"bench: --run-dir {e}") from None
     else:
         vocab = len(tokenizer) if tokenizer is not None else args.vocab_size
         if vocab is None:
