@@ -155,10 +155,16 @@ def test_truncation_counts(tmp_path, tiny_target_dir, raw):
 
 def test_missing_file_says_how_to_generate_it(tmp_path, tiny_target_dir):
     cfg = make_cfg(tmp_path, tiny_target_dir, tmp_path / "data" / "weather" / "train.jsonl", None)
-    with pytest.raises(FileNotFoundError, match=r"train\.jsonl.*python data_prep/weather\.py --out data/weather"):
+    with pytest.raises(FileNotFoundError, match=r"train\.jsonl.*python data_prep/weather\.py --out \S*data/weather`"):
         stage.extra_inputs(cfg)
     with pytest.raises(FileNotFoundError, match="data_prep/weather.py"):
         stage.run(cfg, tmp_path / "run")
+    assert stage.generate_hint("data/weather_vl/eval.jsonl").endswith(
+        "`python data_prep/weather.py --out data/weather_vl --images 0.5`")
+    cfg = make_cfg(tmp_path, tiny_target_dir, tmp_path / "mine" / "chats.jsonl", None)  # someone's own data
+    with pytest.raises(FileNotFoundError) as missing:  # no command here makes it: no hint
+        stage.extra_inputs(cfg)
+    assert str(missing.value) == f"data file {tmp_path / 'mine' / 'chats.jsonl'} not found"
 
 
 def test_an_empty_file_or_held_out_split_is_refused_before_training(tmp_path, tiny_target_dir, raw):

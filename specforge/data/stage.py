@@ -24,7 +24,14 @@ from specforge.run_layout import RunLayout
 from specforge.utils.io import file_fingerprint, fingerprint, write_json, write_jsonl, write_text
 from specforge.utils.progress import progress_bar
 
-GENERATE_HINT = "it can be generated with `python data_prep/weather.py --out data/weather`"
+def generate_hint(path: str) -> str:
+    """How to make a missing file of the synthetic weather sets (conf/data/weather*.yaml); nothing
+    for anyone else's data, which no command here makes."""
+    folder = Path(path).parent
+    if folder.name not in ("weather", "weather_vl"):
+        return ""
+    images = " --images 0.5" if folder.name == "weather_vl" else ""
+    return f"; it can be generated with `python data_prep/weather.py --out {folder}{images}`"
 # What most rows of a split quarantined for one reason usually mean: a hint for the error message.
 SHARE_HINTS = {
     "invalid_row": "the rows do not have the shape data.format={format} expects; check data.format "
@@ -70,7 +77,7 @@ def expand_patterns(entries, key: str) -> list[str]:
             continue
         matches = sorted(glob.glob(entry, recursive=True))
         if not matches:
-            raise MissingInput(f"{key}: {entry} matches no file; {GENERATE_HINT}")
+            raise MissingInput(f"{key}: {entry} matches no file{generate_hint(entry)}")
         out += matches
     return out
 
@@ -80,7 +87,7 @@ def _check_exists(path: str) -> None:
     try:
         check_source(path)
     except FileNotFoundError:
-        raise MissingInput(f"data file {path} not found; {GENERATE_HINT}") from None
+        raise MissingInput(f"data file {path} not found{generate_hint(path)}") from None
 
 
 def extra_inputs(cfg) -> dict:
