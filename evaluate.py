@@ -20,11 +20,15 @@ sys.argv = quote_trees(sys.argv)  # T_K_N trees stay text (see cli_args)
 
 @hydra.main(version_base=None, config_path="conf", config_name="evaluate")
 def main(cfg) -> None:
-    from specforge.errors import InputError, exit_refused
+    from omegaconf import OmegaConf
+
+    from specforge.errors import InputError, InvalidInput, exit_refused
     from specforge.eval.engine_eval import find_checkpoints, load_run_config
     from specforge.eval.stage import check_eval, run_evaluation
 
     try:
+        if OmegaConf.is_missing(cfg, "ckpt"):
+            raise InvalidInput("ckpt: missing; name a checkpoint or a run: python evaluate.py ckpt=outputs/<run>[/epoch_<k>]")
         check_eval(cfg.eval)  # before anything is read or loaded
         run_dir, _ = find_checkpoints(cfg.ckpt)
         run_evaluation(load_run_config(run_dir), cfg.ckpt, cfg.eval, cfg.out_dir)

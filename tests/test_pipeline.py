@@ -295,6 +295,28 @@ def test_evaluate_py_refuses_an_empty_tree_list(tmp_path):
     assert proc.stderr.startswith("evaluate.py: error: eval.trees is empty")
 
 
+def test_evaluate_py_without_a_checkpoint_and_epochs_of_one_checkpoint_are_refused(tmp_path):
+    """No ckpt was a traceback (omegaconf's MissingMandatoryValue); eval.epochs with one checkpoint
+    that is not among them measured that checkpoint anyway."""
+    import subprocess
+    import sys
+
+    from specforge.eval.engine_eval import find_checkpoints
+
+    proc = subprocess.run([sys.executable, "evaluate.py"], cwd=Path(CONF).parent, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip() == ("evaluate.py: error: ckpt: missing; name a checkpoint or a run: "
+                                   "python evaluate.py ckpt=outputs/<run>[/epoch_<k>]")
+    ckpt = tmp_path / "run" / "epoch_1"
+    ckpt.mkdir(parents=True)
+    (ckpt / "config.json").write_text("{}")
+    with pytest.raises(InvalidInput, match=r"eval.epochs=\[3\]: ckpt=.*epoch_1 is one checkpoint \(epoch_1\); "
+                                           r"name the run directory"):
+        find_checkpoints(ckpt, [3])
+    assert find_checkpoints(ckpt, [1]) == (tmp_path / "run", [ckpt])
+
+
 def test_a_diverging_run_stops_and_no_broken_checkpoint_is_written(weather_files, tiny_target_dir):
     """train.lr=1e30: the first update blows the weights up, every later gradient is inf/nan. Each
     such step is skipped (the weights stay finite), and after 10 in a row training stops naming

@@ -41,6 +41,9 @@ def find_checkpoints(path: str | Path, epochs=None) -> tuple[Path, list[Path]]:
     (only those in `epochs` when given, eval.epochs)."""
     path = Path(path)
     if (path / "config.json").exists():
+        if epochs and epoch_of(path) not in set(epochs):  # a filter that this one checkpoint does not pass
+            raise InvalidInput(f"eval.epochs={list(epochs)}: ckpt={path} is one checkpoint ({path.name}); "
+                               f"name the run directory ({path.parent}) to pick epochs, or drop eval.epochs")
         return path.parent, [path]
     ckpts = RunLayout(path).checkpoints()
     if not ckpts:
