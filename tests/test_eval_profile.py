@@ -241,4 +241,6 @@ def test_find_checkpoints_every_epoch_or_the_chosen_ones(tmp_path):
     assert [p.name for p in find_checkpoints(tmp_path, [10, 1])[1]] == ["epoch_1", "epoch_10"]
     with pytest.raises(FileNotFoundError, match=r"eval.epochs: .* has no epoch_3 \(it has \[1, 2, 10\]\)"):
         find_checkpoints(tmp_path, [3])
-    assert find_checkpoints(tmp_path / "epoch_2", [1]) == (tmp_path, [tmp_path / "epoch_2"])  # one checkpoint: as given
+    assert find_checkpoints(tmp_path / "epoch_2", [2]) == (tmp_path, [tmp_path / "epoch_2"])  # one checkpoint: as given
+    with pytest.raises(ValueError, match=r"eval.epochs=\[1\]: ckpt=.*epoch_2 is one checkpoint"):  # not among them
+        find_checkpoints(tmp_path / "epoch_2", [1])

@@ -106,7 +106,7 @@ def test_num_prompts_is_per_suite_in_the_order_given(tiny_run, tiny_tokenizer, t
 @pytest.mark.parametrize("rows, message", [
     ([], r"asks.jsonl is empty \(0 bytes\)"),
     ([{"prompt": "fine"}, {"text": "no prompt here"}],
-     r"asks.jsonl, line 2: row: no 'messages' or 'conversations' field .*\{\"prompt\": text or messages\}"),
+     r"asks.jsonl, line 2: row: no 'messages' or 'conversations' field, nor Alpaca's .*\{\"prompt\": text or messages\}"),
     ([{"prompt": "  "}], r"asks.jsonl, line 1: prompt: empty"),
     ([{"prompt": 3}], r"asks.jsonl, line 1: prompt: expected a string or a list of turns, got int"),
     ([{"prompt": "ok"}, {"messages": [{"role": "assistant", "content": "hello"}]}],
