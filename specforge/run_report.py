@@ -88,6 +88,14 @@ def _data_rows(summary: dict) -> list[str]:
     return parts
 
 
+def _held_out_coverage(layout: RunLayout) -> float | None:
+    """The share of held-out loss tokens in the draft vocab, from the data stage's summary."""
+    marker = layout.marker("data")
+    if not marker.exists():
+        return None
+    return ((read_json(marker).get("summary", {}).get("vocab") or {}).get("coverage") or {}).get("eval")
+
+
 def _serve_lines(layout: RunLayout, evals: list[dict]) -> list[str]:
     """The SGLang command that serves the run's draft: the evaluation's epoch and tree when it ran
     (`RunLayout.eval_choice`), else the best simulated epoch with SGLang's own tree; then vLLM's."""
@@ -159,6 +167,11 @@ def write_run_report(run_dir: str | Path) -> Path:
         best = max(evals, key=lambda m: m["sim_accept_length"])
         parts += [f"Best simulated accept length: epoch {best['epoch']} "
                   f"({best['sim_accept_length']:.3f}); checkpoint `epoch_{best['epoch']}/`.", ""]
+        covered = _held_out_coverage(layout)
+        if covered is not None:  # docs/contract.md §4: positions outside the draft vocab are not counted
+            parts += [f"These count only the positions whose next token is in the draft vocab ({100 * covered:.1f}% "
+                      "of the held-out loss tokens); the draft never proposes the others, so an engine's accept "
+                      "length is lower where they occur (`python evaluate.py ckpt=...` measures it).", ""]
     plots = plot_training(metrics, layout.plots_dir) if metrics else []
     parts += [f"![{Path(p).stem}]({p})" for p in plots]
     eval_md = layout.eval_report

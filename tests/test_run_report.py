@@ -23,6 +23,22 @@ def test_the_report_accounts_for_every_input_row_and_shows_each_stages_summary(t
     assert "| seconds | 3.500 |" in report
     assert "## train" in report and "| steps | 12 |" in report and "| train_tokens_per_s | 1234.500 |" in report
     assert "epochs" not in report  # lists stay in the markers
+    assert "Held-out metrics" not in report  # no held-out rows: nothing to say of them
+
+
+def test_held_out_metrics_say_what_they_count(tmp_path):
+    """The simulated accept length counts the positions whose token is in the draft vocab
+    (docs/contract.md §4): the report says how many of the held-out loss tokens that is."""
+    from specforge.utils.metrics_log import write_metrics
+
+    layout = RunLayout(tmp_path)
+    write_json(layout.marker("data"), {"fingerprint": "x", "summary": {
+        "vocab": {"draft_vocab_size": 64, "vocab_size": 512, "coverage": {"train": 0.981, "eval": 0.9}}}})
+    write_metrics(layout.metrics, [{"split": "eval", "epoch": 1, "sim_accept_length": 2.5, "acc_0": 0.7, "acc_1": 0.5}])
+    report = write_run_report(tmp_path).read_text()
+    assert "| 1 | 2.500 | 0.700 | 0.500 |" in report
+    assert ("These count only the positions whose next token is in the draft vocab (90.0% of the held-out loss "
+            "tokens)") in report
 
 
 def test_serve_it_says_when_the_evaluations_fastest_was_no_faster_than_the_base(tmp_path):
