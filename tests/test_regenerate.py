@@ -205,7 +205,8 @@ def test_unusable_answers_are_skipped_and_fix_runs_on_the_output(target, tmp_pat
     rows, report = regenerate_conversations(convs, cfg(), target, tmp_path, "eval", fix=fix)
     quarantine = report.pop("quarantine")
     assert [r["id"] for r in rows] == ["w0", "w1", "w2", "w3"]
-    assert [(q["line"], q["reason"].split(":")[0]) for q in quarantine] == [(5, "duplicate")]
+    assert [(q["file"], q["line"], q["reason"]) for q in quarantine] == [
+        ("raw.jsonl", 5, "duplicate: same messages as raw.jsonl:1 (after regeneration)")]
     assert report["fix"]["quarantined"] == report["quarantined"] == 1 and report["fix"]["input_rows"] == 5
     assert list(read_jsonl(tmp_path / "regen_eval.skipped.jsonl")) == quarantine
 
@@ -218,6 +219,20 @@ def test_unusable_answers_are_skipped_and_fix_runs_on_the_output(target, tmp_pat
     assert {f["action"] for f in failures} == {"skipped"} and [f["id"] for f in failures] == [c["id"] for c in convs]
     assert [q["row"]["messages"] for q in quarantine] == [c["messages"] for c in convs]
     assert all("max_new_tokens=2" in q["reason"] for q in quarantine)
+
+
+def test_rows_of_a_json_list_on_one_line_regenerate(target, tmp_path):
+    """json.dump without indent puts every row of a .json list on line 1: regeneration refused
+    them ("two conversations claim this place"). Each keeps its file and line, a duplicate's
+    reason names the first's."""
+    convs = [{**c, "file": "rows.json", "line": 1} for c in dataset(3, follow_up_every=99)]
+    convs.append({**convs[0], "id": "w3", "messages": [dict(m) for m in convs[0]["messages"]]})
+    convs[3]["messages"][-1]["content"] = "weather:\n  city: Paris\n  sky: foggy"  # a duplicate once regenerated
+    rows, report = regenerate_conversations(convs, cfg(), target, tmp_path, "train")
+    assert [(r["id"], r["file"], r["line"]) for r in rows] == [("w0", "rows.json", 1), ("w1", "rows.json", 1),
+                                                              ("w2", "rows.json", 1)]
+    assert [(q["file"], q["line"], q["reason"]) for q in report["quarantine"]] == [
+        ("rows.json", 1, "duplicate: same messages as rows.json:1 (after regeneration)")]
 
 
 def test_resume_after_kill_matches_uninterrupted_run(target, tmp_path):

@@ -45,7 +45,7 @@ from specforge.data.fix.toon import PROSE_POLICIES, ToonNotADocument, ToonUnrepa
 from specforge.data.formats import DataError, RawRow, to_conversation, tools_entry
 from specforge.errors import InvalidInput
 
-__all__ = ["FixResult", "Quarantine", "check_duplicate", "fix_dataset", "fix_row", "quarantine_entry", "reason_code",
+__all__ = ["DUPLICATE_OF", "FixResult", "Quarantine", "check_duplicate", "fix_dataset", "fix_row", "quarantine_entry", "reason_code",
            "repair_toon"]
 
 _CHOICES = {
@@ -143,11 +143,14 @@ def check_config(cfg: FixConfig) -> None:
             raise InvalidInput(f"data.fix.{name}: {getattr(cfg, name)!r} is not one of {list(allowed)}")
 
 
+DUPLICATE_OF = "duplicate: same messages as "  # + "file:line" of the first
+
+
 def check_duplicate(key: str, where: str, first_seen: dict[str, str]) -> None:
     """Quarantine a row whose `dedupe_key` a kept row already had; else remember it as the first
     (`where`: "file:line"). Rows must come in input order: the first kept occurrence wins."""
     if key in first_seen:
-        raise Quarantine(f"duplicate: same messages as {first_seen[key]}")
+        raise Quarantine(f"{DUPLICATE_OF}{first_seen[key]}")
     first_seen[key] = where
 
 
