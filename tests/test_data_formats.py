@@ -112,6 +112,19 @@ def test_alpaca_rows_with_input_system_and_history():
     assert plain == [{"role": "user", "content": "Lima?"}, {"role": "assistant", "content": "sky: sunny"}]
 
 
+def test_lmsys_and_wildchat_rows_keep_their_turns_under_conversation():
+    """LMSYS-Chat-1M and WildChat name the turns `conversation` (role/content), LMSYS its id
+    `conversation_id`; a ShareGPT row may spell it so too."""
+    lmsys = {"conversation_id": "c-7", "model": "vicuna-13b", "turn": 1, "language": "English",
+             "conversation": [{"content": "Oslo?", "role": "user"}, {"content": "rain", "role": "assistant"}]}
+    conv = to_conversation(lmsys)
+    assert conv == {"id": "c-7", "messages": [{"role": "user", "content": "Oslo?"},
+                                              {"role": "assistant", "content": "rain"}]}
+    assert to_conversation(lmsys, "conversations") == conv
+    sharegpt = {"id": "s", "conversation": [{"from": "human", "value": "Oslo?"}, {"from": "gpt", "value": "rain"}]}
+    assert to_conversation(sharegpt)["messages"] == conv["messages"]
+
+
 def test_hash_id_is_stable_and_content_dependent():
     row = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
     other = json.loads(json.dumps(row))

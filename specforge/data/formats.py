@@ -316,7 +316,7 @@ def detect_format(data: dict) -> str:
     (instruction / input / output)."""
     if "messages" in data:
         return "messages"
-    turns = data.get("conversations")
+    turns = data.get(_conversations_field(data))
     if turns is None and "instruction" in data and "output" in data:
         return "alpaca"
     if turns is None:
@@ -325,6 +325,11 @@ def detect_format(data: dict) -> str:
     if isinstance(turns, list) and turns and isinstance(turns[0], dict) and "from" in turns[0]:
         return "sharegpt"
     return "conversations"
+
+
+def _conversations_field(data: dict) -> str:
+    """"conversations", or "conversation" where a row has that alone (LMSYS-Chat-1M, WildChat)."""
+    return "conversation" if "conversation" in data and "conversations" not in data else "conversations"
 
 
 def to_conversation(data: dict, fmt: str = "auto") -> dict:
@@ -348,11 +353,11 @@ def to_conversation(data: dict, fmt: str = "auto") -> dict:
     if fmt == "alpaca":
         return to_conversation(alpaca_as_messages(data), "messages")
     if fmt == "sharegpt":
-        field, role_key, content_key = "conversations", "from", "value"
+        field, role_key, content_key = _conversations_field(data), "from", "value"
     elif fmt == "messages":
         field, role_key, content_key = "messages", "role", "content"
     else:
-        field, role_key, content_key = "conversations", "role", "content"
+        field, role_key, content_key = _conversations_field(data), "role", "content"
 
     turns = data.get(field)
     if turns is None:
@@ -653,7 +658,7 @@ def _collapse(parts: list[dict]) -> str | list[dict]:
 
 
 def _row_id(data: dict, messages: list[dict]) -> str:
-    for key in ("id", "uuid"):
+    for key in ("id", "uuid", "conversation_id"):  # the last: LMSYS-Chat-1M's
         value = data.get(key)
         if isinstance(value, (str, int)) and not isinstance(value, bool) and str(value) != "":
             return str(value)
