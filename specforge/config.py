@@ -111,7 +111,7 @@ class DataConfig:
     # hub:OWNER/NAME[:SPLIT] (data/sources.py); glob patterns expand to their sorted matches
     train_files: List[str] = MISSING
     eval_files: List[str] = field(default_factory=list)
-    format: str = "auto"  # auto | sharegpt | messages | conversations | alpaca
+    format: str = "auto"  # auto | sharegpt | messages | conversations | alpaca | prompt_completion
     image_root: Optional[str] = None  # relative image paths resolve here (default: the data file's folder)
     # Images are resized (aspect kept) so that their pixel count lies in [min, max]; None: the
     # target's image processor defaults. Fewer pixels, fewer image tokens per sample.
@@ -333,7 +333,7 @@ class EvaluateConfig:
 
 # The values of string settings that stages after the first act on; refused before any stage runs
 # (the modules that act on them take these tuples from here).
-DATA_FORMATS = ("auto", "sharegpt", "messages", "conversations", "alpaca")  # specforge/data/formats.py
+DATA_FORMATS = ("auto", "sharegpt", "messages", "conversations", "alpaca", "prompt_completion")  # data/formats.py
 TARGET_KINDS = ("causal_lm", "qwen3_vl", "qwen2_5_vl")  # specforge/targets/loader.py
 TARGET_DTYPES = ("bfloat16", "float16", "float32")  # specforge/targets/loader.py
 OPTIMIZERS = ("adamw", "muon")  # specforge/distributed/optimizer.py

@@ -112,6 +112,17 @@ def test_alpaca_rows_with_input_system_and_history():
     assert plain == [{"role": "user", "content": "Lima?"}, {"role": "assistant", "content": "sky: sunny"}]
 
 
+def test_prompt_completion_rows_text_and_conversational():
+    """OpenAI's legacy fine-tuning rows and TRL's prompt-completion datasets (text or turns)."""
+    text = {"id": "p1", "prompt": "Oslo?", "completion": "rain"}
+    assert to_conversation(text) == {"id": "p1", "messages": [{"role": "user", "content": "Oslo?"},
+                                                              {"role": "assistant", "content": "rain"}]}
+    assert to_conversation(text, "prompt_completion") == to_conversation(text)
+    turns = {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Oslo?"}],
+             "completion": [{"role": "assistant", "content": "rain"}]}
+    assert [m["role"] for m in to_conversation(turns)["messages"]] == ["system", "user", "assistant"]
+
+
 def test_lmsys_and_wildchat_rows_keep_their_turns_under_conversation():
     """LMSYS-Chat-1M and WildChat name the turns `conversation` (role/content), LMSYS its id
     `conversation_id`; a ShareGPT row may spell it so too."""
@@ -145,12 +156,16 @@ def test_hash_id_is_stable_and_content_dependent():
     ({"messages": ["hi"]}, "auto", r"messages\[0\]: expected an object"),
     ({"conversations": [{"from": "human"}]}, "auto", r"conversations\[0\]\.value: missing"),
     ({"conversations": [{"from": 3, "value": "x"}]}, "sharegpt", r"conversations\[0\]\.from: unknown role 3"),
-    ({"text": "hi"}, "auto", "no 'messages' or 'conversations' field, nor Alpaca's 'instruction' and 'output'"),
+    ({"text": "hi"}, "auto", "no 'messages' or 'conversations' field, nor Alpaca's 'instruction' and 'output', "
+                             "nor 'prompt' and 'completion'"),
     ({"instruction": "hi"}, "alpaca", "output: expected a string, got nothing"),
     ({"instruction": ["hi"], "output": "x"}, "auto", "instruction: expected a string, got list"),
     ({"instruction": "hi", "input": 3, "output": "x"}, "auto", "input: expected a string, got int"),
     ({"instruction": "hi", "output": "x", "history": [["q"]]}, "auto", r"history\[0\]: expected a \[question, answer\]"),
     ({"instruction": "hi", "output": "x", "history": "q"}, "auto", "history: expected a list"),
+    ({"prompt": "hi"}, "prompt_completion", "completion: expected a string or a list of turns, got nothing"),
+    ({"prompt": 3, "completion": "x"}, "auto", "prompt: expected a string or a list of turns, got int"),
+    ({"prompt": "hi", "completion": [{"role": "bot", "content": "x"}]}, "auto", r"messages\[1\]\.role: unknown role"),
     ({"conversations": []}, "messages", "messages: missing"),
     ({"system": 5, "messages": [{"role": "user", "content": "x"}]}, "auto", "system: expected a string"),
 ])

@@ -74,6 +74,11 @@ SHAPES = {
         {"id": "a2", "system": "Be brief.", "history": [["Hi", "Hello"]], "instruction": "Lima?", "output": ANSWER},
         {"id": "a3", "instruction": "Quito?", "input": "", "output": ""},  # no answer to train on
     ],
+    "prompt_completion": [  # OpenAI's legacy fine-tuning rows
+        {"id": "p1", "prompt": "Oslo?", "completion": ANSWER},
+        {"id": "p2", "system": "Be brief.", "prompt": "Lima?", "completion": ANSWER},
+        {"id": "p3", "prompt": "Quito?", "completion": ""},  # no answer to train on
+    ],
     # one table mixing shapes: every row gets the other shape's column as null
     "mixed": [
         {"id": "x1", "messages": [{"role": "user", "content": "Oslo?"}, {"role": "assistant", "content": ANSWER}]},

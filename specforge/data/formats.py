@@ -28,7 +28,7 @@ from specforge.config import DATA_FORMATS
 from specforge.errors import InvalidInput
 from specforge.utils.io import fingerprint
 
-FORMATS = DATA_FORMATS  # auto, sharegpt, messages, conversations, alpaca
+FORMATS = DATA_FORMATS  # auto, sharegpt, messages, conversations, alpaca, prompt_completion
 ALPACA_KEYS = ("instruction", "input", "output", "history")  # and "system", as the other formats
 
 # Role spellings seen in public datasets -> the roles chat templates understand (a tool's result:
@@ -319,9 +319,11 @@ def detect_format(data: dict) -> str:
     turns = data.get(_conversations_field(data))
     if turns is None and "instruction" in data and "output" in data:
         return "alpaca"
+    if turns is None and "prompt" in data and "completion" in data:
+        return "prompt_completion"
     if turns is None:
-        raise DataError(f"row: no 'messages' or 'conversations' field, nor Alpaca's 'instruction' and 'output' "
-                        f"(keys: {sorted(data)[:8]})")
+        raise DataError(f"row: no 'messages' or 'conversations' field, nor Alpaca's 'instruction' and 'output', "
+                        f"nor 'prompt' and 'completion' (keys: {sorted(data)[:8]})")
     if isinstance(turns, list) and turns and isinstance(turns[0], dict) and "from" in turns[0]:
         return "sharegpt"
     return "conversations"
@@ -352,6 +354,8 @@ def to_conversation(data: dict, fmt: str = "auto") -> dict:
         fmt = detect_format(data)
     if fmt == "alpaca":
         return to_conversation(alpaca_as_messages(data), "messages")
+    if fmt == "prompt_completion":
+        return to_conversation(prompt_completion_as_messages(data), "messages")
     if fmt == "sharegpt":
         field, role_key, content_key = _conversations_field(data), "from", "value"
     elif fmt == "messages":
@@ -435,6 +439,23 @@ def alpaca_as_messages(data: dict) -> dict:
     messages += [{"role": "user", "content": "\n".join(t for t in (instruction, extra) if t)},
                  {"role": "assistant", "content": output}]
     return {**{k: v for k, v in data.items() if k not in ALPACA_KEYS}, "messages": messages}
+
+
+def prompt_completion_as_messages(data: dict) -> dict:
+    """A prompt-completion row (OpenAI's legacy fine-tuning files, TRL's prompt-completion datasets)
+    as an OpenAI-messages row: a text prompt is the user turn and a text completion the answer; TRL's
+    conversational kind gives lists of turns (the prompt's, then the completion's)."""
+    def turns(key: str, role: str) -> list:
+        value = data.get(key)
+        if isinstance(value, str):
+            return [{"role": role, "content": value}]
+        if isinstance(value, list):
+            return value
+        raise DataError(f"{key}: expected a string or a list of turns, got "
+                        f"{'nothing' if value is None else type(value).__name__}")
+
+    messages = turns("prompt", "user") + turns("completion", "assistant")
+    return {**{k: v for k, v in data.items() if k not in ("prompt", "completion")}, "messages": messages}
 
 
 # Where servers put split-off thinking: vLLM "reasoning" (it removed "reasoning_content" in January
