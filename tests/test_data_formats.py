@@ -123,6 +123,19 @@ def test_prompt_completion_rows_text_and_conversational():
     assert [m["role"] for m in to_conversation(turns)["messages"]] == ["system", "user", "assistant"]
 
 
+def test_turns_stored_as_a_json_string_are_read_as_the_list():
+    """Some Parquet exports store the turns as one JSON string (as some store `tools`)."""
+    turns = [{"from": "human", "value": "Oslo?"}, {"from": "gpt", "value": "rain"}]
+    conv = to_conversation({"id": "j", "conversations": json.dumps(turns)})
+    assert conv == to_conversation({"id": "j", "conversations": turns})
+    messages = [{"role": "user", "content": "Oslo?"}, {"role": "assistant", "content": "rain"}]
+    assert to_conversation({"id": "j", "messages": " " + json.dumps(messages)})["messages"] == messages
+    with pytest.raises(DataError, match=r"messages: a string that is not a JSON list of turns"):
+        to_conversation({"messages": '[{"role": "user"'})
+    with pytest.raises(DataError, match="messages: expected a list of turns, got str"):
+        to_conversation({"messages": "hello"})
+
+
 def test_lmsys_and_wildchat_rows_keep_their_turns_under_conversation():
     """LMSYS-Chat-1M and WildChat name the turns `conversation` (role/content), LMSYS its id
     `conversation_id`; a ShareGPT row may spell it so too."""

@@ -316,7 +316,7 @@ def detect_format(data: dict) -> str:
     (instruction / input / output)."""
     if "messages" in data:
         return "messages"
-    turns = data.get(_conversations_field(data))
+    turns = _turns(data, _conversations_field(data))
     if turns is None and "instruction" in data and "output" in data:
         return "alpaca"
     if turns is None and "prompt" in data and "completion" in data:
@@ -327,6 +327,18 @@ def detect_format(data: dict) -> str:
     if isinstance(turns, list) and turns and isinstance(turns[0], dict) and "from" in turns[0]:
         return "sharegpt"
     return "conversations"
+
+
+def _turns(data: dict, field: str) -> Any:
+    """data[field], and where it is a string holding a JSON list (some Parquet exports store the
+    turns so, as some store `tools`), that list; anything else as it is, for the caller to judge."""
+    turns = data.get(field)
+    if isinstance(turns, str) and turns.lstrip().startswith("["):
+        try:
+            return json.loads(turns)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{field}: a string that is not a JSON list of turns ({e.msg} at character {e.pos})") from None
+    return turns
 
 
 def _conversations_field(data: dict) -> str:
@@ -363,7 +375,7 @@ def to_conversation(data: dict, fmt: str = "auto") -> dict:
     else:
         field, role_key, content_key = _conversations_field(data), "role", "content"
 
-    turns = data.get(field)
+    turns = _turns(data, field)
     if turns is None:
         raise DataError(f"{field}: missing (format {fmt})")
     if not isinstance(turns, list):
