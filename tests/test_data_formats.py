@@ -110,6 +110,8 @@ def test_alpaca_rows_with_input_system_and_history():
     assert to_conversation(row, "alpaca") == conv
     plain = to_conversation({"instruction": "Lima?", "input": "", "output": "sky: sunny"})["messages"]
     assert plain == [{"role": "user", "content": "Lima?"}, {"role": "assistant", "content": "sky: sunny"}]
+    dolly = {"instruction": "Translate to French.", "context": "sunny", "response": "ensoleillé", "category": "qa"}
+    assert to_conversation(dolly)["messages"] == conv["messages"][3:]  # Dolly's spelling of the same fields
 
 
 def test_prompt_completion_rows_text_and_conversational():

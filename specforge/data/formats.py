@@ -29,7 +29,8 @@ from specforge.errors import InvalidInput
 from specforge.utils.io import fingerprint
 
 FORMATS = DATA_FORMATS  # auto, sharegpt, messages, conversations, alpaca, prompt_completion
-ALPACA_KEYS = ("instruction", "input", "output", "history")  # and "system", as the other formats
+ALPACA_KEYS = ("instruction", "input", "output", "history", "context", "response")  # and "system", as the others
+_ALPACA_SPELLINGS = {"input": "context", "output": "response"}  # Dolly's names for Alpaca's fields
 
 # Role spellings seen in public datasets -> the roles chat templates understand (a tool's result:
 # OpenAI's "tool", its older "function", Llama 3's "ipython", glaive's ShareGPT "observation").
@@ -317,7 +318,7 @@ def detect_format(data: dict) -> str:
     if "messages" in data:
         return "messages"
     turns = _turns(data, _conversations_field(data))
-    if turns is None and "instruction" in data and "output" in data:
+    if turns is None and "instruction" in data and ("output" in data or "response" in data):
         return "alpaca"
     if turns is None and "prompt" in data and "completion" in data:
         return "prompt_completion"
@@ -428,10 +429,12 @@ def to_conversation(data: dict, fmt: str = "auto") -> dict:
 
 def alpaca_as_messages(data: dict) -> dict:
     """An Alpaca row (Stanford's `instruction`, optional `input`, `output`; LLaMA-Factory's optional
-    `system` and `history` of [question, answer] pairs before it) as an OpenAI-messages row: the
-    user turn is the instruction and the input joined by a newline, as LLaMA-Factory renders it.
-    The row's other fields (id, images, tools) stay as they are."""
+    `system` and `history` of [question, answer] pairs before it; Dolly's `context` and `response`
+    for input and output) as an OpenAI-messages row: the user turn is the instruction and the input
+    joined by a newline, as LLaMA-Factory renders it. The row's other fields (id, images, tools) stay."""
     def text(key: str, required: bool) -> str:
+        if key not in data and _ALPACA_SPELLINGS.get(key) in data:
+            key = _ALPACA_SPELLINGS[key]
         value = data.get(key)
         if value is None and not required:
             return ""
