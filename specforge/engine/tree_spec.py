@@ -42,6 +42,19 @@ class TreeSpec:
             raise InvalidInput(f"tree {text!r}: expected 'T_K_N' (steps_topk_numdrafttokens), e.g. '8_2_16'{hint}")
         return cls(*(int(g) for g in m.groups()))
 
+    @classmethod
+    def parse_list(cls, texts, setting: str, extra: str = "") -> list["TreeSpec"]:
+        """The trees of a setting (eval.trees, eval.planner_trees), each named once: a bad one or a
+        repeat (measured twice, reported once) is refused naming `setting`; `extra` ends the latter."""
+        try:
+            specs = [cls.parse(t) for t in texts]
+        except InvalidInput as e:
+            raise InvalidInput(f"{setting}: {e}") from None
+        names = [s.name for s in specs]
+        if repeated := sorted({n for n in names if names.count(n) > 1}):
+            raise InvalidInput(f"{setting}: {', '.join(repeated)} listed more than once; name each tree once{extra}")
+        return specs
+
     @property
     def num_candidates(self) -> int:
         return self.topk + (self.steps - 1) * self.topk * self.topk

@@ -33,15 +33,9 @@ def check_planner(eval_cfg) -> list[TreeSpec]:
     if eval_cfg.temperature > 0:
         raise InvalidInput(f"eval.planner=true is greedy only (it replays rounds against the greedy tokens); "
                            f"eval.temperature={eval_cfg.temperature}: set it to 0")
-    try:
-        specs = [TreeSpec.parse(t) for t in eval_cfg.planner_trees]
-    except ValueError as e:
-        raise InvalidInput(f"eval.planner_trees: {e}") from None
+    specs = TreeSpec.parse_list(eval_cfg.planner_trees, "eval.planner_trees")
     if not specs:
         raise InvalidInput("eval.planner_trees is empty: give the trees T_K_N to plan, e.g. [5_1_6,8_2_16]")
-    names = [s.name for s in specs]
-    if repeated := sorted({n for n in names if names.count(n) > 1}):
-        raise InvalidInput(f"eval.planner_trees: {', '.join(repeated)} listed more than once; name each tree once")
     return specs
 
 

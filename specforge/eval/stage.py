@@ -40,15 +40,7 @@ def check_eval(eval_cfg) -> None:
 
     check_eval_trees(eval_cfg)
     if str(eval_cfg.engine) != "server":  # a server serves its own tree
-        names = []
-        for tree in eval_cfg.trees:
-            try:
-                names.append(TreeSpec.parse(tree).name)
-            except ValueError as e:
-                raise InvalidInput(f"eval.trees: {e}") from None
-        if repeated := sorted({n for n in names if names.count(n) > 1}):  # measured twice, reported once
-            raise InvalidInput(f"eval.trees: {', '.join(repeated)} listed more than once; name each tree once "
-                               "(eval.timing_repeats times a configuration again)")
+        TreeSpec.parse_list(eval_cfg.trees, "eval.trees", " (eval.timing_repeats times a configuration again)")
     check_ranges({"eval": eval_cfg}, ["eval"])
     if getattr(eval_cfg, "planner", False):
         from specforge.eval.planner_eval import check_planner
