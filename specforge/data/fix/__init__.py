@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Callable, Iterable
 
 from specforge.config import FixConfig
 from specforge.data.fix.conversations import (
@@ -45,7 +45,7 @@ from specforge.data.fix.toon import PROSE_POLICIES, ToonNotADocument, ToonUnrepa
 from specforge.data.formats import DataError, RawRow, to_conversation, tools_entry
 from specforge.errors import InvalidInput
 
-__all__ = ["DUPLICATE_OF", "FixResult", "Quarantine", "check_duplicate", "fix_dataset", "fix_row", "quarantine_entry", "reason_code",
+__all__ = ["FixResult", "Quarantine", "check_duplicate", "fix_dataset", "fix_row", "quarantine_entry", "reason_code",
            "repair_toon"]
 
 _CHOICES = {
@@ -69,10 +69,11 @@ class FixResult:
 
 def fix_dataset(
     rows: Iterable[RawRow], cfg: FixConfig, fmt: str = "auto", image_root: str | None = None,
-    max_chars: int | None = None,
+    max_chars: int | None = None, place: Callable[[RawRow], str] | None = None,
 ) -> FixResult:
     """Parse, repair and account for every row, in input order. `max_chars`: rows whose messages
-    hold more characters are quarantined as row_too_long (None: no limit)."""
+    hold more characters are quarantined as row_too_long (None: no limit). `place`: how a row is
+    named where a duplicate points to it (default "file:line")."""
     check_config(cfg)
     images = ImageChecker(image_root)
     first_seen: dict[str, str] = {}  # dedupe key -> "file:line" of its first kept occurrence
@@ -83,8 +84,8 @@ def fix_dataset(
         try:
             conv, fixes = fix_row(raw, cfg, fmt, images, max_chars)
             if cfg.enabled and cfg.dedupe:
-                check_duplicate(dedupe_key(conv["messages"], conv.get("tools")), f"{raw.file}:{raw.line}",
-                                first_seen)
+                check_duplicate(dedupe_key(conv["messages"], conv.get("tools")),
+                                place(raw) if place else f"{raw.file}:{raw.line}", first_seen)
         except Quarantine as q:
             result.quarantined.append(quarantine_entry(raw, q.reason))
             continue
@@ -143,14 +144,11 @@ def check_config(cfg: FixConfig) -> None:
             raise InvalidInput(f"data.fix.{name}: {getattr(cfg, name)!r} is not one of {list(allowed)}")
 
 
-DUPLICATE_OF = "duplicate: same messages as "  # + "file:line" of the first
-
-
 def check_duplicate(key: str, where: str, first_seen: dict[str, str]) -> None:
     """Quarantine a row whose `dedupe_key` a kept row already had; else remember it as the first
     (`where`: "file:line"). Rows must come in input order: the first kept occurrence wins."""
     if key in first_seen:
-        raise Quarantine(f"{DUPLICATE_OF}{first_seen[key]}")
+        raise Quarantine(f"duplicate: same messages as {first_seen[key]}")
     first_seen[key] = where
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specforge.config import FixConfig
-from specforge.data.fix import DUPLICATE_OF, fix_dataset, reason_code
+from specforge.data.fix import fix_dataset, reason_code
 from specforge.data.formats import RawRow, tools_entry
 from specforge.data.regen.journal import Journal
 from specforge.data.regen.replay import Replay, conversation_key, turns_to_answer
@@ -207,8 +207,8 @@ def _assemble(conversations, keys, done, fix, image_root) -> _Assembled:
     raws: list[RawRow] = []
     # the fix step runs on rows numbered by their position here, in their own file (relative image
     # paths resolve as before): rows of a JSON list written on one line share a line. What it keeps
-    # and quarantines gets the real line back, and so does a duplicate's reason.
-    by_place: dict[int, tuple[dict, str, int]] = {}
+    # and quarantines gets the real line back; a duplicate names the first by its real line.
+    by_place: dict[int, tuple[dict, int]] = {}  # position -> (conversation, its line)
     for i, (conv, key) in enumerate(zip(conversations, keys)):
         rec = done[key]
         file, line = conv.get("file") or "<conversations>", conv.get("line") or i + 1
@@ -223,23 +223,19 @@ def _assemble(conversations, keys, done, fix, image_root) -> _Assembled:
             out.quarantine.append({"file": file, "line": line, "reason": rec["failure"]["reason"],
                                    "row": {"id": conv["id"], "messages": conv["messages"], **tools_entry(conv.get("tools"))}})
             continue
-        by_place[i] = (conv, file, line)
+        by_place[i] = (conv, line)
         raws.append(RawRow(file, i, {"id": conv["id"], "messages": rec["messages"], **tools_entry(conv.get("tools"))},
                            None))
 
-    result = fix_dataset(raws, fix, "messages", image_root)
+    result = fix_dataset(raws, fix, "messages", image_root,
+                         place=lambda raw: f"{raw.file}:{by_place[raw.line][1]}")
     out.fix_counts = result.counts
     for row in result.kept:
-        conv, file, line = by_place[row["line"]]
+        conv = by_place[row["line"]][0]
         fixes = list(conv.get("fixes") or [])
         fixes += [f for f in row["fixes"] if f not in fixes]
         out.rows.append({**conv, "messages": row["messages"], "fixes": fixes,  # conv keeps its file and line
                          "kept_as_written": row["kept_as_written"]})  # of the answers as regenerated
     for q in result.quarantined:
-        _, file, line = by_place[q["line"]]
-        reason = q["reason"]
-        if reason.startswith(DUPLICATE_OF):  # "... as FILE:POSITION" -> "... as FILE:LINE"
-            where, _, first = reason.rpartition(":")
-            reason = f"{where}:{by_place[int(first)][2]}"
-        out.quarantine.append({**q, "line": line, "reason": f"{reason} (after regeneration)"})
+        out.quarantine.append({**q, "line": by_place[q["line"]][1], "reason": f"{q['reason']} (after regeneration)"})
     return out
