@@ -427,8 +427,8 @@ def run(cfg, run_dir, fingerprint: str | None = None) -> dict:
         for f in files:
             _check_exists(f)
     target_path = resolve_target_path(cfg.target)
-    check_max_length(cfg, AutoConfig.from_pretrained(target_path, trust_remote_code=cfg.target.trust_remote_code),
-                     target_path)
+    target_config = AutoConfig.from_pretrained(target_path, trust_remote_code=cfg.target.trust_remote_code)
+    check_max_length(cfg, target_config, target_path)  # check() could not where the target was still to fetch
     tokenizer = load_tokenizer(cfg.target)
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidInput(f"target tokenizer at {target_path} has no chat template; the data stage needs one")
@@ -436,7 +436,7 @@ def run(cfg, run_dir, fingerprint: str | None = None) -> dict:
     vl = None
     if is_vl(cfg.target.kind):
         vl = (load_image_processor(target_path, cfg.data.image_min_pixels, cfg.data.image_max_pixels),
-              vl_info(AutoConfig.from_pretrained(target_path, trust_remote_code=cfg.target.trust_remote_code)))
+              vl_info(target_config))
     results = {}
     with progress_bar() as progress:
         for split, files in splits.items():  # train first: eval rows are checked against its prompts
