@@ -317,7 +317,7 @@ def detect_format(data: dict) -> str:
     (instruction / input / output)."""
     if "messages" in data:
         return "messages"
-    turns = _turns(data, _conversations_field(data))
+    turns = read_turns(data, _conversations_field(data))
     if turns is None and "instruction" in data and ("output" in data or "response" in data):
         return "alpaca"
     if turns is None and "prompt" in data and "completion" in data:
@@ -330,7 +330,7 @@ def detect_format(data: dict) -> str:
     return "conversations"
 
 
-def _turns(data: dict, field: str) -> Any:
+def read_turns(data: dict, field: str) -> Any:
     """data[field], and where it is a string holding a JSON list (some Parquet exports store the
     turns so, as some store `tools`), that list; anything else as it is, for the caller to judge."""
     turns = data.get(field)
@@ -340,6 +340,11 @@ def _turns(data: dict, field: str) -> Any:
         except json.JSONDecodeError as e:
             raise DataError(f"{field}: a string that is not a JSON list of turns ({e.msg} at character {e.pos})") from None
     return turns
+
+
+def turns_field(data: dict, fmt: str) -> str:
+    """Where a row of format `fmt` (sharegpt, messages, conversations) keeps its turns."""
+    return "messages" if fmt == "messages" else _conversations_field(data)
 
 
 def _conversations_field(data: dict) -> str:
@@ -369,14 +374,9 @@ def to_conversation(data: dict, fmt: str = "auto") -> dict:
         return to_conversation(alpaca_as_messages(data), "messages")
     if fmt == "prompt_completion":
         return to_conversation(prompt_completion_as_messages(data), "messages")
-    if fmt == "sharegpt":
-        field, role_key, content_key = _conversations_field(data), "from", "value"
-    elif fmt == "messages":
-        field, role_key, content_key = "messages", "role", "content"
-    else:
-        field, role_key, content_key = _conversations_field(data), "role", "content"
-
-    turns = _turns(data, field)
+    field = turns_field(data, fmt)
+    role_key, content_key = ("from", "value") if fmt == "sharegpt" else ("role", "content")
+    turns = read_turns(data, field)
     if turns is None:
         raise DataError(f"{field}: missing (format {fmt})")
     if not isinstance(turns, list):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from PIL import Image, UnidentifiedImageError
 
-from specforge.data.formats import detect_format, is_tool_turn
+from specforge.data.formats import detect_format, is_tool_turn, read_turns, turns_field
 
 CANONICAL_ROLES = ("system", "user", "assistant", "tool")
 # ShareGPT's own spellings are its format, not a defect; anything else that was mapped is a fix.
@@ -32,10 +32,9 @@ class Quarantine(Exception):
 def role_name_fixes(data: dict, fmt: str) -> list[str]:
     """["normalized_role_names"] when a turn's role was spelled other than its format's way."""
     fmt = detect_format(data) if fmt == "auto" else fmt
-    field, key = ("messages", "role") if fmt == "messages" else (
-        "conversations", "from" if fmt == "sharegpt" else "role")
+    key = "from" if fmt == "sharegpt" else "role"
     native = NATIVE_ROLES.get(fmt, CANONICAL_ROLES)
-    turns = data.get(field) or []
+    turns = read_turns(data, turns_field(data, fmt)) or []
     if any(isinstance(t, dict) and t.get(key) not in native for t in turns):
         return ["normalized_role_names"]
     return []
