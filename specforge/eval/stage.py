@@ -50,11 +50,9 @@ def check_eval(eval_cfg) -> None:
     if str(eval_cfg.engine) == "server" and not eval_cfg.url:
         raise InvalidInput("eval.engine=server needs eval.url (the base URL of a running server)")
     if str(eval_cfg.engine) == "server":
-        from specforge.launch.process import url_problem
+        from specforge.launch.process import check_urls
 
-        for name in ("url", "baseline_url"):
-            if (problem := url_problem(f"eval.{name}", getattr(eval_cfg, name, None))) is not None:
-                raise InvalidInput(problem)
+        check_urls({f"eval.{name}": getattr(eval_cfg, name, None) for name in ("url", "baseline_url")})
     if str(eval_cfg.engine) == "sglang":
         from specforge.launch.sglang_commands import flag_table
 

@@ -293,11 +293,9 @@ def check(cfg) -> None:
         raise InvalidInput("extract.backend=server needs extract.aux_url (a server capturing the aux layers) "
                            "and extract.final_url (a server returning final hidden states)")
     if backend == "server":
-        from specforge.launch.process import url_problem
+        from specforge.launch.process import check_urls
 
-        for name in ("aux_url", "final_url"):
-            if (problem := url_problem(f"extract.{name}", getattr(cfg.extract, name))) is not None:
-                raise InvalidInput(problem)
+        check_urls({f"extract.{name}": getattr(cfg.extract, name) for name in ("aux_url", "final_url")})
     if backend == "sglang":
         from specforge.launch.sglang_commands import check_aux_support
 

@@ -58,6 +58,15 @@ def url_problem(name: str, value: str | None) -> str | None:
     return None
 
 
+def check_urls(urls: Mapping[str, str | None]) -> None:
+    """Refuse (InvalidInput) the first of {setting: value} that is set but not a server's base URL."""
+    from specforge.errors import InvalidInput
+
+    for name, value in urls.items():
+        if (problem := url_problem(name, value)) is not None:
+            raise InvalidInput(problem)
+
+
 def http_status(url: str, timeout: float = 5.0) -> int | None:
     """The HTTP status of GET url, or None when nothing answers."""
     try:

@@ -141,11 +141,9 @@ def check_config(cfg) -> None:
         raise InvalidInput("data.regenerate.urls: empty; the openai backend needs at least one server URL "
                            "(e.g. http://127.0.0.1:30000)")
     if cfg.backend == "openai":
-        from specforge.launch.process import url_problem
+        from specforge.launch.process import check_urls
 
-        for i, url in enumerate(cfg.urls):
-            if (problem := url_problem(f"data.regenerate.urls[{i}]", url)) is not None:
-                raise InvalidInput(problem)
+        check_urls({f"data.regenerate.urls[{i}]": url for i, url in enumerate(cfg.urls)})
     for name in ("batch_size", "concurrency", "max_new_tokens"):
         if int(getattr(cfg, name)) < 1:
             raise InvalidInput(f"data.regenerate.{name}: must be >= 1, got {getattr(cfg, name)}")
