@@ -5,7 +5,9 @@ fixes) or quarantined (with reason, file and line), and a report.
 
 Writes <out>/<name>.jsonl (clean `{"id", "messages", "fixes"}` rows), <out>/<name>.quarantine.jsonl
 and <out>/<name>.report.{json,md}. The same code runs in `python train.py stages=[data]`.
-A file that cannot be read (missing, not UTF-8 text, unsupported type) exits 1 naming it and writes nothing.
+A file that cannot be read (missing, empty, not UTF-8 text, unsupported type) or holds no row exits 1
+naming it and writes nothing. More than --max-quarantined-share of the rows quarantined (usually a wrong
+--format or the wrong file) exits 1 too, after writing every output: as data.max_quarantined_share does.
 """
 from __future__ import annotations
 
@@ -13,9 +15,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from specforge.config import FixConfig
-from specforge.data.fix import fix_dataset
+from specforge.config import DataConfig, FixConfig
+from specforge.data.fix import fix_dataset, reason_code
 from specforge.data.formats import FORMATS, read_raw_rows
+from specforge.data.sources import check_source
 from specforge.utils.io import write_json, write_jsonl, write_text
 
 
@@ -31,6 +34,19 @@ def report_markdown(name: str, counts: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def too_many_quarantined(result, limit: float) -> str | None:
+    """Why the share of quarantined rows is more than `limit` (top reasons, one example), or None."""
+    rows, quarantined = result.counts["input_rows"], result.counts["quarantined"]
+    if quarantined <= limit * rows:
+        return None
+    ranked = sorted(result.counts["by_reason"].items(), key=lambda kv: (-kv[1], kv[0]))
+    example = next(q for q in result.quarantined if reason_code(q["reason"]) == ranked[0][0])
+    top = ", ".join(f"{code} {k}" for code, k in ranked[:3])
+    return (f"{quarantined} of {rows} rows quarantined ({quarantined / rows:.1%}), more than "
+            f"--max-quarantined-share={limit:g}; top reasons: {top}; e.g. line {example['line']}: "
+            f"{example['reason'][:200]}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("input", help="raw dataset (.jsonl or .json, maybe compressed: .gz .bz2 .xz .zst; .parquet, .arrow)")
@@ -43,14 +59,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--toon-unrepairable", choices=["quarantine", "keep"], default="quarantine",
                    help="an answer no repair makes valid TOON (data.fix.toon_unrepairable): keep = as written")
     p.add_argument("--image-root", default=None)
+    p.add_argument("--max-quarantined-share", type=float, default=DataConfig.max_quarantined_share,
+                   help="exit 1 (after writing everything) when more of the rows are quarantined; 1: never")
     args = p.parse_args(argv)
+    if not 0 <= args.max_quarantined_share <= 1:
+        p.error(f"--max-quarantined-share must lie in [0, 1], got {args.max_quarantined_share:g}")
     src, out = Path(args.input), Path(args.out)
     fix = FixConfig(toon=args.toon, toon_where=args.toon_where, toon_prose=args.toon_prose,
                     toon_unrepairable=args.toon_unrepairable)
     try:
+        check_source(str(src))
         result = fix_dataset(read_raw_rows(src), fix, args.format, args.image_root)
     except (OSError, ValueError) as e:  # DataFileError is a ValueError
         print(f"fix.py: error: {e}", file=sys.stderr)
+        return 1
+    if not result.counts["input_rows"]:
+        print(f"fix.py: error: {src} holds no rows: nothing to fix", file=sys.stderr)
         return 1
     name = src.name.split(".")[0]
     write_jsonl(out / f"{name}.jsonl", ({k: r[k] for k in ("id", "messages", "fixes", "kept_as_written")}
@@ -61,6 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     c = result.counts
     print(f"{src}: {c['input_rows']} rows -> kept {c['kept']}, fixed {c['fixed']}, "
           f"quarantined {c['quarantined']} (report: {out / f'{name}.report.md'})")
+    problem = too_many_quarantined(result, args.max_quarantined_share)
+    if problem:
+        print(f"fix.py: error: {src}: {problem}. Every row is accounted for in {out}; to accept this, "
+              "raise --max-quarantined-share", file=sys.stderr)
+        return 1
     return 0
 
 

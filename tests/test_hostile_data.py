@@ -305,3 +305,35 @@ def test_smollm2_fetch_is_pinned_and_checksummed(tmp_path):
     smollm2.check_sha256(path, hashlib.sha256(path.read_bytes()).hexdigest())
     with pytest.raises(RuntimeError, match=re.escape(str(path)) + f": SHA-256 .* does not match the pinned {'0' * 64}"):
         smollm2.check_sha256(path, "0" * 64)
+
+
+def fix_py(*args):
+    return subprocess.run([sys.executable, "data_prep/fix.py", *map(str, args)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def test_fix_py_refuses_a_file_with_no_rows_and_writes_nothing(tmp_path):
+    """An empty file, a blank one and an empty JSON list: exit 1, not a report of 0 rows and exit 0."""
+    for name, text in (("empty.jsonl", ""), ("blank.jsonl", "\n\n  \n"), ("none.json", "[]")):
+        path = tmp_path / name
+        path.write_text(text)
+        proc = fix_py(path, "--out", tmp_path / "clean")
+        assert proc.returncode == 1, name
+        expected = "is empty (0 bytes)" if not text else "holds no rows: nothing to fix"
+        assert proc.stderr.startswith("fix.py: error: ") and f"{path} {expected}" in proc.stderr, proc.stderr
+    assert not (tmp_path / "clean").exists()
+
+
+def test_fix_py_fails_when_most_rows_are_quarantined_after_writing_them(tmp_path):
+    """Conversations read with the wrong --format: every row is quarantined; the outputs are all
+    written (nothing lost), and the exit status says it, as data.max_quarantined_share does."""
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in weather_rows(4)))
+    proc = fix_py(path, "--out", tmp_path / "clean", "--format", "alpaca")
+    assert proc.returncode == 1
+    assert f"fix.py: error: {path}: 4 of 4 rows quarantined (100.0%), more than --max-quarantined-share=0.5; " \
+           "top reasons: invalid_row 4; e.g. line 1: invalid_row: " in proc.stderr
+    report = json.loads((tmp_path / "clean" / "train.report.json").read_text())
+    assert report["quarantined"] == 4 and len((tmp_path / "clean" / "train.quarantine.jsonl").read_text().splitlines()) == 4
+    assert fix_py(path, "--out", tmp_path / "clean", "--format", "alpaca", "--max-quarantined-share", "1").returncode == 0
+    assert fix_py(path, "--out", tmp_path / "clean").returncode == 0  # read as what it is: kept
