@@ -138,6 +138,23 @@ def test_turns_stored_as_a_json_string_are_read_as_the_list():
         to_conversation({"messages": "hello"})
 
 
+def test_turns_stored_as_a_json_string_are_parsed_once_per_row(monkeypatch):
+    """Format detection, conversion and the role-name accounting all read the turns: the string is
+    parsed once for all three, and the row comes out as its list's would."""
+    from specforge.config import FixConfig
+    from specforge.data.fix import fix_row
+    from specforge.data.formats import RawRow
+
+    turns = [{"from": "human", "value": "Oslo?"}, {"from": "Assistant", "value": "rain"}]
+    text, parsed, real = json.dumps(turns), [], json.loads
+    monkeypatch.setattr(json, "loads", lambda s, *a, **k: (parsed.append(s), real(s, *a, **k))[1])
+    conv, fixes = fix_row(RawRow("f.jsonl", 1, {"id": "j", "conversations": text}, None), FixConfig())
+    assert parsed.count(text) == 1
+    monkeypatch.undo()
+    assert (conv, fixes) == fix_row(RawRow("f.jsonl", 1, {"id": "j", "conversations": turns}, None), FixConfig())
+    assert "normalized_role_names" in fixes
+
+
 def test_lmsys_and_wildchat_rows_keep_their_turns_under_conversation():
     """LMSYS-Chat-1M and WildChat name the turns `conversation` (role/content), LMSYS its id
     `conversation_id`; a ShareGPT row may spell it so too."""

@@ -342,6 +342,14 @@ def read_turns(data: dict, field: str) -> Any:
     return turns
 
 
+def with_turns_parsed(data: dict) -> dict:
+    """`data` with every turns field stored as a JSON string replaced by its list, parsed once for
+    the readers after it (format detection, conversion, role-name accounting)."""
+    strings = [f for f in ("messages", "conversations", "conversation")
+               if isinstance(data.get(f), str) and data[f].lstrip().startswith("[")]
+    return {**data, **{f: read_turns(data, f) for f in strings}} if strings else data
+
+
 def turns_field(data: dict, fmt: str) -> str:
     """Where a row of format `fmt` (sharegpt, messages, conversations) keeps its turns."""
     return "messages" if fmt == "messages" else _conversations_field(data)
@@ -368,6 +376,7 @@ def to_conversation(data: dict, fmt: str = "auto") -> dict:
         raise ValueError(f"data.format: {fmt!r} is not one of {list(FORMATS)}")
     if not isinstance(data, dict):
         raise DataError(f"row: expected a JSON object, got {type(data).__name__}")
+    data = with_turns_parsed(data)
     if fmt == "auto":
         fmt = detect_format(data)
     if fmt == "alpaca":

@@ -42,7 +42,7 @@ from specforge.data.fix.conversations import (
     role_name_fixes,
 )
 from specforge.data.fix.toon import PROSE_POLICIES, ToonNotADocument, ToonUnrepairable, repair_answers, repair_toon
-from specforge.data.formats import DataError, RawRow, to_conversation, tools_entry
+from specforge.data.formats import DataError, RawRow, to_conversation, tools_entry, with_turns_parsed
 from specforge.errors import InvalidInput
 
 __all__ = ["FixResult", "Quarantine", "check_duplicate", "fix_dataset", "fix_row", "quarantine_entry", "reason_code",
@@ -106,14 +106,15 @@ def fix_row(
     if raw.error is not None:
         raise Quarantine(f"invalid_json: {raw.error}")
     try:
-        conv = to_conversation(raw.data, fmt)
+        data = with_turns_parsed(raw.data) if isinstance(raw.data, dict) else raw.data
+        conv = to_conversation(data, fmt)
     except DataError as e:
         raise Quarantine(f"invalid_row: {e}") from None
     check_row_length(conv["messages"], max_chars)
     tools = tools_entry(conv.get("tools"))  # the row's tool definitions, for the template
     if not cfg.enabled:
         return {"id": conv["id"], "messages": conv["messages"], "kept_as_written": [], **tools}, []
-    fixes = role_name_fixes(raw.data, fmt)
+    fixes = role_name_fixes(data, fmt)
     messages = conv["messages"]
     messages = images.resolve_images(messages, raw.file)  # not a fix: no name recorded
     messages, dropped = drop_empty_turns(messages, cfg.empty_turns)
