@@ -221,6 +221,10 @@ class TrainConfig:
     save_state_every: int = 0  # steps; 0: only at epoch ends
     resume: str = "never"  # never | auto | <path to a state dir>
     num_threads: Optional[int] = None  # CPU threads per process; None: the CPUs / processes per node
+    # Before the first step, the heaviest micro-batch the run can meet (the batch_size longest samples)
+    # runs forward and backward, so that one that does not fit fails at once, not hours into an
+    # epoch (specforge/train/memory_probe.py). None: on a GPU.
+    memory_probe: Optional[bool] = None
 
 
 @dataclass

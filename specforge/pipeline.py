@@ -56,7 +56,8 @@ STAGES: dict[str, Stage] = {
         Stage("extract", "specforge.extract.stage", ("target", "extract"), ("data",), ranks="all"),
         Stage("train", "specforge.train.stage", ("target", "draft", "train", "seed"), ("data", "extract"),
               ranks="all", ignore=("train.resume", "train.save_state_every", "train.num_threads",
-                                   "train.strategy", "train.zero_stage", "draft.min_vocab_coverage")),
+                                   "train.strategy", "train.zero_stage", "train.memory_probe",
+                                   "draft.min_vocab_coverage")),
         Stage("eval", "specforge.eval.stage", ("eval",), ("train",)),
     ]
 }

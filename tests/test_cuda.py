@@ -106,6 +106,48 @@ def test_a_ttt_step_on_cuda_gives_the_cpu_loss_and_gradients(attention, packed):
         torch.testing.assert_close(got[2][name].cpu(), grad, atol=2e-4, rtol=2e-3, msg=name)
 
 
+class _Listed:
+    """Samples held in a list, read as the training's TeacherMemo reads a store."""
+
+    def __init__(self, docs):
+        self.docs = docs
+
+    def samples(self, indices):
+        return [self.docs[i] for i in indices]
+
+
+@needs_cuda
+def test_the_memory_probe_on_cuda_reports_the_peak_and_refuses_what_does_not_fit():
+    """train.memory_probe's default on a GPU: a TTT module that fits reports its peak of the device's
+    memory; one whose activations outgrow the device (torch.OutOfMemoryError) is refused, saying what
+    to lower, and the device's memory is free again."""
+    import contextlib
+
+    from specforge.errors import InvalidInput
+    from specforge.train.loop import TTTModule
+    from specforge.train.memory_probe import describe, heaviest_micro_batch, probe_memory
+
+    draft = _draft("sdpa").to(CUDA)
+    docs = _Listed(documents(draft, [90, 140, 60, 110]))
+    lengths = [len(d["input_ids"]) for d in docs.docs]
+    heaviest = heaviest_micro_batch(lengths, 2)
+    what = describe(lengths, heaviest, 0)
+    module = TTTModule(draft, Teacher(torch.randn(96, 48, device=CUDA), draft.t2d), 4, 0.8)
+    line = probe_memory(module, docs, heaviest, CUDA, contextlib.nullcontext(), what)
+    assert line.startswith(f"{what}: peak ") and line.endswith(" GiB on cuda")
+    assert all(p.grad is None for p in module.parameters())
+
+    class Outgrowing(torch.nn.Module):
+        def forward(self, batch):  # 1 TiB of float32 per token
+            return torch.empty(batch["input_ids"].numel(), 1 << 38, device=CUDA).sum(), None
+
+    held = torch.cuda.memory_allocated()
+    with pytest.raises(InvalidInput, match=rf"heaviest micro-batch of this run \({what}\) does not fit on cuda: "
+                                           r".*Lower train.batch_size"):
+        probe_memory(Outgrowing(), docs, heaviest, CUDA, contextlib.nullcontext(), what)
+    assert torch.cuda.memory_allocated() == held
+
+
 def _kept_mb(impl, seq, packed=False):
     """What the allocator holds between the forward and the backward of one call (TTT step 6,
     bf16, the Qwen3-VL-2B draft's 16 / 8 heads of 128), beyond the inputs."""

@@ -135,5 +135,6 @@ def test_resume_and_execution_knobs_do_not_change_the_train_fingerprint(prep):
 
     base = fp()
     assert fp("train.resume=auto", "train.save_state_every=5", "train.strategy=fsdp", "train.zero_stage=3",
-              "train.num_threads=3", "draft.min_vocab_coverage=0") == base  # the last: the data stage's refusal
+              "train.num_threads=3", "train.memory_probe=true",
+              "draft.min_vocab_coverage=0") == base  # the last: the data stage's refusal
     assert fp("train.lr=3e-3") != base and fp("train.grad_accum=2") != base

@@ -26,6 +26,7 @@ from specforge.extract.store import HiddenStateStore
 from specforge.models.draft import EAGLE31_OPTIONS, Eagle3Config, Eagle3Draft
 from specforge.targets.loader import compute_dtype, load_embedding_and_head, torch_dtype
 from specforge.train.batches import collate, epoch_batches, eval_batches, global_batches, steps_per_epoch
+from specforge.train.memory_probe import describe, heaviest_micro_batch, probe_memory
 from specforge.run_layout import RunLayout
 from specforge.train.state import StateManager, TrainState
 from specforge.train.ttt import StepStats, Teacher, TeacherMemo, add_stats, summarize, ttt_forward
@@ -379,6 +380,13 @@ def train(cfg, run_dir: Path, fingerprint: str) -> dict:
     train_samples = TeacherMemo(train_store, teacher, device)
     eval_samples = None if eval_store is None else TeacherMemo(eval_store, teacher, device)
     module = TTTModule(draft, teacher, tc.ttt_length, tc.step_weight, tc.feature_noise, tc.reach_weight)
+    probed = None
+    if tc.memory_probe or (tc.memory_probe is None and device.type == "cuda"):
+        heaviest = heaviest_micro_batch(train_store.lengths, tc.batch_size, tc.pack_tokens)
+        probed = probe_memory(module, train_samples, heaviest, device, amp,
+                              describe(train_store.lengths, heaviest, tc.pack_tokens), image_token_id, tc.pack_tokens)
+        if main:
+            print(f"[train] memory probe, the heaviest micro-batch: {probed}", flush=True)
     strategy = make_strategy(module, tc, env, device)
     del draft, module
 
@@ -470,6 +478,7 @@ def train(cfg, run_dir: Path, fingerprint: str) -> dict:
         strategy.close()
     return {"epochs": position.epochs, "steps": position.step, "skipped_steps": position.skipped_steps,
             **({"stopped_early": position.stopped_early} if position.stopped_early else {}),
+            **({"memory_probe": probed} if probed else {}),
             "seconds": round(seconds, 1),
             "train_tokens_per_s": round(meter.tokens / seconds, 1) if seconds else None,
             "world_size": env.world_size, "global_batch": global_batch, "strategy": strategy.name}

@@ -1,0 +1,74 @@
+"""Before the first step: the heaviest micro-batch the run can meet, forward and backward, so that a
+batch that does not fit the device fails in the first minute rather than hours into an epoch
+(batches are shuffled: the one with the longest samples may come last).
+
+The probe runs on the bare module, before a strategy wraps it: a sharded strategy (FSDP, ZeRO)
+would hold less of the draft's weights and gradients, so it errs on the safe side. Its gradients
+are dropped and the random state restored, so the training that follows is the one without it."""
+from __future__ import annotations
+
+import torch
+
+from specforge.errors import InvalidInput
+from specforge.train.batches import collate, pack_rows
+
+# the CPU allocator's failure is a plain RuntimeError; a GPU's is torch.OutOfMemoryError
+CPU_ALLOC_FAILURE = "can't allocate memory"
+
+
+def heaviest_micro_batch(lengths: list[int], batch_size: int, pack_tokens: int = 0) -> list[int]:
+    """Sample indices of the heaviest micro-batch there can be: the `batch_size` longest samples
+    (a micro-batch is padded to its longest), or packed, the first `batch_size` rows that the
+    longest samples fill."""
+    longest_first = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    if not pack_tokens:
+        return longest_first[:batch_size]
+    rows = pack_rows([lengths[i] for i in longest_first], pack_tokens)[:batch_size]
+    return [longest_first[j] for row in rows for j in row]
+
+
+def describe(lengths: list[int], indices: list[int], pack_tokens: int) -> str:
+    """"4 samples of up to 2048 tokens (8192 padded)", or for packed rows their count and size."""
+    if not pack_tokens:
+        longest = max(lengths[i] for i in indices)
+        return f"{len(indices)} samples of up to {longest} tokens ({len(indices) * longest} padded)"
+    rows = pack_rows([lengths[i] for i in indices], pack_tokens)
+    widest = max(sum(lengths[indices[j]] for j in row) for row in rows)
+    return f"{len(rows)} packed rows of up to {widest} tokens ({len(rows) * widest} padded)"
+
+
+def probe_memory(module: torch.nn.Module, samples, indices: list[int], device: torch.device, amp,
+                 what: str, image_token_id: int | None = None, pack_tokens: int = 0) -> str:
+    """One forward and backward of `module` on the micro-batch `indices` (`samples`: a TeacherMemo);
+    `what` describes it. -> a line for the run's summary (with the device's peak memory on a GPU).
+    A batch that does not fit is refused (InvalidInput), saying what to lower."""
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    refused = None
+    try:
+        with torch.random.fork_rng(devices=[device] if cuda else []):
+            batch = {k: v.to(device) for k, v in collate(samples.samples(indices), image_token_id=image_token_id,
+                                                         pack_tokens=pack_tokens).items()}
+            with amp:
+                loss, _ = module(batch)
+            loss.backward()
+    except (torch.OutOfMemoryError, RuntimeError) as e:
+        if not isinstance(e, torch.OutOfMemoryError) and CPU_ALLOC_FAILURE not in str(e):
+            raise
+        refused = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+    finally:
+        batch = loss = None  # noqa: F841 - nothing of the batch outlives the probe, nor its failure
+        module.zero_grad(set_to_none=True)
+    if cuda:
+        torch.cuda.empty_cache()
+    if refused is not None:  # raised out of the handler: the failure's traceback (its frames hold the batch) is gone
+        raise InvalidInput(
+            f"train: the heaviest micro-batch of this run ({what}) does not fit on {device}: {refused}. "
+            "Lower train.batch_size (raising train.grad_accum keeps the global batch) or data.max_length, or "
+            "pack the samples (train.pack_tokens); refused before the first step (train.memory_probe)")
+    if not cuda:
+        return f"{what}: fits"
+    peak, total = torch.cuda.max_memory_allocated(device), torch.cuda.get_device_properties(device).total_memory
+    return f"{what}: peak {peak / 2**30:.1f} GiB of {total / 2**30:.1f} GiB on {device}"
