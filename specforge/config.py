@@ -185,6 +185,9 @@ class ExtractConfig:
     sglang_aux_args: List[str] = field(default_factory=list)  # extra flags for the aux server only
     mem_fraction_static: float = 0.4  # GPU memory share of each of the two servers
     server_startup_timeout_s: float = 900.0
+    # Before the target runs: the stores' size (from the samples' token counts) against the free space
+    # of the run directory's filesystem; too little is refused, naming what stores less.
+    disk_check: bool = True
 
 
 @dataclass

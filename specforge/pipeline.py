@@ -53,7 +53,8 @@ STAGES: dict[str, Stage] = {
     s.name: s
     for s in [
         Stage("data", "specforge.data.stage", ("target", "data", "draft.draft_vocab_size"), ()),
-        Stage("extract", "specforge.extract.stage", ("target", "extract"), ("data",), ranks="all"),
+        Stage("extract", "specforge.extract.stage", ("target", "extract"), ("data",), ranks="all",
+              ignore=("extract.disk_check",)),
         Stage("train", "specforge.train.stage", ("target", "draft", "train", "seed"), ("data", "extract"),
               ranks="all", ignore=("train.resume", "train.save_state_every", "train.num_threads",
                                    "train.strategy", "train.zero_stage", "train.memory_probe",

@@ -30,6 +30,7 @@ import torch
 from specforge import distributed as dist
 from specforge.errors import InvalidInput, MissingInput
 from specforge.extract.batching import Extractor, total_tokens
+from specforge.extract.disk import written_bytes
 from specforge.extract.embedded import EmbeddedExtractor
 from specforge.extract.store import (FORMAT, MANIFEST, STORAGE_DTYPES, VERSION, HiddenStateStore,
                                      HiddenStateStoreWriter, handoff_dtype, remove_store, shard_damage,
@@ -247,14 +248,15 @@ def remove_unlisted(out_dir: Path) -> None:
             p.unlink()
 
 
-def extract_splits(cfg, run_dir: Path, splits: dict, extractor: Extractor, base_meta: dict, env) -> dict:
-    """Each split's rows into run_dir/extract/<split>; returns the per-split summaries."""
-    vocab_size = base_meta["vocab_size"]
+def extract_splits(cfg, run_dir: Path, splits: dict, rows_by_split: dict, extractor: Extractor, base_meta: dict,
+                   env) -> dict:
+    """Each split's rows (`rows_by_split`, read from the files `splits` names) into
+    run_dir/extract/<split>; returns the per-split summaries."""
     layout = RunLayout(run_dir)
     summaries = {}
     with _progress() if env.is_main else contextlib.nullcontext() as progress:
         for split, path in splits.items():
-            rows = split_rows(path, split, vocab_size)
+            rows = rows_by_split[split]
             out_dir = layout.store(split)
             if not rows:
                 continue
@@ -302,6 +304,33 @@ def check(cfg) -> None:
         check_aux_support(cfg.extract.sglang_version)  # installed (or named), and returns aux hidden states
     if (target_config := local_target_config(cfg.target)) is not None:
         aux_layer_ids(cfg.target, target_config)
+
+
+def config_meta(cfg) -> tuple[dict, object]:
+    """(store_meta, the target's transformers config), from its config alone: no weights loaded."""
+    from transformers import AutoConfig
+
+    from specforge.targets.loader import resolve_target_path
+
+    target_path = resolve_target_path(cfg.target)
+    model_config = AutoConfig.from_pretrained(target_path, trust_remote_code=cfg.target.trust_remote_code)
+    return store_meta(cfg, model_config, target_path), model_config
+
+
+def disk_check(cfg, layout: RunLayout, rows: dict, meta: dict, model_config) -> str:
+    """specforge/extract/disk.py's check of the stores `rows` make, before the target runs."""
+    from specforge.extract.disk import check_disk_space, free_bytes, store_bytes
+    from specforge.targets.vl import is_vl, vl_info
+
+    image_token_id = vl_info(model_config).image_token_id if is_vl(cfg.target.kind) else None
+    every = [row for split in rows.values() for row in split]
+
+    def needed(dtype: str) -> int:
+        return store_bytes(every, meta["hidden_size"], len(meta["aux_layer_ids"]), dtype, image_token_id)
+
+    return check_disk_space(needed(cfg.extract.dtype), written_bytes([layout.store(s) for s in SPLITS]),
+                            free_bytes(layout.extract_dir), layout.extract_dir, total_tokens(every),
+                            cfg.extract.dtype, needed("fp8"))
 
 
 def store_meta(cfg, model_config, target_path: Path) -> dict:
@@ -382,10 +411,16 @@ def run(cfg, run_dir, fingerprint: str | None = None) -> dict:
         splits[split] = path
 
     env = dist.current()  # several processes: each extracts its share (extract_split_sharded)
+    meta, model_config = config_meta(cfg)
+    rows = {split: split_rows(path, split, meta["vocab_size"]) for split, path in splits.items()}
     if cfg.extract.backend == "online":
-        return check_online(cfg, run_dir, splits, env)
+        return check_online(run_dir, rows, meta, env)
+    if cfg.extract.disk_check:  # every rank: each refuses alike on a shared filesystem, or checks its own
+        line = disk_check(cfg, layout, rows, meta, model_config)
+        if env.is_main:
+            print(f"[extract] {line}", flush=True)
     with open_backend(cfg, run_dir, env) as (extractor, base_meta):
-        summaries = extract_splits(cfg, run_dir, splits, extractor, base_meta, env)
+        summaries = extract_splits(cfg, run_dir, splits, rows, extractor, base_meta, env)
 
     extracted = sum(s["extracted_tokens"] for s in summaries.values())
     fwd = sum(s["seconds"] for s in summaries.values())
@@ -432,24 +467,13 @@ def damaged(cfg, run_dir, summary: dict) -> str | None:
     return None
 
 
-def check_online(cfg, run_dir: Path, splits: dict, env) -> dict:
+def check_online(run_dir: Path, rows: dict, meta: dict, env) -> dict:
     """extract=online stores nothing (the train stage computes the states: specforge/extract/online.py);
-    this stage still reads every row against the target's vocab, so bad data is refused before
-    training loads anything. A store an earlier extraction wrote is left as it is (hours of target
-    forwards; switching back resumes it), unread, and said so."""
-    from transformers import AutoConfig
-
-    from specforge.targets.loader import resolve_target_path
-
-    target_path = resolve_target_path(cfg.target)
-    model_config = AutoConfig.from_pretrained(target_path, trust_remote_code=cfg.target.trust_remote_code)
-    meta = store_meta(cfg, model_config, target_path)
-    counts = {}
-    for split, path in splits.items():
-        rows = split_rows(path, split, meta["vocab_size"])
-        counts[split] = {"samples": len(rows), "tokens": total_tokens(rows)}
-    stores = [RunLayout(run_dir).store(split) for split in SPLITS]
-    kept = sum(f.stat().st_size for d in stores if d.exists() for f in d.rglob("*") if f.is_file())
+    this stage still reads every row against the target's vocab (`rows`, read so), so bad data is
+    refused before training loads anything. A store an earlier extraction wrote is left as it is
+    (hours of target forwards; switching back resumes it), unread, and said so."""
+    counts = {split: {"samples": len(r), "tokens": total_tokens(r)} for split, r in rows.items()}
+    kept = written_bytes([RunLayout(run_dir).store(split) for split in SPLITS])
     if kept and env.is_main:
         print(f"[extract] online: the store in {RunLayout(run_dir).extract_dir} ({kept / 1e9:.2f} GB) from an earlier "
               "extraction is kept but not read; delete it to free the space", flush=True)
