@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from specforge.config import DataConfig, FixConfig
-from specforge.data.fix import fix_dataset, reason_code
+from specforge.data.fix import fix_dataset
 from specforge.data.formats import FORMATS, read_raw_rows
 from specforge.data.sources import check_source
 from specforge.utils.io import write_json, write_jsonl, write_text
@@ -32,19 +32,6 @@ def report_markdown(name: str, counts: dict) -> str:
             lines += ["", f"## {title}", "", "| | rows |", "|---|---|"]
             lines += [f"| {k} | {v} |" for k, v in counts[key].items()]
     return "\n".join(lines) + "\n"
-
-
-def too_many_quarantined(result, limit: float) -> str | None:
-    """Why the share of quarantined rows is more than `limit` (top reasons, one example), or None."""
-    rows, quarantined = result.counts["input_rows"], result.counts["quarantined"]
-    if quarantined <= limit * rows:
-        return None
-    ranked = sorted(result.counts["by_reason"].items(), key=lambda kv: (-kv[1], kv[0]))
-    example = next(q for q in result.quarantined if reason_code(q["reason"]) == ranked[0][0])
-    top = ", ".join(f"{code} {k}" for code, k in ranked[:3])
-    return (f"{quarantined} of {rows} rows quarantined ({quarantined / rows:.1%}), more than "
-            f"--max-quarantined-share={limit:g}; top reasons: {top}; e.g. line {example['line']}: "
-            f"{example['reason'][:200]}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     c = result.counts
     print(f"{src}: {c['input_rows']} rows -> kept {c['kept']}, fixed {c['fixed']}, "
           f"quarantined {c['quarantined']} (report: {out / f'{name}.report.md'})")
-    problem = too_many_quarantined(result, args.max_quarantined_share)
+    problem = result.too_many_quarantined(args.max_quarantined_share)
     if problem:
         print(f"fix.py: error: {src}: {problem}. Every row is accounted for in {out}; to accept this, "
               "raise --max-quarantined-share", file=sys.stderr)

@@ -18,10 +18,12 @@ import json
 import sys
 from pathlib import Path
 
-from specforge.config import TARGET_DTYPES, FixConfig, RegenerateConfig, TargetConfig
+from specforge.config import TARGET_DTYPES, DataConfig, FixConfig, RegenerateConfig, TargetConfig
 from specforge.data.fix import fix_dataset
 from specforge.data.formats import FORMATS, read_raw_rows
 from specforge.data.regen import regenerate_conversations
+from specforge.data.sources import check_source
+from specforge.errors import InvalidInput
 from specforge.utils.io import write_jsonl
 
 
@@ -48,7 +50,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--format", choices=FORMATS, default="auto", help="input row format")
     p.add_argument("--toon", action="store_true", help="repair/quarantine TOON answers (data.fix.toon)")
     p.add_argument("--no-fix", action="store_true", help="only parse rows, no repairs (data.fix.enabled=false)")
+    p.add_argument("--max-quarantined-share", type=float, default=DataConfig.max_quarantined_share,
+                   help="refuse, before the target answers anything, when more of the input rows are "
+                        "quarantined (usually a wrong --format); 1: never")
     args = p.parse_args(argv)
+    if not 0 <= args.max_quarantined_share <= 1:
+        p.error(f"--max-quarantined-share must lie in [0, 1], got {args.max_quarantined_share:g}")
 
     if args.backend == "embedded" and not args.target:
         p.error("--target is required with --backend embedded")
@@ -63,11 +70,18 @@ def main(argv: list[str] | None = None) -> int:
     fix = FixConfig(enabled=not args.no_fix, toon=args.toon)
 
     try:
+        check_source(args.input)
         parsed = fix_dataset(read_raw_rows(args.input), fix, args.format)
+        if not parsed.counts["input_rows"]:
+            raise InvalidInput(f"{args.input} holds no rows: nothing to regenerate")
         if parsed.quarantined:
             write_jsonl(work_dir / f"regen_{split}.input_quarantine.jsonl", parsed.quarantined)
             print(f"{len(parsed.quarantined)} input rows quarantined before regeneration: "
                   f"{work_dir / f'regen_{split}.input_quarantine.jsonl'}")
+        problem = parsed.too_many_quarantined(args.max_quarantined_share)
+        if problem:
+            raise InvalidInput(f"{args.input}: {problem}. Nothing was regenerated; to accept this, raise "
+                               "--max-quarantined-share")
         rows, report = regenerate_conversations(parsed.kept, cfg, target, work_dir, split, fix=fix, seed=args.seed)
     except (ConnectionError, FileNotFoundError, ValueError) as e:  # configuration problems: no traceback
         print(f"error: {e}", file=sys.stderr)

@@ -807,3 +807,24 @@ def test_embedded_regeneration_refuses_logit_shaping_it_would_not_apply(target, 
         backend(no_repeat_ngram_size=3, bad_words_ids=[[5]])
     with pytest.raises(ValueError, match="sets min_p=0.05, which the embedded regeneration does not apply"):
         backend(temperature=0.7, min_p=0.05)
+
+
+def test_the_cli_refuses_no_rows_and_mostly_quarantined_input_before_the_target_answers(target, tmp_path, capsys):
+    """An empty or blank file, and conversations read with the wrong --format (every row
+    quarantined): refused (exit 2) before the target loads, the quarantine written, no output."""
+    from data_prep.regenerate import main
+
+    args = ["--target", target.path, "--dtype", "float32"]
+    for text in ("", "\n \n"):
+        (tmp_path / "none.jsonl").write_text(text)
+        assert main([str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "o" / "none.jsonl"), *args]) == 2
+        said = capsys.readouterr().err
+        assert ("is empty (0 bytes)" if not text else "holds no rows: nothing to regenerate") in said, said
+    write_jsonl(tmp_path / "in.jsonl", [{"id": c["id"], "messages": c["messages"]} for c in dataset(4)])
+    assert main([str(tmp_path / "in.jsonl"), "--out", str(tmp_path / "o" / "train.jsonl"), "--format", "alpaca",
+                 *args]) == 2
+    said = capsys.readouterr().err
+    assert f"error: {tmp_path / 'in.jsonl'}: 4 of 4 rows quarantined (100.0%), more than " \
+           "--max-quarantined-share=0.5; top reasons: invalid_row 4; e.g. line 1: " in said
+    assert "Nothing was regenerated" in said and not (tmp_path / "o" / "train.jsonl").exists()
+    assert len(list(read_jsonl(tmp_path / "o" / "regen_train.input_quarantine.jsonl"))) == 4

@@ -66,6 +66,19 @@ class FixResult:
     quarantined: list[dict] = field(default_factory=list)  # {"file", "line", "reason", "row"}
     counts: dict = field(default_factory=dict)
 
+    def too_many_quarantined(self, limit: float) -> str | None:
+        """Why more than `limit` of the rows were quarantined (share, top reasons, one example), or
+        None: the standalone tools' check, as data.max_quarantined_share is the data stage's."""
+        rows, quarantined = self.counts["input_rows"], self.counts["quarantined"]
+        if quarantined <= limit * rows:
+            return None
+        ranked = sorted(self.counts["by_reason"].items(), key=lambda kv: (-kv[1], kv[0]))
+        example = next(q for q in self.quarantined if reason_code(q["reason"]) == ranked[0][0])
+        top = ", ".join(f"{code} {k}" for code, k in ranked[:3])
+        return (f"{quarantined} of {rows} rows quarantined ({quarantined / rows:.1%}), more than "
+                f"--max-quarantined-share={limit:g}; top reasons: {top}; e.g. line {example['line']}: "
+                f"{example['reason'][:200]}")
+
 
 def fix_dataset(
     rows: Iterable[RawRow], cfg: FixConfig, fmt: str = "auto", image_root: str | None = None,
