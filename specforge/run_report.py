@@ -88,6 +88,53 @@ def _data_rows(summary: dict) -> list[str]:
     return parts
 
 
+def _data_sentence(s: dict) -> tuple[str, set]:
+    return (f"Took {s['seconds']:.1f} s." if "seconds" in s else "", {"seconds"})
+
+
+def _extract_sentence(s: dict) -> tuple[str, set]:
+    """What went through the target, how fast, and what the store takes on disk."""
+    if "tokens" not in s:
+        return "", set()
+    if s.get("backend") == "online":
+        return (f"`extract=online`: nothing stored; {s['tokens']:,} tokens checked against the target's vocab, "
+                "their hidden states computed by the train stage.", {"backend", "tokens", "stored_bytes", "seconds"})
+    used = {"backend", "tokens", "extracted_tokens", "forward_seconds", "tokens_per_s", "bytes_per_token", "shards",
+            "seconds"}
+    if not all(k in s for k in used):
+        return "", set()
+    earlier = s["tokens"] - s["extracted_tokens"]
+    resumed = f" ({earlier:,} of them from an earlier run)" if earlier else ""
+    rate = f", {s['tokens_per_s']:,.0f} tok/s" if s["tokens_per_s"] else ""
+    size = s["tokens"] * (s["bytes_per_token"] or 0)
+    layers = f", aux layers {s['aux_layer_ids']}" if s.get("aux_layer_ids") else ""
+    return (f"{s['tokens']:,} tokens{resumed} through the target (backend {s['backend']}{layers}): "
+            f"{s['forward_seconds']:.1f} s of forwards{rate}, {s['seconds']:.1f} s in all. The store takes "
+            f"{size / 1e9:.2f} GB in {s['shards']} shards ({s['bytes_per_token'] or 0:,.0f} bytes per token).", used)
+
+
+def _train_sentence(s: dict) -> tuple[str, set]:
+    """Steps, time and throughput, the batch and how it was spread, what was skipped or stopped."""
+    used = {"steps", "seconds", "train_tokens_per_s", "global_batch", "world_size", "strategy", "skipped_steps"}
+    if not all(k in s for k in used):
+        return "", set()
+    processes = f"{s['world_size']} process" + ("es" if s["world_size"] != 1 else "")
+    rate = f", {s['train_tokens_per_s']:,.0f} tokens/s" if s["train_tokens_per_s"] else ""
+    epochs = f" over {len(s['epochs'])} epochs" if isinstance(s.get("epochs"), list) else ""
+    skipped = (f"{s['skipped_steps']} skipped (an inf/nan gradient norm)" if s["skipped_steps"]
+               else "none skipped")
+    lines = [f"{s['steps']:,} optimizer steps{epochs} in {s['seconds']:.1f} s{rate}, {skipped}; global batch "
+             f"{s['global_batch']} ({processes}, strategy {s['strategy']})."]
+    if s.get("stopped_early"):
+        lines.append(f"Stopped early: {s['stopped_early']}.")
+    if s.get("memory_probe"):
+        lines.append(f"Memory probe, the heaviest micro-batch before the first step: {s['memory_probe']}.")
+    return " ".join(lines), used | {"stopped_early", "memory_probe"}
+
+
+STAGE_SENTENCES = {"data": _data_sentence, "extract": _extract_sentence, "train": _train_sentence}
+
+
 def _held_out_coverage(layout: RunLayout) -> float | None:
     """The share of held-out loss tokens in the draft vocab, from the data stage's summary."""
     marker = layout.marker("data")
@@ -151,10 +198,11 @@ def write_run_report(run_dir: str | Path) -> Path:
         marker = layout.marker(stage)
         if marker.exists():
             s = read_json(marker).get("summary", {})
-            flat = {k: v for k, v in s.items() if isinstance(v, (int, float, str))}
+            said, used = STAGE_SENTENCES[stage](s)
+            flat = {k: v for k, v in s.items() if isinstance(v, (int, float, str)) and k not in used}
             data = _data_rows(s) if stage == "data" else []
-            if flat or data:
-                parts += [f"## {stage}", "", *data]
+            if flat or data or said:
+                parts += [f"## {stage}", "", *data, *([said, ""] if said else [])]
                 parts += [_table(["field", "value"], [[k, v] for k, v in flat.items()]), ""] if flat else []
     metrics = read_metrics(layout.metrics)
     evals = [m for m in metrics if m.get("split") == "eval" and "sim_accept_length" in m]

@@ -86,5 +86,5 @@ def test_the_probe_leaves_the_training_as_it_was(prep):
            [{k: v for k, v in m.items() if not k.startswith(drop)} for m in metrics(ref)]
     summary = json.loads((run / ".stage_train.json").read_text())["summary"]
     assert summary["memory_probe"] == f"{what}: fits"
-    assert f"| memory_probe | {what}: fits |" in (run / "report.md").read_text()
+    assert f"Memory probe, the heaviest micro-batch before the first step: {what}: fits." in (run / "report.md").read_text()
     assert "memory probe" not in launch(prep, "noise_default", 1, "train.feature_noise=0.05")  # a CPU: off

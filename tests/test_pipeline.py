@@ -73,7 +73,7 @@ def test_pipeline_end_to_end_then_skips_then_reruns_only_what_changed(weather_fi
     report = (run_dir / "report.md").read_text()
     assert "Held-out metrics per epoch" in report and (run_dir / "plots" / "training.png").exists()
     assert "| train | 24 | " in report and "| eval | 8 | " in report  # every input row accounted for
-    assert "## train" in report and "| steps | 12 |" in report  # written after the stage's summary
+    assert "## train" in report and "12 optimizer steps over 2 epochs in " in report  # written after the summary
     best = max(evals, key=lambda m: m["sim_accept_length"])["epoch"]  # no evaluation: SGLang's own tree
     serve = report.split("## Serve it")[1]
     assert f"--speculative-draft-model-path {run_dir / f'epoch_{best}'}" in serve

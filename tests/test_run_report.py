@@ -20,7 +20,7 @@ def test_the_report_accounts_for_every_input_row_and_shows_each_stages_summary(t
     assert "| eval | 10 | 6 | 2 | 2 | 1 | 900 | 400 | - |" in report
     assert "Quarantined, by reason: train: bad_role 1; train: empty_answer 1" in report
     assert "Draft vocab: 64 of the target's 512 tokens; it covers the loss tokens of eval 90.0%, train 98.1%." in report
-    assert "| seconds | 3.500 |" in report
+    assert "Took 3.5 s." in report
     assert "## train" in report and "| steps | 12 |" in report and "| train_tokens_per_s | 1234.500 |" in report
     assert "epochs" not in report  # lists stay in the markers
     assert "Held-out metrics" not in report  # no held-out rows: nothing to say of them
@@ -53,3 +53,33 @@ def test_serve_it_says_when_the_evaluations_fastest_was_no_faster_than_the_base(
     assert f"--speculative-draft-model-path {tmp_path / 'epoch_2'}" in serve
     write_json(layout.eval_choice, {"epoch": 2, "tree": "5_1_6", "speedup": 1.8, "chain": None})
     assert "`epoch_2` with tree `5_1_6`, the evaluation's choice" in write_run_report(tmp_path).read_text()
+
+
+def test_extract_and_train_are_said_in_sentences_with_their_units(tmp_path):
+    """What went through the target and what the store takes; steps, time, batch, what was skipped,
+    why training stopped, and the memory probe's line. Fields no sentence covers stay in a table."""
+    layout = RunLayout(tmp_path)
+    write_json(layout.marker("extract"), {"fingerprint": "x", "summary": {
+        "splits": {}, "backend": "embedded", "aux_layer_ids": [1, 14, 26], "tokens": 130288,
+        "extracted_tokens": 100288, "forward_seconds": 55.17, "tokens_per_s": 1817.9, "bytes_per_token": 4613.2,
+        "shards": 4, "seconds": 57.68}})
+    write_json(layout.marker("train"), {"fingerprint": "y", "summary": {
+        "epochs": [{"epoch": 1}, {"epoch": 2}], "steps": 1450, "skipped_steps": 2, "seconds": 162.4,
+        "train_tokens_per_s": 4592.9, "world_size": 2, "global_batch": 16, "strategy": "ddp",
+        "stopped_early": "held-out sim accept length has not beaten 3.1000 by more than 0.0 for 1 epoch(s)",
+        "memory_probe": "8 samples of up to 2048 tokens (16384 padded): peak 31.2 GiB of 139.8 GiB on cuda:0",
+        "something_new": 7}})
+    report = write_run_report(tmp_path).read_text()
+    assert ("130,288 tokens (30,000 of them from an earlier run) through the target (backend embedded, aux layers "
+            "[1, 14, 26]): 55.2 s of forwards, 1,818 tok/s, 57.7 s in all. The store takes 0.60 GB in 4 shards "
+            "(4,613 bytes per token).") in report
+    assert ("1,450 optimizer steps over 2 epochs in 162.4 s, 4,593 tokens/s, 2 skipped (an inf/nan gradient norm); "
+            "global batch 16 (2 processes, strategy ddp). Stopped early: held-out sim accept length has not beaten "
+            "3.1000 by more than 0.0 for 1 epoch(s). Memory probe, the heaviest micro-batch before the first step: "
+            "8 samples of up to 2048 tokens (16384 padded): peak 31.2 GiB of 139.8 GiB on cuda:0.") in report
+    assert "| something_new | 7 |" in report and "| steps |" not in report and "| bytes_per_token |" not in report
+    write_json(layout.marker("extract"), {"fingerprint": "x", "summary": {
+        "backend": "online", "aux_layer_ids": [1, 14, 26], "splits": {}, "tokens": 130288, "stored_bytes": 0,
+        "seconds": 1.2}})
+    assert ("`extract=online`: nothing stored; 130,288 tokens checked against the target's vocab, their hidden "
+            "states computed by the train stage.") in write_run_report(tmp_path).read_text()
