@@ -37,7 +37,7 @@ def test_online_training_is_the_stored_states_training_without_a_store(weather_f
     assert cfg_a.aux_layer_ids == cfg_b.aux_layer_ids == [0, 1, 3]
     for key in w_a:  # saved in bf16: at most one rounding step apart
         torch.testing.assert_close(w_b[key].float(), w_a[key].float(), rtol=2 ** -7, atol=1e-4)
-    assert "| backend | online |" in (on_dir / "report.md").read_text()
+    assert "`extract=online`: nothing stored; " in (on_dir / "report.md").read_text()
 
 
 def test_online_refuses_what_it_cannot_compute(tmp_path, tiny_target_dir):
