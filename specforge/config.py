@@ -226,8 +226,8 @@ class TrainConfig:
     num_threads: Optional[int] = None  # CPU threads per process; None: the CPUs / processes per node
     # Before the first step, the heaviest micro-batch the run can meet (the batch_size longest samples)
     # runs forward and backward, so that one that does not fit fails at once, not hours into an
-    # epoch (specforge/train/memory_probe.py). None: on a GPU.
-    memory_probe: Optional[bool] = None
+    # epoch (specforge/train/memory_probe.py); the report gets its peak memory.
+    memory_probe: bool = True
 
 
 @dataclass

@@ -286,6 +286,20 @@ def optimizer_step(strategy, micro_batches: list[list[int]], samples: TeacherMem
     return strategy.step()
 
 
+def check_batch_shape(tc, lengths: list[int]) -> None:
+    """A micro-batch the data cannot give: more samples than there are (every step would see all of
+    them, not train.batch_size), or packed rows shorter than a sample (it would be a row of its own,
+    longer than train.pack_tokens says)."""
+    if not tc.pack_tokens and tc.batch_size > len(lengths):
+        raise InvalidInput(f"train.batch_size={tc.batch_size} is more than the {len(lengths)} training samples: every "
+                           f"step would be one micro-batch of all of them; lower train.batch_size")
+    longer = sum(n > tc.pack_tokens for n in lengths) if tc.pack_tokens else 0
+    if longer:
+        raise InvalidInput(f"train.pack_tokens={tc.pack_tokens} is shorter than {longer} of the {len(lengths)} training "
+                           f"samples (the longest: {max(lengths)} tokens); each would be a row of its own, longer than "
+                           f"that. Set train.pack_tokens >= {max(lengths)} (data.max_length bounds every sample)")
+
+
 def plateaued(epochs: list[dict], patience: int, min_delta: float) -> str | None:
     """Why training stops here (train.early_stop_patience), or None: the last `patience` epochs'
     held-out sim accept length none above the best before them by more than `min_delta`."""
@@ -350,6 +364,7 @@ def train(cfg, run_dir: Path, fingerprint: str) -> dict:
     # -- inputs: hidden states, vocab map, the target's embedding and head -------------------------
     train_store, eval_store = open_stores(cfg, layout, device)
     vocab = load_file(layout.vocab)
+    check_batch_shape(tc, train_store.lengths)
     # packed rows differ per epoch (and so may their number): every epoch takes as many steps as the
     # shortest; unpacked, every epoch has the same number of micro-batches
     epochs = range(1, tc.epochs + 1) if tc.pack_tokens else [1]
@@ -381,12 +396,14 @@ def train(cfg, run_dir: Path, fingerprint: str) -> dict:
     eval_samples = None if eval_store is None else TeacherMemo(eval_store, teacher, device)
     module = TTTModule(draft, teacher, tc.ttt_length, tc.step_weight, tc.feature_noise, tc.reach_weight)
     probed = None
-    if tc.memory_probe or (tc.memory_probe is None and device.type == "cuda"):
+    if tc.memory_probe:
         heaviest = heaviest_micro_batch(train_store.lengths, tc.batch_size, tc.pack_tokens)
-        probed = probe_memory(module, train_samples, heaviest, device, amp,
-                              describe(train_store.lengths, heaviest, tc.pack_tokens), image_token_id, tc.pack_tokens)
+        what = describe(train_store.lengths, heaviest, tc.pack_tokens)
+        if main:  # said first: on a CPU, running out of memory is a kill, not an error
+            print(f"[train] memory probe: the heaviest micro-batch ({what}), forward and backward", flush=True)
+        probed = probe_memory(module, train_samples, heaviest, device, amp, what, image_token_id, tc.pack_tokens)
         if main:
-            print(f"[train] memory probe, the heaviest micro-batch: {probed}", flush=True)
+            print(f"[train] memory probe: {probed}", flush=True)
     strategy = make_strategy(module, tc, env, device)
     del draft, module
 

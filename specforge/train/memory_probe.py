@@ -7,6 +7,9 @@ would hold less of the draft's weights and gradients, so it errs on the safe sid
 are dropped and the random state restored, so the training that follows is the one without it."""
 from __future__ import annotations
 
+import os
+import resource
+
 import torch
 
 from specforge.errors import InvalidInput
@@ -18,13 +21,26 @@ CPU_ALLOC_FAILURE = "can't allocate memory"
 
 def heaviest_micro_batch(lengths: list[int], batch_size: int, pack_tokens: int = 0) -> list[int]:
     """Sample indices of the heaviest micro-batch there can be: the `batch_size` longest samples
-    (a micro-batch is padded to its longest), or packed, the first `batch_size` rows that the
-    longest samples fill."""
+    (a micro-batch is padded to its longest). Packed: rows filled as full as the samples allow
+    (first fit, longest first), the `batch_size` fullest, in an order that packing cuts back into
+    the same rows."""
     longest_first = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     if not pack_tokens:
         return longest_first[:batch_size]
-    rows = pack_rows([lengths[i] for i in longest_first], pack_tokens)[:batch_size]
-    return [longest_first[j] for row in rows for j in row]
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in longest_first:
+        fit = next((r for r, left in enumerate(room) if lengths[i] <= left), None)
+        if fit is None:
+            rows.append([i])
+            room.append(pack_tokens - lengths[i])
+        else:
+            rows[fit].append(i)
+            room[fit] -= lengths[i]
+    # the fullest rows, kept in the order they were opened: a row's first sample did not fit in the
+    # rows before it when it came, nor after (rows only fill up), so packing cuts them so again
+    fullest = sorted(sorted(range(len(rows)), key=lambda r: (room[r], r))[:batch_size])
+    return [i for r in fullest for i in rows[r]]
 
 
 def describe(lengths: list[int], indices: list[int], pack_tokens: int) -> str:
@@ -41,7 +57,8 @@ def probe_memory(module: torch.nn.Module, samples, indices: list[int], device: t
                  what: str, image_token_id: int | None = None, pack_tokens: int = 0) -> str:
     """One forward and backward of `module` on the micro-batch `indices` (`samples`: a TeacherMemo);
     `what` describes it. -> a line for the run's summary (with the device's peak memory on a GPU).
-    A batch that does not fit is refused (InvalidInput), saying what to lower."""
+    A batch that does not fit is refused (InvalidInput), saying what to lower; on a CPU, memory
+    that runs out is usually the kernel's kill, not an error: the caller says first what it probes."""
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.empty_cache()
@@ -68,7 +85,10 @@ def probe_memory(module: torch.nn.Module, samples, indices: list[int], device: t
             f"train: the heaviest micro-batch of this run ({what}) does not fit on {device}: {refused}. "
             "Lower train.batch_size (raising train.grad_accum keeps the global batch) or data.max_length, or "
             "pack the samples (train.pack_tokens); refused before the first step (train.memory_probe)")
-    if not cuda:
-        return f"{what}: fits"
-    peak, total = torch.cuda.max_memory_allocated(device), torch.cuda.get_device_properties(device).total_memory
-    return f"{what}: peak {peak / 2**30:.1f} GiB of {total / 2**30:.1f} GiB on {device}"
+    if cuda:
+        peak, total = torch.cuda.max_memory_allocated(device), torch.cuda.get_device_properties(device).total_memory
+        return f"{what}: peak {peak / 2**30:.1f} GiB of {total / 2**30:.1f} GiB on {device}"
+    # the process's peak resident memory so far (the probe's, unless loading took more), of the machine's
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return f"{what}: peak RSS {peak / 2**30:.1f} GiB of {total / 2**30:.1f} GiB on the CPU"
