@@ -439,10 +439,10 @@ def run(cfg, run_dir, fingerprint: str | None = None) -> dict:
         "seconds": round(time.time() - t0, 2),
     }
     for split, s in summaries.items() if env.is_main else ():
+        rate = f"{s['tokens_per_s']} tok/s" if s["tokens_per_s"] else "all from an earlier run"
         print(
             f"[extract] {split}: {s['samples']} samples, {s['tokens']} tokens in {s['shards']} shards, "
-            f"{s['tokens_per_s']} tok/s, {s['bytes_per_token']} B/token "
-            f"({s['hidden_bytes_per_token']} of hidden states)",
+            f"{rate}, {s['bytes_per_token']} B/token ({s['hidden_bytes_per_token']} of hidden states)",
             flush=True,
         )
     return summary
