@@ -134,3 +134,31 @@ def test_a_killed_evaluation_keeps_the_configurations_it_finished(run):
     assert kept["base"]["tok_s"] > 0
     assert kept["configs"] and all(c["speedup"] > 0 and c["lossless"] == 1.0 for c in kept["configs"])
     assert not (run / "eval" / "results.json").exists()
+
+
+def test_a_run_of_another_version_is_evaluated_passing_over_what_this_one_lacks(tmp_path):
+    """A run's config.yaml written by an earlier SpecForge: a setting since removed (session 16's
+    `train.prompt_weight`) or typed otherwise (`train.memory_probe: null`) was a raw omegaconf error
+    before evaluate.py read anything; now each is passed over with a warning naming it, the rest read."""
+    from omegaconf import OmegaConf
+
+    from specforge.config import Config
+
+    saved = OmegaConf.to_container(OmegaConf.structured(Config))
+    saved.update(run_name="old", output_dir=str(tmp_path))
+    saved["target"].update(name="tiny", path="/models/tiny")
+    saved["data"].update(name="weather", train_files=["a.jsonl"])
+    saved["train"].update(prompt_weight=0.3, memory_probe=None, lr=3e-3)
+    saved["eval"]["trees"] = ["3_1_4"]
+    run = tmp_path / "old"
+    run.mkdir()
+    OmegaConf.save(OmegaConf.create(saved), run / "config.yaml")
+    with pytest.warns(UserWarning) as said:
+        cfg = load_run_config(run)
+    message = str(said[0].message)
+    assert message.startswith(f"{run / 'config.yaml'}: written by another version of SpecForge; these settings are "
+                              "not this version's and were passed over: train.memory_probe=None (field "
+                              "'train.memory_probe' is not Optional); train.prompt_weight (not a setting any more)")
+    assert (cfg.target.path, cfg.train.lr, list(cfg.eval.trees), cfg.train.memory_probe) == \
+           ("/models/tiny", 3e-3, ["3_1_4"], True)
+    assert cfg.output_dir == str(tmp_path) and cfg.run_name == "old"

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import os
 import statistics
+import warnings
 from pathlib import Path
 
 import torch
@@ -67,9 +68,34 @@ def load_run_config(run_dir: str | Path):
     saved = RunLayout(run_dir).config
     if not saved.exists():
         raise MissingInput(f"{saved}: the run's resolved config is needed to know its target and data")
-    run_cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(saved))
+    run_cfg = OmegaConf.structured(Config)
+    passed_over = merge_known(run_cfg, OmegaConf.to_container(OmegaConf.load(saved)))
+    if passed_over:  # a run of an earlier version: what this one no longer has, or types otherwise
+        warnings.warn(f"{saved}: written by another version of SpecForge; these settings are not this version's "
+                      f"and were passed over: {'; '.join(passed_over)}", stacklevel=2)
     run_cfg.output_dir, run_cfg.run_name = str(run_dir.parent), run_dir.name
     return run_cfg
+
+
+def merge_known(schema, saved: dict, prefix: str = "") -> list[str]:
+    """Set every key of `saved` that `schema` (a structured config) has and whose value it takes,
+    recursively; -> what was passed over, each key with why."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    passed_over = []
+    for key, value in saved.items():
+        where = f"{prefix}{key}"
+        if key not in schema.keys():  # `in schema` is False for a key whose value is missing
+            passed_over.append(f"{where} (not a setting any more)")
+        elif isinstance(value, dict) and OmegaConf.is_dict(schema[key]) and OmegaConf.get_type(schema, key) is not dict:
+            passed_over += merge_known(schema[key], value, f"{where}.")
+        else:
+            try:
+                schema[key] = value
+            except OmegaConfBaseException as e:
+                passed_over.append(f"{where}={value!r} ({str(e).splitlines()[0]})")
+    return passed_over
 
 
 def _p99(values: list[float]) -> float:
