@@ -455,7 +455,8 @@ RANGES = {
     },
     "eval": {
         "eval.num_prompts": _at_least(1),
-        "eval.max_new_tokens": _at_least(1),
+        "eval.max_new_tokens": (lambda v: v >= 2, "be >= 2 (the first token comes from the prefill; drafts "
+                                                  "speed up the ones after it)"),
         "eval.temperature": _at_least(0.0),
         "eval.timing_repeats": _at_least(1),
         "eval.planner_confirm": _at_least(0),

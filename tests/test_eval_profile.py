@@ -13,7 +13,7 @@ import torch
 
 from specforge.engine.speculative import GenerationStats
 from specforge.eval.report import markdown, write_results
-from specforge.eval.engine_eval import aggregate, round_cost
+from specforge.eval.engine_eval import _against, aggregate, round_cost
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,8 +57,12 @@ def test_aggregate_phase_figures_per_step_and_per_round():
     cost = round_cost(spec, base)
     assert cost["round_cost_steps"] == pytest.approx(50.0 / 32.0)
     assert cost["verify_cost_steps"] == pytest.approx(2.4) and cost["draft_cost_steps"] == pytest.approx(1.0)
-    # no decode step at all (max_new_tokens=1): nan, not a ZeroDivisionError
-    assert math.isnan(aggregate([stats(1, 0, 0, 0.1, prefill=0.05)])["ms_per_step"])
+    # no decode step at all (every prompt ends at its first token: an end-of-sequence there): nan, not a
+    # ZeroDivisionError, in the figures and in the speed-ups against such a base
+    only_first = aggregate([stats(1, 0, 0, 0.1, prefill=0.05)])
+    assert math.isnan(only_first["ms_per_step"]) and math.isnan(only_first["decode_tok_s"])
+    against = _against(aggregate([stats(1, 0, 6, 0.1, prefill=0.05)], steps=5), only_first)
+    assert math.isnan(against["decode_speedup"]) and against["speedup"] == pytest.approx(1.0)
 
 
 def results_of(epochs_trees):

@@ -167,7 +167,7 @@ def aggregate(stats: list[GenerationStats], steps: int = 0) -> dict:
         "tpot_ms_p99": _p99(tpots),
         "e2e_s": statistics.mean(s.e2e_s for s in stats),
         "tok_s": completion / sum(s.e2e_s for s in stats),
-        "decode_tok_s": decode_tokens / decode_s if decode_s > 0 else math.nan,
+        "decode_tok_s": decode_tokens / decode_s if decode_tokens and decode_s > 0 else math.nan,
         **phase_figures(stats),
     }
 
@@ -232,8 +232,8 @@ def _base_of(first: dict, second: dict) -> dict:
 
 def _against(row: dict, base: dict) -> dict:
     """`row` with its speed-ups over `base` and its round cost in base decode steps."""
-    row["speedup"] = row["tok_s"] / base["tok_s"]
-    row["decode_speedup"] = row["decode_tok_s"] / base["decode_tok_s"]
+    row["speedup"] = _div(row["tok_s"], base["tok_s"])
+    row["decode_speedup"] = _div(row["decode_tok_s"], base["decode_tok_s"])  # nan: nothing decoded after the prefill
     row.update(round_cost(row, base))
     return row
 
