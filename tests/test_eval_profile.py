@@ -111,6 +111,18 @@ def test_report_has_the_breakdown_table():
             "2.20 / 1.56 = 1.41x expected") in md
 
 
+def test_the_ship_line_of_a_sampled_evaluation_does_not_claim_lossless():
+    """At temperature > 0 outputs are not compared with the base model's (lossless is None): the
+    headline says so, not "among lossless configurations"."""
+    results = results_of([(1, "5_1_6"), (2, "5_1_6")])
+    results["meta"]["temperature"] = 0.7
+    for row in results["configs"]:
+        row["lossless"] = None
+    md = markdown(results)
+    assert ("lossless -; best speed-up (sampled at temperature 0.7: outputs not compared with the base model's)"
+            in md) and "among lossless" not in md
+
+
 def test_report_without_phase_figures_keeps_the_old_tables():
     results = results_of([(1, "5_1_6")])
     for row in [results["base"], *results["configs"]]:

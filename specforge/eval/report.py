@@ -173,10 +173,14 @@ def markdown(results: dict) -> str:
         lines.append("| " + " | ".join(_fmt(r.get(k)) for k, _ in COLUMNS) + " |")
     best = best_config(results)
     if best:
-        why = ("best speed-up; NO configuration reproduced the base output on every request: at low "
-               "precision a tree forward and a one-token decode round differently at near-ties "
-               "(try eval.dtype=float32)" if best["all_lossy"]
-               else "best speed-up among lossless configurations")
+        if best["lossless"] is None:  # sampled: no output to compare with the base model's
+            why = f"best speed-up (sampled at temperature {meta['temperature']}: outputs not compared with the base model's)"
+        elif best["all_lossy"]:
+            why = ("best speed-up; NO configuration reproduced the base output on every request: at low "
+                   "precision a tree forward and a one-token decode round differently at near-ties "
+                   "(try eval.dtype=float32)")
+        else:
+            why = "best speed-up among lossless configurations"
         details = f"accept length {best['accept_length']:.2f}, lossless {_fmt(best['lossless'])}; {why}"
         lines += ["", ship_line(f"epoch_{best['epoch']}", best["tree"], best["speedup"], "speed-up", details), "",
                   "Accepted drafts per round (0, 1, ... T) for that configuration: "
