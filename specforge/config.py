@@ -274,7 +274,9 @@ class EvalConfig:
     scenario: Optional[str] = None  # serving benchmark preset: code | chat | completion (None: num_prompts x max_new_tokens, one at a time)
     # Serving benchmark (engine=server | sglang), see specforge/eval/server_eval.py
     baseline_url: Optional[str] = None  # engine=server: a base-model server to compare eval.url with
-    prompts: str = "conversations"  # conversations (data/eval.conversations.jsonl) | random (scenario input_len)
+    # conversations (data/eval.conversations.jsonl) | random (scenario input_len) | a file of one's own prompts
+    # (anything eval.suites takes: conversations or {"prompt": ...} rows), e.g. the workload to serve
+    prompts: str = "conversations"
     bench_backend: str = "sglang"  # sglang (POST /generate) | openai (POST /v1/completions)
     bench_num_prompts: Optional[int] = None  # overrides of the scenario's values (scale presets down for CPU)
     bench_input_len: Optional[int] = None
@@ -462,7 +464,8 @@ RANGES = {
         "eval.planner_confirm": _at_least(0),
         "eval.planner_chains": _within(0, 16),
         "eval.epochs": (lambda v: v is None or (len(v) > 0 and all(e >= 1 for e in v)), "be epochs >= 1 (or null: all)"),
-        "eval.prompts": _one_of(("conversations", "random")),
+        "eval.prompts": (lambda v: v in ("conversations", "random") or v.startswith("hub:") or Path(v).exists(),
+                         "be conversations, random, or a file of prompts that exists"),
         "eval.bench_backend": _one_of(("sglang", "openai")),
         "eval.bench_num_prompts": _none_or(_at_least(1)),
         "eval.bench_input_len": _none_or(_at_least(1)),

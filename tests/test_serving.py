@@ -224,6 +224,54 @@ def test_evaluate_serving_against_running_servers(model_dirs, servers, tmp_path)
     assert json.loads((tmp_path / "eval" / "serving" / "baseline.json").read_text())["metrics"]["completed"] == 3
 
 
+def test_ones_own_prompt_file_through_evaluate_and_the_bench_command(model_dirs, servers, tmp_path):
+    """The workload to serve, as a file (a prompt row and a conversation whose answer is left out):
+    eval.prompts=<file> for the serving evaluation, `specforge bench --prompts <file>` on the command
+    line; both send the file's prompts, rendered with the chat template, to the running servers."""
+    import subprocess
+    import sys
+
+    from specforge.eval.prompts import render_prompt
+
+    target, _, _ = model_dirs
+    eagle, base = servers
+    workload = tmp_path / "workload.jsonl"
+    workload.write_text(json.dumps({"prompt": "weather in Oslo?"}) + "\n" + json.dumps(
+        {"id": "c", "messages": [{"role": "user", "content": "and what about Lima, tomorrow morning?"},
+                                 {"role": "assistant", "content": "dry"}]})
+        + "\n")
+    cfg = OmegaConf.structured(Config)
+    cfg.run_name, cfg.target.name, cfg.target.path = "t", "tiny", str(target)
+    cfg.eval.engine, cfg.eval.url, cfg.eval.baseline_url = "server", eagle.url, base.url
+    cfg.eval.num_prompts, cfg.eval.max_new_tokens, cfg.eval.prompts = 4, 12, str(workload)
+    summary = eval_with_servers(cfg, [], cfg.eval, tmp_path)
+    assert summary["prompts"] == str(workload) and summary["metrics"]["server"]["completed"] == 4
+    runs = json.loads((tmp_path / "eval" / "serving" / "server.json").read_text())["requests"]
+    tok = AutoTokenizer.from_pretrained(str(target))
+    rendered = [len(render_prompt([{"role": "user", "content": text}], tok)["input_ids"])
+                for text in ("weather in Oslo?", "and what about Lima, tomorrow morning?")]
+    assert rendered[0] != rendered[1] and [r["prompt_len"] for r in runs] == rendered * 2  # no answer; cycled
+
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, "-m", "specforge.cli", "bench", "--url", eagle.url, "--baseline-url",
+                           base.url, "--tokenizer", str(target), "--prompts", str(workload), "--num-prompts", "2",
+                           "--output-len", "8", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(out.read_text())["eagle3"]["metrics"]["completed"] == 2
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "fine"}) + "\n" + json.dumps({"text": "no prompt here"}) + "\n")
+    for args, said in ((["--prompts", str(bad), "--tokenizer", str(target)], f"bench: --prompts: {bad}, line 2: "),
+                       (["--prompts", str(workload)], "bench: --prompts needs --tokenizer (the target dir)"),
+                       (["--prompts", str(workload), "--run-dir", str(tmp_path), "--tokenizer", str(target)],
+                        "bench: --run-dir and --prompts both name the prompts; give one"),
+                       (["--prompts", str(tmp_path / "none.jsonl"), "--tokenizer", str(target)],
+                        f"bench: data file {tmp_path / 'none.jsonl'} not found")):
+        proc = subprocess.run([sys.executable, "-m", "specforge.cli", "bench", "--url", eagle.url, *args],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 1 and proc.stderr.strip().startswith(said), proc.stderr
+
+
 # ---- server processes ------------------------------------------------------------------------------
 
 

@@ -13,8 +13,8 @@ meta_info; the `openai` backend (POST /v1/completions) asks for SGLang's
 server's own cumulative figure from /server_info (what sglang.bench_serving prints).
 
 Prompts are the run's held-out prompts (`data/eval.conversations.jsonl`, rendered as the embedded
-evaluation renders them) or random token ids of a given length; both are sent as token ids so
-every server sees the same tokens.
+evaluation renders them), a file of one's own workload rendered alike (`--prompts`, eval.prompts),
+or random token ids of a given length; all are sent as token ids so every server sees the same tokens.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from typing import Iterable, Sequence
 import httpx
 import numpy as np
 
-from specforge.errors import InputError
+from specforge.errors import InputError, InvalidInput
 from specforge.eval.scenarios import Scenario
 from specforge.launch.process import api_key_from_env, auth_headers, url_problem
 from specforge.run_layout import RunLayout
@@ -117,14 +117,40 @@ def conversation_requests(path, tokenizer, num_prompts: int, output_len: int,
     cycled when there are fewer conversations than `num_prompts`. `with_images` (vision-language
     targets): a prompt with images goes as its rendered text plus `image_data`, and the server
     expands the image placeholders itself. `thinking`: eval.thinking (prompts.thinking_kwargs)."""
-    from specforge.data.vl_render import image_paths
     from specforge.eval.prompts import heldout_prompts, thinking_kwargs
 
     path = Path(path)
     if path.is_dir():
         path = RunLayout(path).conversations("eval")
+    prompts = heldout_prompts(path, tokenizer, num_prompts, template_kwargs=thinking_kwargs(tokenizer, thinking, path))
+    return _requests(prompts, tokenizer, num_prompts, output_len, with_images)
+
+
+def file_requests(path: str, tokenizer, num_prompts: int, output_len: int, with_images: bool = False,
+                  thinking: bool | None = None, setting: str = "--prompts") -> list[BenchRequest]:
+    """The prompts of a file of one's own workload (anything eval.suites takes: conversations in any
+    format the data stage reads, or {"prompt": ...} rows; .jsonl, .json, .parquet, .arrow, hub:...),
+    each up to its first assistant turn, rendered as conversation_requests renders them; the file
+    checked whole first, a bad row refused naming `setting`, the file and the row."""
+    from specforge.data.vl_render import image_paths
+    from specforge.eval.prompts import file_conversations, render_prompt, thinking_kwargs
+
+    rows = file_conversations(path, setting)[:num_prompts]
+    if not with_images and (pictured := next((r for r in rows if image_paths(r["messages"])), None)):
+        raise InvalidInput(f"{setting}: {path}: prompt {pictured['id']!r} has images, which a text target cannot see")
+    template_kwargs = thinking_kwargs(tokenizer, thinking)
+    prompts = [render_prompt(r["messages"], tokenizer, None, r.get("tools"), template_kwargs) for r in rows]
+    return _requests(prompts, tokenizer, num_prompts, output_len, with_images)
+
+
+def _requests(prompts: list[dict], tokenizer, num_prompts: int, output_len: int,
+              with_images: bool) -> list[BenchRequest]:
+    """Rendered prompts as requests (token ids; with images, the rendered text plus the image
+    paths), cycled to `num_prompts`."""
+    from specforge.data.vl_render import image_paths
+
     requests = []
-    for p in heldout_prompts(path, tokenizer, num_prompts, template_kwargs=thinking_kwargs(tokenizer, thinking, path)):
+    for p in prompts:
         paths = image_paths(p["messages"]) if with_images else []
         if paths:
             text = tokenizer.apply_chat_template(p["messages"], add_generation_prompt=True, tokenize=False,
@@ -426,6 +452,9 @@ def add_bench_args(p) -> None:
     p.add_argument("--backend", default="sglang", choices=BACKENDS)
     p.add_argument("--tokenizer", default=None, help="target dir: vocab for random prompts / chat template")
     p.add_argument("--run-dir", default=None, help="use run_dir/data/eval.conversations.jsonl as prompts")
+    p.add_argument("--prompts", default=None,
+                   help="a file of one's own prompts: conversations or {\"prompt\": ...} rows (.jsonl, .json, "
+                        ".parquet, .arrow, hub:OWNER/NAME), each up to its first assistant turn")
     p.add_argument("--vocab-size", type=int, default=None, help="random prompts without a tokenizer")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
@@ -465,13 +494,24 @@ def bench(args) -> dict:
         if not Path(args.tokenizer).is_dir():
             raise SystemExit(f"bench: --tokenizer {args.tokenizer}: not a directory (the target's, with its tokenizer)")
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    if args.run_dir and args.prompts:
+        raise SystemExit("bench: --run-dir and --prompts both name the prompts; give one")
+    if (args.run_dir or args.prompts) and tokenizer is None:
+        flag = "--run-dir" if args.run_dir else "--prompts"
+        raise SystemExit(f"bench: {flag} needs --tokenizer (the target dir) to render the chat template")
     if args.run_dir:
-        if tokenizer is None:
-            raise SystemExit("bench: --run-dir needs --tokenizer (the target dir) to render the chat template")
         try:
             requests = conversation_requests(args.run_dir, tokenizer, scenario.num_prompts, scenario.output_len)
         except InputError as e:  # no held-out conversations there: the message, not a traceback
             raise SystemExit(f"bench: --run-dir {e}") from None
+    elif args.prompts:
+        from specforge.data.sources import check_source
+
+        try:
+            check_source(args.prompts)
+            requests = file_requests(args.prompts, tokenizer, scenario.num_prompts, scenario.output_len)
+        except InputError as e:  # a missing file, a bad row: named, not a traceback
+            raise SystemExit(f"bench: {e}") from None
     else:
         vocab = len(tokenizer) if tokenizer is not None else args.vocab_size
         if vocab is None:

@@ -97,16 +97,17 @@ def heldout_prompts(conversations_file: str | Path, tokenizer, limit: int, vl=No
     return prompts
 
 
-def file_conversations(path: str) -> list[dict]:
-    """Every row of a suite file as {"id", "messages"} (prompt turns only, image paths resolved
-    against the file's folder), checked whole: a bad row raises naming the file and row."""
+def file_conversations(path: str, setting: str = "eval.suites") -> list[dict]:
+    """Every row of a prompt file as {"id", "messages"} (prompt turns only, image paths resolved
+    against the file's folder), checked whole: a bad row raises naming the `setting` it came from
+    (eval.suites, eval.prompts, bench --prompts), the file and the row."""
     from specforge.data.fix.conversations import ImageChecker, Quarantine
 
     unit = "row" if is_table_source(path) else "line"
     images = ImageChecker(None)
     rows = []
     for raw in read_raw_rows(path):
-        where = f"eval.suites: {raw.file}, {unit} {raw.line}"
+        where = f"{setting}: {raw.file}, {unit} {raw.line}"
         if raw.error:
             raise InvalidInput(f"{where}: {raw.error}")
         data = raw.data
@@ -121,7 +122,7 @@ def file_conversations(path: str) -> list[dict]:
             raise InvalidInput(f"{where}: no user turn before the first assistant turn: nothing to prompt with")
         rows.append({"id": conv["id"], "messages": head, **tools_entry(conv.get("tools"))})
     if not rows:
-        raise InvalidInput(f"eval.suites: {path}: no rows")
+        raise InvalidInput(f"{setting}: {path}: no rows")
     return rows
 
 
@@ -164,7 +165,7 @@ def check_suites(eval_cfg) -> dict[str, str]:
     entries = suite_entries(eval_cfg)
     if getattr(eval_cfg, "suites", None) and str(eval_cfg.engine) != "embedded":
         raise InvalidInput(f"eval.suites={entries}: only eval.engine=embedded runs suites; the serving "
-                           f"benchmark (eval.engine={eval_cfg.engine}) takes eval.prompts=conversations|random")
+                           f"benchmark (eval.engine={eval_cfg.engine}) takes eval.prompts=conversations|random|<a file>")
     named: dict[str, str] = {}
     for entry in entries:
         if entry not in BUILTIN:

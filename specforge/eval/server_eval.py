@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 from specforge.errors import InvalidInput
 from specforge.utils.io import write_json, write_text
 from specforge.eval.bench_client import (
-    BenchRequest, BenchResult, comparison, comparison_table, conversation_requests,
+    BenchRequest, BenchResult, comparison, comparison_table, conversation_requests, file_requests,
     random_token_requests, run_benchmark,
 )
 from specforge.eval.scenarios import Scenario, get_scenario
@@ -97,7 +97,8 @@ def eval_requests(eval_cfg, scenario: Scenario, tokenizer, run_dir, seed: int = 
     if prompts == "random":
         return random_token_requests(scenario.num_prompts, scenario.input_len, scenario.output_len,
                                      len(tokenizer), exclude_ids=tokenizer.all_special_ids, seed=seed)
-    raise ValueError(f"eval.prompts={prompts!r}: one of conversations, random")
+    return file_requests(prompts, tokenizer, scenario.num_prompts, scenario.output_len, with_images,
+                         thinking=getattr(eval_cfg, "thinking", None), setting="eval.prompts")
 
 
 def checkpoint_label(checkpoint: Path, tree: str) -> str:
