@@ -127,18 +127,21 @@ def conversation_requests(path, tokenizer, num_prompts: int, output_len: int,
 
 
 def file_requests(path: str, tokenizer, num_prompts: int, output_len: int, with_images: bool = False,
-                  thinking: bool | None = None, setting: str = "--prompts") -> list[BenchRequest]:
+                  thinking: bool | None = None, setting: str = "--prompts",
+                  conversations_file: Path | None = None) -> list[BenchRequest]:
     """The prompts of a file of one's own workload (anything eval.suites takes: conversations in any
     format the data stage reads, or {"prompt": ...} rows; .jsonl, .json, .parquet, .arrow, hub:...),
-    each up to its first assistant turn, rendered as conversation_requests renders them; the file
-    checked whole first, a bad row refused naming `setting`, the file and the row."""
+    each up to its first assistant turn, rendered as conversation_requests renders them (thinking
+    mode: `thinking`, else as the run's held-out answers in `conversations_file` were written, as
+    the embedded evaluation renders its suites); the file checked whole first, a bad row refused
+    naming `setting`, the file and the row."""
     from specforge.data.vl_render import image_paths
     from specforge.eval.prompts import file_conversations, render_prompt, thinking_kwargs
 
     rows = file_conversations(path, setting)[:num_prompts]
     if not with_images and (pictured := next((r for r in rows if image_paths(r["messages"])), None)):
         raise InvalidInput(f"{setting}: {path}: prompt {pictured['id']!r} has images, which a text target cannot see")
-    template_kwargs = thinking_kwargs(tokenizer, thinking)
+    template_kwargs = thinking_kwargs(tokenizer, thinking, conversations_file)
     prompts = [render_prompt(r["messages"], tokenizer, None, r.get("tools"), template_kwargs) for r in rows]
     return _requests(prompts, tokenizer, num_prompts, output_len, with_images)
 

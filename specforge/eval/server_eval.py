@@ -98,7 +98,8 @@ def eval_requests(eval_cfg, scenario: Scenario, tokenizer, run_dir, seed: int = 
         return random_token_requests(scenario.num_prompts, scenario.input_len, scenario.output_len,
                                      len(tokenizer), exclude_ids=tokenizer.all_special_ids, seed=seed)
     return file_requests(prompts, tokenizer, scenario.num_prompts, scenario.output_len, with_images,
-                         thinking=getattr(eval_cfg, "thinking", None), setting="eval.prompts")
+                         thinking=getattr(eval_cfg, "thinking", None), setting="eval.prompts",
+                         conversations_file=RunLayout(Path(run_dir)).conversations("eval"))
 
 
 def checkpoint_label(checkpoint: Path, tree: str) -> str:
