@@ -222,6 +222,7 @@ class TrainConfig:
     early_stop_min_delta: float = 0.0
     log_every: int = 10
     save_state_every: int = 0  # steps; 0: only at epoch ends
+    keep_epoch_states: Optional[int] = None  # training states of the newest N epochs kept (None: all); checkpoints always
     resume: str = "never"  # never | auto | <path to a state dir>
     num_threads: Optional[int] = None  # CPU threads per process; None: the CPUs / processes per node
     # Before the first step, the heaviest micro-batch the run can meet (the batch_size longest samples)
@@ -440,6 +441,7 @@ RANGES = {
         "train.early_stop_min_delta": _at_least(0.0),
         "train.log_every": _at_least(1),
         "train.save_state_every": (lambda v: v >= 0, "be >= 0 (0: only at epoch ends)"),
+        "train.keep_epoch_states": _none_or(_at_least(1)),
         "train.num_threads": _none_or(_at_least(1)),
         "logging.wandb_mode": _one_of(WANDB_MODES),
         "train.resume": (lambda v: v in ("never", "auto") or Path(v).is_dir(),

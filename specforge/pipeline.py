@@ -58,7 +58,7 @@ STAGES: dict[str, Stage] = {
         Stage("train", "specforge.train.stage", ("target", "draft", "train", "seed"), ("data", "extract"),
               ranks="all", ignore=("train.resume", "train.save_state_every", "train.num_threads",
                                    "train.strategy", "train.zero_stage", "train.memory_probe",
-                                   "draft.min_vocab_coverage")),
+                                   "train.keep_epoch_states", "draft.min_vocab_coverage")),
         Stage("eval", "specforge.eval.stage", ("eval",), ("train",)),
     ]
 }

@@ -135,6 +135,18 @@ def test_resume_and_execution_knobs_do_not_change_the_train_fingerprint(prep):
 
     base = fp()
     assert fp("train.resume=auto", "train.save_state_every=5", "train.strategy=fsdp", "train.zero_stage=3",
-              "train.num_threads=3", "train.memory_probe=true",
+              "train.num_threads=3", "train.memory_probe=false", "train.keep_epoch_states=1",
               "draft.min_vocab_coverage=0") == base  # the last: the data stage's refusal
     assert fp("train.lr=3e-3") != base and fp("train.grad_accum=2") != base
+
+
+def test_only_the_newest_epoch_states_are_kept_when_asked(prep):
+    """train.keep_epoch_states=1: the newest epoch's training state alone stays (each holds the
+    weights and the optimizer's moments); every epoch's servable checkpoint stays, as trained."""
+    run = new_run(prep, "keep_one")
+    launch(prep, "keep_one", 1, "train.grad_accum=2", "train.keep_epoch_states=1", "train.save_state_every=2",
+           fresh=False)
+    assert sorted(p.name for p in (run / "state").iterdir()) == [f"epoch_{EPOCHS}"]
+    assert all((run / f"epoch_{e}" / "model.safetensors").is_file() for e in range(1, EPOCHS + 1))
+    for k, v in checkpoint_weights(uninterrupted(prep)).items():  # pruning changes nothing trained
+        assert torch.equal(checkpoint_weights(run)[k], v), k

@@ -155,19 +155,27 @@ def load_training_state(path: str | Path) -> dict:
     return state
 
 
-def prune_states(states_dir: str | Path, newest_step: int) -> None:
+def prune_states(states_dir: str | Path, newest_step: int, keep_epochs: int | None = None) -> None:
     """After a state of step `newest_step` is written: drop older `step_*` states and leftovers of
-    interrupted writes. Epoch states are kept."""
+    interrupted writes. Epoch states are kept: all, or the newest `keep_epochs`
+    (train.keep_epoch_states; each holds the weights and the optimizer's moments, GBs for a large
+    target's draft, beside the servable `epoch_<k>/` checkpoints that are always kept)."""
+    epochs = []
     for p in Path(states_dir).iterdir() if Path(states_dir).is_dir() else []:
         if p.name.startswith(".") and p.name.endswith((".tmp", ".old")):
             shutil.rmtree(p, ignore_errors=True)
-        elif p.is_dir() and p.name.startswith("step_"):
+        elif p.is_dir() and p.name.startswith(("step_", "epoch_")):
             try:
                 step = int(read_json(p / MANIFEST)["step"])
             except (OSError, ValueError, KeyError):
                 step = -1
-            if step < newest_step:
+            if p.name.startswith("epoch_"):
+                epochs.append((step, p))
+            elif step < newest_step:
                 shutil.rmtree(p, ignore_errors=True)
+    if keep_epochs is not None:
+        for _, p in sorted(epochs, key=lambda e: e[0], reverse=True)[keep_epochs:]:
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def clear_states(states_dir: str | Path) -> list[str]:
@@ -247,7 +255,7 @@ class StateManager:
                 "batch_size": self.tc.batch_size, "grad_accum": self.tc.grad_accum}
         out = save_training_state(self.states_dir, name, state.strategy, trainer_state, meta)
         if env.is_main:
-            prune_states(self.states_dir, p.step)
+            prune_states(self.states_dir, p.step, self.tc.keep_epoch_states)
         return out
 
     def restore(self, state: TrainState) -> Path | None:
