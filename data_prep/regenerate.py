@@ -36,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work-dir", help="resume log, failures, skipped rows and report (default: --out's folder)")
     p.add_argument("--target", help="target model directory (required for --backend embedded)")
     p.add_argument("--dtype", default=TargetConfig.dtype, choices=TARGET_DTYPES, help="dtype of the embedded target")
+    p.add_argument("--chat-template", help="a Jinja chat template file used instead of the target's (embedded backend; "
+                                           "a server renders with its own --chat-template)")
     p.add_argument("--backend", choices=["embedded", "openai"], default=d.backend)
     p.add_argument("--url", action="append", default=[], help="server URL (repeat for several; openai backend)")
     p.add_argument("--model", help="model name sent to the server (default: the first it serves)")
@@ -66,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
                            concurrency=args.concurrency, batch_size=args.batch_size, temperature=args.temperature,
                            max_new_tokens=args.max_new_tokens, thinking=args.thinking,
                            keep_truncated=args.keep_truncated)
-    target = TargetConfig(name=Path(args.target).name, path=args.target, dtype=args.dtype) if args.target else None
+    target = TargetConfig(name=Path(args.target).name, path=args.target, dtype=args.dtype,
+                          chat_template=args.chat_template) if args.target else None
     fix = FixConfig(enabled=not args.no_fix, toon=args.toon)
 
     try:

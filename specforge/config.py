@@ -63,6 +63,9 @@ class TargetConfig:
     dtype: str = "bfloat16"
     trust_remote_code: bool = False
     aux_layer_ids: Optional[List[int]] = None  # None: [1, N//2-1, N-4]
+    # A Jinja chat template file used instead of the tokenizer's, as the servers' --chat-template: the
+    # data stage, regeneration, evaluation prompts and the serve commands render with it alike.
+    chat_template: Optional[str] = None
 
 
 @dataclass

@@ -156,6 +156,8 @@ def _serve_lines(layout: RunLayout, evals: list[dict]) -> list[str]:
     epoch = best["epoch"] if best else max(evals, key=lambda m: m["sim_accept_length"])["epoch"]
     options = {"model_path": str(target_path),
                "trust_remote_code": bool(OmegaConf.select(run_cfg, "target.trust_remote_code", default=False)),
+               # the template the draft's data was rendered with: served alike
+               "chat_template": OmegaConf.select(run_cfg, "target.chat_template", default=None),
                **eagle3_options(layout.checkpoint(epoch), best["tree"] if best else None)}
     # the newest checked spellings, not the installed SGLang's: a report must not fail on an old one,
     # and these flags are spelled alike in every supported version
@@ -170,10 +172,12 @@ def _serve_lines(layout: RunLayout, evals: list[dict]) -> list[str]:
         why = (f"`epoch_{epoch}` (best simulated accept length) with SGLang's own tree; "
                f"`python evaluate.py ckpt={layout.root}` measures the speed-up and picks the tree")
     return ["", "## Serve it", "", f"{why} (SGLang {NEWEST_CHECKED}'s flags):", "", "```bash", command, "```",
-            *_vllm_lines(layout.checkpoint(epoch), target_path, options["trust_remote_code"], best)]
+            *_vllm_lines(layout.checkpoint(epoch), target_path, options["trust_remote_code"], best,
+                         options["chat_template"])]
 
 
-def _vllm_lines(checkpoint, target_path, trust_remote_code: bool, best: dict | None) -> list[str]:
+def _vllm_lines(checkpoint, target_path, trust_remote_code: bool, best: dict | None,
+                chat_template: str | None = None) -> list[str]:
     """vLLM drafts chains only: the evaluation's fastest chain of the chosen epoch, when it measured one."""
     from specforge.launch.vllm_commands import VLLM_CHECKED, vllm_serve_command
 
@@ -184,7 +188,7 @@ def _vllm_lines(checkpoint, target_path, trust_remote_code: bool, best: dict | N
     speed = chain.get("speedup", chain.get("predicted_speedup"))
     measured = "speed-up" if "speedup" in chain else "predicted speed-up"
     command = shlex.join(vllm_serve_command(target_path, checkpoint, chain["tree"],
-                                            trust_remote_code=trust_remote_code))
+                                            trust_remote_code=trust_remote_code, chat_template=chat_template))
     return ["", f"With vLLM ({VLLM_CHECKED}'s options, not run here), which drafts a chain, not a tree: the "
             f"fastest chain of that epoch, `{chain['tree']}` (accept length {chain['accept_length']:.2f}, "
             f"{measured} {speed:.2f}x on our engine):", "", "```bash", command, "```"]

@@ -98,6 +98,8 @@ def extra_inputs(cfg) -> dict:
         for f in files:
             _check_exists(f)
         out[split] = {f: source_fingerprint(f) for f in files}
+    if cfg.target.chat_template and Path(cfg.target.chat_template).is_file():  # editing it renders rows anew
+        out["chat_template"] = file_fingerprint(cfg.target.chat_template)
     return out
 
 
@@ -135,9 +137,11 @@ def check(cfg) -> None:
     """Fail on a setting that cannot work before any file is read, not after minutes of work."""
     from specforge.data.fix import check_config as check_fix
     from specforge.data.regen.run import check_config as check_regen
-    from specforge.targets.loader import local_target_config
+    from specforge.targets.loader import local_target_config, read_chat_template
 
     check_ranges(cfg, ["data"])
+    if cfg.target.chat_template:
+        read_chat_template(cfg.target.chat_template, "target.chat_template")
     check_fix(cfg.data.fix)
     if cfg.data.regenerate.enabled:
         check_regen(cfg.data.regenerate)
@@ -431,7 +435,8 @@ def run(cfg, run_dir, fingerprint: str | None = None) -> dict:
     check_max_length(cfg, target_config, target_path)  # check() could not where the target was still to fetch
     tokenizer = load_tokenizer(cfg.target)
     if not getattr(tokenizer, "chat_template", None):
-        raise InvalidInput(f"target tokenizer at {target_path} has no chat template; the data stage needs one")
+        raise InvalidInput(f"target tokenizer at {target_path} has no chat template; the data stage needs one: give "
+                           "it with target.chat_template=FILE (a Jinja template, as the servers' --chat-template)")
 
     vl = None
     if is_vl(cfg.target.kind):

@@ -455,6 +455,8 @@ def add_bench_args(p) -> None:
     p.add_argument("--backend", default="sglang", choices=BACKENDS)
     p.add_argument("--tokenizer", default=None, help="target dir: vocab for random prompts / chat template")
     p.add_argument("--run-dir", default=None, help="use run_dir/data/eval.conversations.jsonl as prompts")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template file used instead of --tokenizer's (the target.chat_template of the run)")
     p.add_argument("--prompts", default=None,
                    help="a file of one's own prompts: conversations or {\"prompt\": ...} rows (.jsonl, .json, "
                         ".parquet, .arrow, hub:OWNER/NAME), each up to its first assistant turn")
@@ -497,6 +499,13 @@ def bench(args) -> dict:
         if not Path(args.tokenizer).is_dir():
             raise SystemExit(f"bench: --tokenizer {args.tokenizer}: not a directory (the target's, with its tokenizer)")
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+        if args.chat_template:
+            from specforge.targets.loader import read_chat_template
+
+            try:
+                tokenizer.chat_template = read_chat_template(args.chat_template, "--chat-template")
+            except InputError as e:
+                raise SystemExit(f"bench: {e}") from None
     if args.run_dir and args.prompts:
         raise SystemExit("bench: --run-dir and --prompts both name the prompts; give one")
     if (args.run_dir or args.prompts) and tokenizer is None:

@@ -37,6 +37,7 @@ _FLAGS_0_5_20 = {
     "chunked_prefill_size": "--chunked-prefill-size",
     "dtype": "--dtype",
     "trust_remote_code": "--trust-remote-code",
+    "chat_template": "--chat-template",
     "tp_size": "--tp-size",
     "mem_fraction_static": "--mem-fraction-static",
     "context_length": "--context-length",

@@ -126,7 +126,28 @@ def load_tokenizer(target_cfg):
     if path.is_dir() and not any((path / name).is_file() for name in TOKENIZER_FILES):
         raise InvalidInput(f"target.path: {path} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}); a target "
                            "directory is what save_pretrained writes for the model and its tokenizer")
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=target_cfg.trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=target_cfg.trust_remote_code)
+    template = getattr(target_cfg, "chat_template", None)
+    if template:
+        tokenizer.chat_template = read_chat_template(template, "target.chat_template")
+    return tokenizer
+
+
+def read_chat_template(path: str | Path, setting: str) -> str:
+    """The Jinja chat template in the file `path` (as SGLang's and vLLM's --chat-template take one),
+    parsed here: a missing file or a syntax error is refused naming `setting` and the line, before
+    any row is rendered with it."""
+    import jinja2
+
+    path = Path(path)
+    if not path.is_file():
+        raise MissingInput(f"{setting}: {path} not found (a Jinja chat template file)")
+    text = path.read_text(encoding="utf-8")
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise InvalidInput(f"{setting}: {path}, line {e.lineno}: not a Jinja template ({e.message})") from None
+    return text
 
 
 def torch_dtype(name: str) -> torch.dtype:
