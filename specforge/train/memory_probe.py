@@ -56,7 +56,8 @@ def describe(lengths: list[int], indices: list[int], pack_tokens: int) -> str:
 def probe_memory(module: torch.nn.Module, samples, indices: list[int], device: torch.device, amp,
                  what: str, image_token_id: int | None = None, pack_tokens: int = 0) -> str:
     """One forward and backward of `module` on the micro-batch `indices` (`samples`: a TeacherMemo);
-    `what` describes it. -> a line for the run's summary (with the device's peak memory on a GPU).
+    `what` describes it. -> a line for the run's summary (the GPU's peak memory, or the process's
+    peak RSS on a CPU).
     A batch that does not fit is refused (InvalidInput), saying what to lower; on a CPU, memory
     that runs out is usually the kernel's kill, not an error: the caller says first what it probes."""
     cuda = device.type == "cuda"
