@@ -213,6 +213,8 @@ def test_empty_tree_list_is_refused_before_anything_runs(weather_files, tiny_tar
     (["eval.suites=[no_such_suite.jsonl]"], ["eval.suites: 'no_such_suite.jsonl' is neither a built-in suite"]),
     (["eval.prompts=no_such_workload.jsonl"],
      ["eval.prompts: must be conversations, random, or a file of prompts that exists, got 'no_such_workload.jsonl'"]),
+    (["eval.prompts=random"], ["eval.prompts=random is the serving benchmark's (eval.engine=server|sglang); the "
+                               "embedded engine runs eval.suites"]),
     (["eval.num_prompts=0", "eval.temperature=-1", "eval.max_new_tokens=1"],
      ["eval.num_prompts: must be >= 1, got 0", "eval.temperature: must be >= 0, got -1.0",
       "eval.max_new_tokens: must be >= 2 (the first token comes from the prefill; drafts speed up the ones after "

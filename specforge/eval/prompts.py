@@ -161,11 +161,17 @@ def suite_name(entry: str) -> str:
 def check_suites(eval_cfg) -> dict[str, str]:
     """{suite name: entry}, refused without reading any row when an entry is neither a built-in
     suite nor an existing file, when two suites share a name, or when the engine is a server's
-    (its benchmark takes eval.prompts). Cheap: evaluate.py / the stage call it before anything loads."""
+    (its benchmark takes eval.prompts; and the embedded engine would pass eval.prompts over).
+    Cheap: evaluate.py / the stage call it before anything loads."""
     entries = suite_entries(eval_cfg)
     if getattr(eval_cfg, "suites", None) and str(eval_cfg.engine) != "embedded":
         raise InvalidInput(f"eval.suites={entries}: only eval.engine=embedded runs suites; the serving "
                            f"benchmark (eval.engine={eval_cfg.engine}) takes eval.prompts=conversations|random|<a file>")
+    prompts = str(getattr(eval_cfg, "prompts", "conversations"))
+    if str(eval_cfg.engine) == "embedded" and prompts != "conversations":
+        raise InvalidInput(f"eval.prompts={prompts} is the serving benchmark's (eval.engine=server|sglang); the "
+                           f"embedded engine runs eval.suites" + (f", e.g. eval.suites=[{prompts}]"
+                                                                 if prompts != "random" else ""))
     named: dict[str, str] = {}
     for entry in entries:
         if entry not in BUILTIN:
