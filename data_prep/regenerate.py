@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -22,9 +23,15 @@ from specforge.config import TARGET_DTYPES, DataConfig, FixConfig, RegenerateCon
 from specforge.data.fix import fix_dataset
 from specforge.data.formats import FORMATS, read_raw_rows
 from specforge.data.regen import regenerate_conversations
+from specforge.data.regen.run import check_config
 from specforge.data.sources import check_source
 from specforge.errors import InvalidInput
 from specforge.utils.io import write_jsonl
+
+
+# RegenerateConfig's fields -> the flags that set them here, for its refusals
+FLAGS = {"backend": "--backend", "urls": "--url", "concurrency": "--concurrency", "batch_size": "--batch-size",
+         "temperature": "--temperature", "max_new_tokens": "--max-new-tokens"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,6 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     target = TargetConfig(name=Path(args.target).name, path=args.target, dtype=args.dtype,
                           chat_template=args.chat_template) if args.target else None
     fix = FixConfig(enabled=not args.no_fix, toon=args.toon)
+    try:  # the settings first, said as the flags that gave them
+        check_config(cfg)
+    except InvalidInput as e:
+        p.error(re.sub(r"data\.regenerate\.(\w+)(\[\d+\])?", lambda m: FLAGS.get(m[1], m[0]), str(e)))
 
     try:
         check_source(args.input)

@@ -828,3 +828,20 @@ def test_the_cli_refuses_no_rows_and_mostly_quarantined_input_before_the_target_
            "--max-quarantined-share=0.5; top reasons: invalid_row 4; e.g. line 1: " in said
     assert "Nothing was regenerated" in said and not (tmp_path / "o" / "train.jsonl").exists()
     assert len(list(read_jsonl(tmp_path / "o" / "regen_train.input_quarantine.jsonl"))) == 4
+
+
+@pytest.mark.parametrize("args, said", [
+    (["--backend", "openai", "--url", "http://127.0.0.1:1", "--concurrency", "0"], "--concurrency: must be >= 1, got 0"),
+    (["--target", "t", "--batch-size", "0"], "--batch-size: must be >= 1, got 0"),
+    (["--backend", "openai"], "--url: empty; the openai backend needs at least one server URL"),
+    (["--backend", "openai", "--url", "localhost:3000"], "--url 'localhost:3000' is not an http(s) URL"),
+])
+def test_the_cli_names_its_own_flags_in_a_refusal(tmp_path, capsys, args, said):
+    """Not data.regenerate.concurrency: the flag the user typed, before any file is read."""
+    from data_prep.regenerate import main
+
+    with pytest.raises(SystemExit) as ended:
+        main([str(tmp_path / "in.jsonl"), "--out", str(tmp_path / "o.jsonl"), *args])
+    assert ended.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: {said}" in err and "data.regenerate" not in err  # prog: regenerate.py when run so
