@@ -305,6 +305,19 @@ def test_evaluate_serving_launches_and_stops_every_server(model_dirs, tmp_path):
         assert http_status(f"http://127.0.0.1:{port}/health", timeout=1) is None
         assert not any(f"--port\0{port}\0".encode() in _cmdline(p) for p in os.listdir("/proc") if p.isdigit())
 
+    # run again (as after a crash or a stop late in a long evaluation): what was measured is kept, no server
+    # starts again; a configuration whose result is gone (or cut short) is measured again
+    logs = {label: (out / "logs" / f"{label}.log").stat().st_mtime_ns for label in runs}
+    (out / f"ckpt_{TREE}.json").write_text((out / f"ckpt_{TREE}.json").read_text()[:100])  # cut short
+    again = eval_with_servers(cfg, [ckpt], cfg.eval, tmp_path, command_builder=builder)
+    assert (out / "logs" / "baseline.log").stat().st_mtime_ns == logs["baseline"]
+    assert (out / "logs" / f"ckpt_{TREE}.log").stat().st_mtime_ns != logs[f"ckpt_{TREE}"]
+    assert again["metrics"]["baseline"] == summary["metrics"]["baseline"]
+    assert again["metrics"][f"ckpt_{TREE}"]["completed"] == 2
+    cfg.eval.max_new_tokens = 12  # measured otherwise: nothing kept
+    eval_with_servers(cfg, [ckpt], cfg.eval, tmp_path, command_builder=builder)
+    assert (out / "logs" / "baseline.log").stat().st_mtime_ns != logs["baseline"]
+
 
 def _cmdline(pid):
     try:

@@ -87,10 +87,10 @@ class BenchResult:
         return d
 
     def save(self, path) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
-        return path
+        from specforge.utils.io import write_json
+
+        write_json(path, self.to_dict())  # atomically: an evaluation resumed after a crash reads it
+        return Path(path)
 
 
 def _finite(x):

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from specforge.errors import InvalidInput
-from specforge.utils.io import write_json, write_text
+from specforge.utils.io import fingerprint, write_json, write_text
 from specforge.eval.bench_client import (
     BenchRequest, BenchResult, comparison, comparison_table, conversation_requests, file_requests,
     random_token_requests, run_benchmark,
@@ -116,6 +116,30 @@ def sglang_command_builder(run_cfg, eval_cfg) -> CommandBuilder:
                    extra_args=list(getattr(eval_cfg, "sglang_args", None) or []))
 
 
+def resume_key(command: Sequence[str], requests: Sequence[BenchRequest], scenario: Scenario, temperature: float,
+               backend: str, seed: int) -> str:
+    """What a launched configuration's measurement depends on: its server command but the free port
+    it drew, the requests, the scenario and the sampling."""
+    args = list(map(str, command))
+    if "--port" in args:
+        args[args.index("--port") + 1] = "PORT"
+    return fingerprint({"command": args, "requests": [(r.prompt, r.output_len, r.images) for r in requests],
+                        "scenario": scenario.to_dict(), "temperature": temperature, "backend": backend, "seed": seed})
+
+
+def finished_result(path: Path, key: str) -> BenchResult | None:
+    """The result an earlier run of the same evaluation saved at `path` (a crash, or a stop, after
+    it): the server's startup and the benchmark are not paid again. None when absent, cut short or
+    measured otherwise."""
+    try:
+        saved = json.loads(Path(path).read_text())
+        if saved["config"].get("resume_key") == key:
+            return BenchResult(saved["metrics"], [], saved["config"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return None
+
+
 def eval_with_servers(run_cfg, checkpoints: Sequence[Path], eval_cfg, run_dir, out_dir=None, *,
                      tokenizer=None, command_builder: CommandBuilder | None = None) -> dict:
     """Serving benchmark for eval_cfg.engine = server | sglang (see the module doc). `run_cfg` gives
@@ -153,11 +177,22 @@ def eval_with_servers(run_cfg, checkpoints: Sequence[Path], eval_cfg, run_dir, o
         raise ValueError(f"eval_with_servers: eval.engine={ev.engine!r} is not a server engine (server | sglang)")
 
     results: dict[str, BenchResult] = {}
+    backend = getattr(ev, "bench_backend", "sglang")
     for label, server in runs:
+        path = out_dir / f"{label}.json"
+        key = None
+        if isinstance(server, Launch):  # launched here: the same command measures the same thing again
+            key = resume_key(server.command, requests, scenario, ev.temperature, backend, seed)
+            if (earlier := finished_result(path, key)) is not None:
+                print(f"[eval] {label}: measured by an earlier run of this evaluation ({path}), kept", flush=True)
+                results[label] = earlier
+                continue
         results[label] = run_server_benchmark(
             server, requests, scenario=scenario, label=label, temperature=ev.temperature,
-            backend=getattr(ev, "bench_backend", "sglang"), seed=seed)  # key: $SPECFORGE_API_KEY
-        results[label].save(out_dir / f"{label}.json")
+            backend=backend, seed=seed)  # key: $SPECFORGE_API_KEY
+        if key is not None:
+            results[label].config["resume_key"] = key
+        results[label].save(path)
 
     summary = {"engine": ev.engine, "scenario": scenario.to_dict(), "prompts": getattr(ev, "prompts", "conversations"),
                "metrics": {k: r.metrics for k, r in results.items()}, "comparisons": {}}
