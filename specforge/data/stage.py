@@ -13,7 +13,7 @@ from collections import Counter
 from pathlib import Path
 
 from specforge.config import FixConfig, check_ranges
-from specforge.data.fix import fix_dataset, quarantine_entry, reason_code
+from specforge.data.fix import fix_dataset, quarantine_entry, ranked_reasons, reason_code, top_reasons
 from specforge.data.fix.conversations import ImageChecker, Quarantine, prompt_key
 from specforge.data.formats import RawRow, read_raw_rows, tools_entry, uses_tools
 from specforge.data.rows import normalise_row, prompt_overlength, render_row
@@ -463,7 +463,7 @@ def run(cfg, run_dir, fingerprint: str | None = None) -> dict:
         _write_report(layout, summary, None)
         raise InvalidInput(
             f"data: no training samples left out of {train['counts']['input_rows']} rows "
-            f"(top reasons: {_top_reasons(train['counts'])}); see {layout.quarantine} and {layout.data_report_md}"
+            f"(top reasons: {top_reasons(train['counts'])}); see {layout.quarantine} and {layout.data_report_md}"
         )
     too_many = [p for split, r in results.items() if (p := quarantined_share_problem(cfg, split, r))]
     if too_many:
@@ -475,7 +475,7 @@ def run(cfg, run_dir, fingerprint: str | None = None) -> dict:
         _write_report(layout, summary, None)
         raise InvalidInput(
             f"data: no held-out samples left out of {held_out['counts']['input_rows']} rows of data.eval_files "
-            f"(top reasons: {_top_reasons(held_out['counts'])}); see {layout.quarantine} and {layout.data_report_md}; "
+            f"(top reasons: {top_reasons(held_out['counts'])}); see {layout.quarantine} and {layout.data_report_md}; "
             "name files with held-out conversations, or data.eval_files=[] to train without a held-out split"
         )
 
@@ -532,16 +532,6 @@ def refuse_before_regeneration(cfg, split: str, rows: int, quarantine: list[dict
                            "to accept this, raise data.max_quarantined_share (1.0: never fail)")
 
 
-def _ranked_reasons(counts: dict) -> list[tuple[str, int]]:
-    """(reason code, rows) pairs, most frequent first (ties by name)."""
-    return sorted(counts["by_reason"].items(), key=lambda kv: (-kv[1], kv[0]))
-
-
-def _top_reasons(counts: dict, n: int = 3) -> str:
-    """"invalid_row 19, duplicate 2": the most frequent quarantine reason codes."""
-    return ", ".join(f"{code} {k}" for code, k in _ranked_reasons(counts)[:n]) or "none"
-
-
 def quarantined_share_problem(cfg, split: str, result: dict) -> str | None:
     """Why this split lost too many rows (share, top reasons, one example, a hint), or None.
 
@@ -552,14 +542,14 @@ def quarantined_share_problem(cfg, split: str, result: dict) -> str | None:
     limit = cfg.data.max_quarantined_share
     if not rows or quarantined / rows <= limit:
         return None
-    top = _ranked_reasons(counts)[0][0]
+    top = ranked_reasons(counts)[0][0]
     example = next(q for q in result["quarantine"] if reason_code(q["reason"]) == top)
     reason = example["reason"] if len(example["reason"]) <= 200 else example["reason"][:197] + "..."
     hint = SHARE_HINTS.get(top, "").format(  # none for a reason without one (the data.format hint misled)
         format=cfg.data.format, max_chars=max_chars_per_row(cfg.data), image_root=cfg.data.image_root,
         max_length=cfg.data.max_length)
     return (f"data {split}: {quarantined} of {rows} rows quarantined ({quarantined / rows:.1%}), more than "
-            f"data.max_quarantined_share={limit}; top reasons: {_top_reasons(counts)}; e.g. {example['file']} "
+            f"data.max_quarantined_share={limit}; top reasons: {top_reasons(counts)}; e.g. {example['file']} "
             f"line {example['line']}: {reason}" + (f"; hint: {hint}" if hint else ""))
 
 

@@ -45,8 +45,8 @@ from specforge.data.fix.toon import PROSE_POLICIES, ToonNotADocument, ToonUnrepa
 from specforge.data.formats import DataError, RawRow, to_conversation, tools_entry, with_turns_parsed
 from specforge.errors import InvalidInput
 
-__all__ = ["FixResult", "Quarantine", "check_duplicate", "fix_dataset", "fix_row", "quarantine_entry", "reason_code",
-           "repair_toon"]
+__all__ = ["FixResult", "Quarantine", "check_duplicate", "fix_dataset", "fix_row", "quarantine_entry", "ranked_reasons",
+           "reason_code", "repair_toon", "top_reasons"]
 
 _CHOICES = {
     "empty_turns": ("drop_turn", "quarantine"),
@@ -72,12 +72,21 @@ class FixResult:
         rows, quarantined = self.counts["input_rows"], self.counts["quarantined"]
         if quarantined <= limit * rows:
             return None
-        ranked = sorted(self.counts["by_reason"].items(), key=lambda kv: (-kv[1], kv[0]))
-        example = next(q for q in self.quarantined if reason_code(q["reason"]) == ranked[0][0])
-        top = ", ".join(f"{code} {k}" for code, k in ranked[:3])
+        top = ranked_reasons(self.counts)[0][0]
+        example = next(q for q in self.quarantined if reason_code(q["reason"]) == top)
         return (f"{quarantined} of {rows} rows quarantined ({quarantined / rows:.1%}), more than "
-                f"--max-quarantined-share={limit:g}; top reasons: {top}; e.g. line {example['line']}: "
-                f"{example['reason'][:200]}")
+                f"--max-quarantined-share={limit:g}; top reasons: {top_reasons(self.counts)}; e.g. line "
+                f"{example['line']}: {example['reason'][:200]}")
+
+
+def ranked_reasons(counts: dict) -> list[tuple[str, int]]:
+    """(reason code, rows) pairs of counts["by_reason"], most frequent first (ties by name)."""
+    return sorted(counts["by_reason"].items(), key=lambda kv: (-kv[1], kv[0]))
+
+
+def top_reasons(counts: dict, n: int = 3) -> str:
+    """"invalid_row 19, duplicate 2": the most frequent quarantine reason codes."""
+    return ", ".join(f"{code} {k}" for code, k in ranked_reasons(counts)[:n]) or "none"
 
 
 def fix_dataset(
