@@ -353,25 +353,22 @@ def store_meta(cfg, model_config, target_path: Path) -> dict:
 
 
 @contextlib.contextmanager
-def open_backend(cfg, run_dir: Path, env):
+def open_backend(cfg, run_dir: Path, env, meta: dict, model_config):
     """(extractor, store meta) for `extract.backend`; servers a backend starts are stopped when
-    the block ends. The meta names what produced the states: a store from another target,
-    aux layers, dtype or backend is extracted again rather than resumed."""
+    the block ends. `meta`, `model_config`: config_meta's. The meta names what produced the
+    states: a store from another target, aux layers, dtype or backend is extracted again rather
+    than resumed."""
     from specforge.targets.loader import load_target, resolve_target_path, text_config, torch_dtype
     from specforge.targets.vl import is_vl
 
     backend = cfg.extract.backend
     storage = handoff_dtype(cfg.extract.dtype, torch_dtype(cfg.target.dtype))  # fp8: the writer quantises
     target_path = resolve_target_path(cfg.target)
+    meta = dict(meta)
     if backend == "embedded":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
         model = load_target(cfg.target, device=str(env.device))
-        model_config = model.config
-    else:  # the weights live in the servers: the config is enough here
-        from transformers import AutoConfig
-
-        model_config = AutoConfig.from_pretrained(target_path, trust_remote_code=cfg.target.trust_remote_code)
-    meta = store_meta(cfg, model_config, target_path)
+    # else the weights live in the servers: the config is enough here
     aux, tcfg = meta["aux_layer_ids"], text_config(model_config)
     if backend == "embedded":
         if is_vl(cfg.target.kind):
@@ -419,7 +416,7 @@ def run(cfg, run_dir, fingerprint: str | None = None) -> dict:
         line = disk_check(cfg, layout, rows, meta, model_config)
         if env.is_main:
             print(f"[extract] {line}", flush=True)
-    with open_backend(cfg, run_dir, env) as (extractor, base_meta):
+    with open_backend(cfg, run_dir, env, meta, model_config) as (extractor, base_meta):
         summaries = extract_splits(cfg, run_dir, splits, rows, extractor, base_meta, env)
 
     extracted = sum(s["extracted_tokens"] for s in summaries.values())
