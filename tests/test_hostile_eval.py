@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import transformers
 
 from specforge.checkpoint import TARGET_KEY, CheckpointError, save_checkpoint
@@ -113,10 +114,10 @@ def test_same_shapes_but_another_target_is_refused_unless_allowed(run, capsys):
     assert "[warning]" in capsys.readouterr().out
 
 
-def test_a_killed_evaluation_keeps_the_configurations_it_finished(run):
+def test_a_killed_evaluation_keeps_the_configurations_it_finished_and_the_next_run_measures_the_rest(run):
     trees = "['2_1_3','2_2_4','3_1_4','3_2_6','4_1_5','4_2_8','5_1_6','5_2_10']"
-    proc = subprocess.Popen([sys.executable, "evaluate.py", f"ckpt={run}", "eval.num_prompts=2",
-                             "eval.max_new_tokens=48", f"eval.trees={trees}"],
+    settings = [f"ckpt={run}", "eval.num_prompts=2", "eval.max_new_tokens=48"]
+    proc = subprocess.Popen([sys.executable, "evaluate.py", *settings, f"eval.trees={trees}"],
                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     partial = run / "eval" / PARTIAL_NAME
     deadline = time.monotonic() + 300
@@ -134,6 +135,23 @@ def test_a_killed_evaluation_keeps_the_configurations_it_finished(run):
     assert kept["base"]["tok_s"] > 0
     assert kept["configs"] and all(c["speedup"] > 0 and c["lossless"] == 1.0 for c in kept["configs"])
     assert not (run / "eval" / "results.json").exists()
+
+    # the same evaluation again, of the first tree (kept) and the last (not reached) on epoch 1
+    again = subprocess.run([sys.executable, "evaluate.py", *settings, "eval.trees=['2_1_3','5_2_10']", "eval.epochs=[1]"],
+                           cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "[eval] 1 of 2 configurations measured by an earlier run of this evaluation that stopped, kept: " \
+           "epoch_1 2_1_3" in again.stdout
+    results = read_json(run / "eval" / "results.json")
+    first, last = results["configs"]
+    assert (first["tree"], first.get("resumed"), last["tree"], last.get("resumed")) == ("2_1_3", True, "5_2_10", None)
+    earlier = kept["configs"][0]
+    for key in ("accept_length", "tok_s", "lossless", "requests_detail", "resume_key"):
+        assert first[key] == earlier[key]
+    assert first["speedup"] == pytest.approx(first["tok_s"] / results["base"]["tok_s"])  # this run's base
+    assert results["meta"]["resumed"] == 1 and last["lossless"] == 1.0
+    assert "Measured by an earlier run of this evaluation that stopped, and kept" in (run / "eval" / "report.md").read_text()
+    assert not (run / "eval" / PARTIAL_NAME).exists()
 
 
 def test_a_run_of_another_version_is_evaluated_passing_over_what_this_one_lacks(tmp_path):
@@ -162,3 +180,17 @@ def test_a_run_of_another_version_is_evaluated_passing_over_what_this_one_lacks(
     assert (cfg.target.path, cfg.train.lr, list(cfg.eval.trees), cfg.train.memory_probe) == \
            ("/models/tiny", 3e-3, ["3_1_4"], True)
     assert cfg.output_dir == str(tmp_path) and cfg.run_name == "old"
+
+
+def test_the_prompts_digest_sees_tokens_and_image_bytes():
+    from specforge.eval.resume import prompts_digest
+
+    def prompt(tokens, pixels):
+        return {"id": "p0", "suite": "heldout", "input_ids": tokens,
+                "images": {"pixel_values": pixels, "image_grid_thw": torch.tensor([[1, 2, 2]])}}
+
+    pixels = torch.linspace(0, 1, 12, dtype=torch.bfloat16).reshape(4, 3)
+    same = prompts_digest([prompt([1, 2, 3], pixels)])
+    assert prompts_digest([prompt(torch.tensor([1, 2, 3]), pixels.clone())]) == same  # a tensor or a list
+    assert prompts_digest([prompt([1, 2, 4], pixels)]) != same
+    assert prompts_digest([prompt([1, 2, 3], pixels.flip(0))]) != same  # another image, the same tokens

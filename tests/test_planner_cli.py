@@ -5,6 +5,7 @@ recommending the highest predicted speed-up; a confirmed tree's engine accept le
 planner's (fp32 greedy: exact). Correctness only, never timing."""
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -269,3 +270,53 @@ def test_cost_model_bench_on_a_tiny_run(tmp_path, threads, capsys):
     assert report["cost_model_bench"]["timing_repeats"] == 3  # each request's fastest of 3 engine runs
     assert report["command"].endswith("--work-dir " + str(tmp_path / "work"))
     assert "written: " + str(out) in capsys.readouterr().out
+
+
+def test_an_interrupted_planner_keeps_the_checkpoints_it_planned(planner_run, tiny_models, threads, tmp_path, capsys):
+    """A Ctrl-C after epoch_1 is planned (on_progress is where the stage writes its partial file):
+    the next run keeps epoch_1's rows and plans epoch_2 only; a checkpoint retrained since is
+    planned again."""
+    from specforge.checkpoint import save_checkpoint
+    from specforge.eval.planner_eval import plan_epochs
+    from specforge.eval.stage import PLANNER_PARTIAL_NAME
+    from specforge.utils.io import write_json
+
+    run_cfg, cfg = load_run_config(planner_run), planner_cfg(planner_run, "planner_chains=0")
+    out = tmp_path / "out"
+    ckpts = [planner_run / "epoch_1", planner_run / "epoch_2"]
+
+    def ctrl_c(record):
+        write_json(out / PLANNER_PARTIAL_NAME, record)
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        plan_epochs(run_cfg, ckpts, cfg, out / "cost_model.json", on_progress=ctrl_c)
+    planned = read_json(out / PLANNER_PARTIAL_NAME)["rows"]
+    assert {r["epoch"] for r in planned} == {1} and len(planned) == len(GRID)
+
+    run_evaluation(run_cfg, planner_run, cfg, out)
+    assert "[eval] epoch_1: planned by an earlier run of this planner that stopped, kept" in capsys.readouterr().out
+    planner = read_json(out / "planner.json")
+    assert [(r["epoch"], bool(r.get("resumed"))) for r in planner["rows"]] == [(1, True)] * 5 + [(2, False)] * 5
+    for kept, row in zip(planned, planner["rows"]):
+        assert {k: row[k] for k in kept if k != "resumed"} == kept
+    assert planner["meta"]["resumed_checkpoints"] == 1
+    assert "Planned by an earlier run that stopped, and kept: epoch_1." in (out / "report.md").read_text()
+    assert not (out / PLANNER_PARTIAL_NAME).exists()
+
+    write_json(out / PLANNER_PARTIAL_NAME, {"rows": planner["rows"], "plan_s": {}})
+    retrained = copy.deepcopy(tiny_models[1])
+    with torch.no_grad():
+        next(retrained.parameters()).add_(0.01)
+    save_checkpoint(retrained, tmp_path / "epoch_1", dtype=torch.float32)  # epoch_1 retrained: other bytes
+    save_checkpoint(tiny_models[1], tmp_path / "epoch_2", dtype=torch.float32)  # the same bytes as before
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    for name in ("epoch_1", "epoch_2"):
+        (tmp_path / name).rename(moved / name)
+    (moved / "config.yaml").write_bytes((planner_run / "config.yaml").read_bytes())
+    (moved / "data").symlink_to(planner_run / "data")
+    run_evaluation(load_run_config(moved), moved, cfg, out)
+    again = read_json(out / "planner.json")["rows"]
+    assert [(r["epoch"], bool(r.get("resumed"))) for r in again] == [(1, False)] * 5 + [(2, True)] * 5
+    assert [r["checkpoint"] for r in again] == [str(moved / "epoch_1")] * 5 + [str(moved / "epoch_2")] * 5

@@ -3,6 +3,7 @@ measured by the streaming benchmark client against the in-process engine; and se
 that are always stopped."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -286,7 +287,8 @@ def alive(pid):
 def test_evaluate_serving_launches_and_stops_every_server(model_dirs, tmp_path):
     """eval.engine=sglang's orchestration with our own server as the launched process: base, then
     checkpoint x tree, each started, waited for (/health), benchmarked and stopped."""
-    target, ckpt, _ = model_dirs
+    target, trained, _ = model_dirs
+    ckpt = shutil.copytree(trained, tmp_path / "ckpt")  # retrained below
     cfg = OmegaConf.structured(Config)
     cfg.run_name, cfg.target.name, cfg.target.path = "t", "tiny", str(target)
     cfg.eval.engine, cfg.eval.trees, cfg.eval.prompts = "sglang", [TREE], "random"
@@ -314,6 +316,14 @@ def test_evaluate_serving_launches_and_stops_every_server(model_dirs, tmp_path):
     assert (out / "logs" / f"ckpt_{TREE}.log").stat().st_mtime_ns != logs[f"ckpt_{TREE}"]
     assert again["metrics"]["baseline"] == summary["metrics"]["baseline"]
     assert again["metrics"][f"ckpt_{TREE}"]["completed"] == 2
+    logs = {label: (out / "logs" / f"{label}.log").stat().st_mtime_ns for label in runs}
+    draft = load_draft(ckpt)
+    with torch.no_grad():
+        draft.fc.weight.mul_(0.5)
+    save_checkpoint(draft, ckpt, dtype=torch.float32)  # retrained: the same path and command, other bytes
+    eval_with_servers(cfg, [ckpt], cfg.eval, tmp_path, command_builder=builder)
+    assert (out / "logs" / "baseline.log").stat().st_mtime_ns == logs["baseline"]
+    assert (out / "logs" / f"ckpt_{TREE}.log").stat().st_mtime_ns != logs[f"ckpt_{TREE}"]
     cfg.eval.max_new_tokens = 12  # measured otherwise: nothing kept
     eval_with_servers(cfg, [ckpt], cfg.eval, tmp_path, command_builder=builder)
     assert (out / "logs" / "baseline.log").stat().st_mtime_ns != logs["baseline"]

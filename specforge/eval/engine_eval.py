@@ -29,11 +29,14 @@ from specforge.data.template import THINKING_SWITCH
 from specforge.engine.speculative import PHASES, GenerationStats, SpeculativeEngine
 from specforge.engine.tree_spec import TreeSpec
 from specforge.errors import InvalidInput, MissingInput
+from specforge.eval import resume
 from specforge.eval.prompts import load_suites
+from specforge.eval.resume import KEY as RESUME_KEY
 from specforge.run_layout import RunLayout, epoch_of
 from specforge.targets.loader import (compute_dtype, dtype_name as dtype_name_of, load_target, load_tokenizer,
                                       resolve_target_path, torch_dtype)
 from specforge.targets.vl import is_vl, load_image_processor, vl_info
+from specforge.utils.io import file_fingerprint
 from specforge.utils.progress import progress_bar
 
 
@@ -265,13 +268,38 @@ def load_engine_inputs(run_cfg, eval_cfg):
     return device, dtype_name, tokenizer, suites, load_target(target_cfg, device)
 
 
-def eval_with_engine(run_cfg, ckpts: list[Path], eval_cfg, on_progress=None) -> dict:
+# what a configuration's figures depend on, besides the machine, the target, prompts and checkpoint
+KEYED_SETTINGS = ("max_new_tokens", "temperature", "seed", "exact_ancestor_attention", "timing_repeats", "shared_prefix")
+
+
+def _earlier_configs(run_cfg, eval_cfg, prompts, dtype_name, device, ckpts, trees, earlier):
+    """({(checkpoint, tree): key}, {key: (row, suite rows)} of `earlier` measured under a key of
+    this run)."""
+    common = resume.settings(run_cfg, eval_cfg, prompts, dtype_name, device, KEYED_SETTINGS)
+    keys = {}
+    for ckpt in ckpts:
+        ckpt_id = file_fingerprint(ckpt)
+        keys.update({(ckpt, str(t)): resume.config_key(common, ckpt_id, str(t)) for t in trees})
+    wanted = set(keys.values())
+    earlier = earlier or {}
+    kept = {r[RESUME_KEY]: (r, [s for s in earlier.get("suite_configs", []) if s.get(RESUME_KEY) == r[RESUME_KEY]])
+            for r in earlier.get("configs", []) if r.get(RESUME_KEY) in wanted}
+    if kept:
+        names = ", ".join(f"{Path(r['checkpoint']).name} {r['tree']}" for r, _ in kept.values())
+        print(f"[eval] {len(kept)} of {len(keys)} configurations measured by an earlier run of this evaluation that "
+              f"stopped, kept: {names}", flush=True)
+    return keys, kept
+
+
+def eval_with_engine(run_cfg, ckpts: list[Path], eval_cfg, on_progress=None, earlier: dict | None = None) -> dict:
     """Run base + every checkpoint x tree over the prompts of every suite (eval.suites); returns
     {"base": ..., "configs": [...], "meta": ...} over all prompts (one suite: that suite's figures)
     plus "suite_base" {suite: base} and "suite_configs" [a row per checkpoint x tree x suite, with
     its speed-up over that suite's base]. `on_progress(results so far)` after the base pass and
     after each configuration: what a later failure must not lose (speed-ups there are against the
-    first base pass alone)."""
+    first base pass alone). `earlier`: such results of a run that stopped; a configuration found
+    there under the same key (resume.py) is kept (`resumed`), not measured again. Its speed-up is
+    against this run's base passes; the base model always runs here."""
     trees = [TreeSpec.parse(t) for t in eval_cfg.trees]  # refuse bad trees before loading anything
     if eval_cfg.timing_repeats < 1:
         raise InvalidInput(f"eval.timing_repeats={eval_cfg.timing_repeats}: each request runs at least once")
@@ -280,6 +308,7 @@ def eval_with_engine(run_cfg, ckpts: list[Path], eval_cfg, on_progress=None) -> 
     device, dtype_name, tokenizer, suites, target = load_engine_inputs(run_cfg, eval_cfg)
     prompts = [p for suite in suites.values() for p in suite]
     eos = tokenizer.eos_token_id
+    keys, kept = _earlier_configs(run_cfg, eval_cfg, prompts, dtype_name, device, ckpts, trees, earlier)
 
     def per_suite(items: list) -> dict[str, list]:
         return {name: [x for x, p in zip(items, prompts) if p["suite"] == name] for name in suites}
@@ -296,7 +325,7 @@ def eval_with_engine(run_cfg, ckpts: list[Path], eval_cfg, on_progress=None) -> 
         "thinking": prompts[0]["template_kwargs"].get(THINKING_SWITCH),  # None: the template has no switch
         "temperature": eval_cfg.temperature, "dtype": dtype_name, "device": device,
         "threads": torch.get_num_threads(), "exact_ancestor_attention": eval_cfg.exact_ancestor_attention,
-        "timing_repeats": eval_cfg.timing_repeats,
+        "timing_repeats": eval_cfg.timing_repeats, "resumed": len(kept),
         "shared_prefix_tokens": {name: len(prefixes[name]) - 1 if name in prefixes else 0 for name in suites},
         # the target's matmul kernel per row count, timed on this machine (engine/few_rows.py)
         "few_rows_kernels": {str(n): k for n, k in sorted(base_engine.runner.kernels.items())}}}
@@ -308,24 +337,33 @@ def eval_with_engine(run_cfg, ckpts: list[Path], eval_cfg, on_progress=None) -> 
         if on_progress:
             on_progress(results)
         for ckpt in ckpts:
-            draft = load_draft(ckpt, device=device, dtype=torch_dtype(dtype_name))
+            draft = None  # loaded for the first configuration measured here
             for tree in trees:
                 bar.update(task, info=f"{ckpt.name} {tree}")
-                engine = SpeculativeEngine(target, draft, tree, eval_cfg.exact_ancestor_attention)
-                engine.generate(warm["input_ids"], 8, eos_token_id=eos, images=warm.get("images"))
-                outputs, stats = _run_pass(engine, prompts, eval_cfg, eos, True, bar, task, prefixes)
-                config = {"checkpoint": str(ckpt), "epoch": epoch_of(ckpt), "tree": str(tree)}
-                row = {**config, **aggregate(stats, tree.steps),
-                       "lossless": _lossless(outputs, base_outputs, eval_cfg),
-                       "requests_detail": [s.to_dict() | {"id": p["id"], "suite": p["suite"]}
-                                           for s, p in zip(stats, prompts)]}
-                results["configs"].append(row)
-                suite_outputs, suite_base_outputs = per_suite(outputs), per_suite(base_outputs)
-                for name, suite_stats in per_suite(stats).items():
-                    results["suite_configs"].append(
-                        {**config, "suite": name, **aggregate(suite_stats, tree.steps),
-                         "lossless": _lossless(suite_outputs[name], suite_base_outputs[name], eval_cfg)})
+                key = keys[(ckpt, str(tree))]
+                config = {"checkpoint": str(ckpt), "epoch": epoch_of(ckpt), "tree": str(tree), RESUME_KEY: key}
+                if key in kept:
+                    row, suite_rows = kept[key]
+                    results["configs"].append({**row, **config, "resumed": True})
+                    results["suite_configs"] += [{**r, **config} for r in suite_rows]
+                    bar.advance(task, len(prompts))
+                else:
+                    if draft is None:
+                        draft = load_draft(ckpt, device=device, dtype=torch_dtype(dtype_name))
+                    engine = SpeculativeEngine(target, draft, tree, eval_cfg.exact_ancestor_attention)
+                    engine.generate(warm["input_ids"], 8, eos_token_id=eos, images=warm.get("images"))
+                    outputs, stats = _run_pass(engine, prompts, eval_cfg, eos, True, bar, task, prefixes)
+                    results["configs"].append(
+                        {**config, **aggregate(stats, tree.steps), "lossless": _lossless(outputs, base_outputs, eval_cfg),
+                         "requests_detail": [s.to_dict() | {"id": p["id"], "suite": p["suite"]}
+                                             for s, p in zip(stats, prompts)]})
+                    suite_outputs, suite_base_outputs = per_suite(outputs), per_suite(base_outputs)
+                    for name, suite_stats in per_suite(stats).items():
+                        results["suite_configs"].append(
+                            {**config, "suite": name, **aggregate(suite_stats, tree.steps),
+                             "lossless": _lossless(suite_outputs[name], suite_base_outputs[name], eval_cfg)})
                 if on_progress:
+                    row = results["configs"][-1]
                     row["speedup"] = row["tok_s"] / results["base"]["tok_s"]
                     for r in results["suite_configs"][-len(suites):]:
                         r["speedup"] = r["tok_s"] / results["suite_base"][r["suite"]]["tok_s"]

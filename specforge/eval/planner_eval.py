@@ -18,12 +18,15 @@ import torch
 from specforge.checkpoint import load_draft
 from specforge.engine.tree_spec import TreeSpec
 from specforge.errors import InvalidInput
+from specforge.eval import resume
 from specforge.eval.cost_model import cost_key, decode_tokens_per_round, load_or_measure, prefix_length
 from specforge.eval.engine_eval import eval_with_engine, load_engine_inputs
 from specforge.eval.planner import TRAJECTORY_BATCH, plan, summarize
+from specforge.eval.resume import KEY as RESUME_KEY
 from specforge.run_layout import epoch_of
 from specforge.targets.loader import resolve_target_path, target_fingerprint, torch_dtype
 from specforge.targets.vl import is_vl_config
+from specforge.utils.io import file_fingerprint
 
 
 def check_planner(eval_cfg) -> list[TreeSpec]:
@@ -74,12 +77,19 @@ def fastest_tree(cost, specs: list[TreeSpec]):
     return pick
 
 
-def plan_epochs(run_cfg, ckpts: list[Path], eval_cfg, cost_path: Path) -> dict:
+# what a checkpoint's plans depend on, besides the machine, the target, prompts, checkpoint and cost model
+KEYED_SETTINGS = ("max_new_tokens", "exact_ancestor_attention")
+
+
+def plan_epochs(run_cfg, ckpts: list[Path], eval_cfg, cost_path: Path, on_progress=None,
+                earlier: dict | None = None) -> dict:
     """The planner over every checkpoint x tree of the grid and of `vllm_chains` (rows marked
     `grid` or not): accept figures, the accepted shape (tree_depth: mean deepest node of the built
     trees; tree_width = (N-1) / tree_depth), the round's cost and the predicted speed-up; the
     recommended epoch x tree (the highest predicted speed-up of them all: SGLang serves chains
-    too); the cost model; wall times."""
+    too); the cost model; wall times. `on_progress({"rows", "plan_s"})` after each checkpoint; a
+    checkpoint whose rows `earlier` (such a record of a run that stopped) holds under the same key
+    (resume.py: with the cost model's figures, which pick the trajectories) is not planned again."""
     specs = check_planner(eval_cfg)
     chains = vllm_chains(eval_cfg, specs)
     device, dtype_name, tokenizer, suites, target = load_engine_inputs(run_cfg, eval_cfg)
@@ -87,19 +97,29 @@ def plan_epochs(run_cfg, ckpts: list[Path], eval_cfg, cost_path: Path) -> dict:
     eos, exact = tokenizer.eos_token_id, eval_cfg.exact_ancestor_attention
     prefix = prefix_length(prompts, eval_cfg.max_new_tokens)
     fingerprint = target_fingerprint(resolve_target_path(run_cfg.target))
-    rows, cost, measured, plan_s = [], None, False, {}
+    common = resume.settings(run_cfg, eval_cfg, prompts, dtype_name, device, KEYED_SETTINGS)
+    earlier = earlier or {}
+    rows, cost, measured, plan_s, resumed = [], None, False, {}, 0
     for ckpt in ckpts:
         draft = load_draft(ckpt, device=device, dtype=torch_dtype(dtype_name))
         if cost is None:  # every epoch of a run has the same geometry, so the same costs
             key = cost_key(fingerprint, draft, prefix, exact)
             cost, measured = load_or_measure(cost_path, key, target, draft, prompts[0], specs + chains)
+        ckpt_key = resume.config_key(common, file_fingerprint(ckpt), [s.name for s in specs + chains], cost.to_json())
+        config = {"epoch": epoch_of(ckpt), "checkpoint": str(ckpt), RESUME_KEY: ckpt_key}
+        kept = [r for r in earlier.get("rows", []) if r.get(RESUME_KEY) == ckpt_key]
+        if kept:
+            print(f"[eval] {ckpt.name}: planned by an earlier run of this planner that stopped, kept", flush=True)
+            rows += [{**r, **config, "resumed": True} for r in kept]
+            plan_s[str(ckpt)] = float(earlier.get("plan_s", {}).get(ckpt_key, 0.0))
+            resumed += 1
+            continue
         t0 = time.perf_counter()
         plans = plan(target, draft, prompts, specs + chains, eval_cfg.max_new_tokens, eos, exact,
                      trajectory_tree=fastest_tree(cost, specs))
         plan_s[str(ckpt)] = time.perf_counter() - t0
         for spec in specs + chains:
-            row = {"epoch": epoch_of(ckpt), "checkpoint": str(ckpt), "grid": spec in specs,
-                   **summarize(spec.name, plans[spec.name])}
+            row = {**config, "grid": spec in specs, **summarize(spec.name, plans[spec.name])}
             rounds = row["verify_rounds"]
             t_round = cost.t_round(spec, row["accept_histogram"]) if rounds else math.nan
             row.update(tree_width=(spec.num_draft_tokens - 1) / row["tree_depth"] if rounds else math.nan,
@@ -107,7 +127,9 @@ def plan_epochs(run_cfg, ckpts: list[Path], eval_cfg, cost_path: Path) -> dict:
                        predicted_speedup=cost.speedup(spec, decode_tokens_per_round(row), row["accept_histogram"])
                        if rounds else math.nan)
             rows.append(row)
-    return {"meta": {"prompts": len(prompts), "max_new_tokens": eval_cfg.max_new_tokens, "dtype": dtype_name,
+        if on_progress:
+            on_progress({"rows": rows, "plan_s": {r[RESUME_KEY]: plan_s[r["checkpoint"]] for r in rows}})
+    return {"meta": {"prompts": len(prompts), "resumed_checkpoints": resumed, "max_new_tokens": eval_cfg.max_new_tokens, "dtype": dtype_name,
                      "device": device, "threads": torch.get_num_threads(), "trees": [s.name for s in specs],
                      "chains": [s.name for s in chains],
                      "prefix_len": prefix,
@@ -144,9 +166,11 @@ def compare(rows: list[dict], results: dict) -> list[dict]:
     return out
 
 
-def eval_with_planner(run_cfg, ckpts: list[Path], eval_cfg, cost_path: Path) -> tuple[dict, dict | None]:
-    """(planner results, the confirmation's engine results or None)."""
-    planner = plan_epochs(run_cfg, ckpts, eval_cfg, cost_path)
+def eval_with_planner(run_cfg, ckpts: list[Path], eval_cfg, cost_path: Path, on_progress=None,
+                      earlier: dict | None = None) -> tuple[dict, dict | None]:
+    """(planner results, the confirmation's engine results or None); `on_progress`, `earlier`: the
+    planner's (plan_epochs)."""
+    planner = plan_epochs(run_cfg, ckpts, eval_cfg, cost_path, on_progress, earlier)
     k = int(eval_cfg.planner_confirm)
     if k <= 0:
         return planner, None

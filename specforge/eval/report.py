@@ -157,6 +157,15 @@ def _thinking(meta: dict) -> str:
             "(eval.thinking; by default as most held-out answers were written).")
 
 
+def _resumed_lines(results: dict) -> list[str]:
+    kept = [f"{_ckpt_name(r)} {r['tree']}" for r in results["configs"] if r.get("resumed")]
+    if not kept:
+        return []
+    return [f"Measured by an earlier run of this evaluation that stopped, and kept (same target, prompts, "
+            f"settings, machine and checkpoint bytes): {', '.join(kept)}. Their speed-ups are against this "
+            "run's base passes.", ""]
+
+
 def markdown(results: dict) -> str:
     base, meta = results["base"], results["meta"]
     lines = ["## Evaluation: speculative decoding vs the base model", "",
@@ -168,6 +177,7 @@ def markdown(results: dict) -> str:
              f"Base model: {base['tok_s']:.2f} tok/s (passes: {base['tok_s_first_pass']:.2f}, "
              f"{base['tok_s_second_pass']:.2f}), prefill {base['prefill_s']:.3f} s, TPOT "
              f"{base['tpot_ms_mean']:.1f} ms (p99 {base['tpot_ms_p99']:.1f}), e2e {base['e2e_s']:.2f} s.", "",
+             *_resumed_lines(results),
              "| " + " | ".join(h for _, h in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for r in results["configs"]:
         lines.append("| " + " | ".join(_fmt(r.get(k)) for k, _ in COLUMNS) + " |")
@@ -311,6 +321,7 @@ def planner_markdown(planner: dict, plots: list[str] = ()) -> str:
     verify = ", ".join(f"N={n}: {ms(t)}" for n, t in sorted(cost["t_verify"].items(), key=lambda x: int(x[0])))
     step = ", ".join(f"K={k}: {ms(t)}" for k, t in sorted(cost["t_step"].items(), key=lambda x: int(x[0])))
     seconds = planner["seconds"]
+    resumed = list(dict.fromkeys(_ckpt_name(r) for r in planner["rows"] if r.get("resumed")))
     lines += ["", f"Cost model ({'measured now' if cost['measured_now'] else 'reused'}, `{cost['path']}`; "
                   f"prefix of {cost['key']['prefix_len']} tokens), ms: base step {ms(cost['t_base'])}; verify "
                   f"{verify}; draft step {step}; catch-up over 1..{len(cost['t_extend'])} tokens "
@@ -319,7 +330,8 @@ def planner_markdown(planner: dict, plots: list[str] = ()) -> str:
               + (f" and {len(meta['chains'])} more chains" if meta.get("chains") else "")
               + f" x {len(epochs)} checkpoint(s) in "
               f"{seconds['planner']:.1f} s (cost model {seconds['cost_model']:.1f} s)"
-              + (f"; engine confirmation {seconds['confirm']:.1f} s." if "confirm" in seconds else ".")]
+              + (f"; engine confirmation {seconds['confirm']:.1f} s." if "confirm" in seconds else ".")
+              + (f" Planned by an earlier run that stopped, and kept: {', '.join(resumed)}." if resumed else "")]
     lines += [""] + [f"![{Path(p).stem}]({p})" for p in plots]
     return "\n".join(lines) + "\n"
 

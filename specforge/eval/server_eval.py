@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from specforge.errors import InvalidInput
-from specforge.utils.io import fingerprint, write_json, write_text
+from specforge.utils.io import file_fingerprint, fingerprint, write_json, write_text
 from specforge.eval.bench_client import (
     BenchRequest, BenchResult, comparison, comparison_table, conversation_requests, file_requests,
     random_token_requests, run_benchmark,
@@ -117,14 +117,16 @@ def sglang_command_builder(run_cfg, eval_cfg) -> CommandBuilder:
 
 
 def resume_key(command: Sequence[str], requests: Sequence[BenchRequest], scenario: Scenario, temperature: float,
-               backend: str, seed: int) -> str:
+               backend: str, seed: int, checkpoint: str | None = None) -> str:
     """What a launched configuration's measurement depends on: its server command but the free port
-    it drew, the requests, the scenario and the sampling."""
+    it drew, the requests, the scenario, the sampling and the draft's bytes (`checkpoint`:
+    file_fingerprint; a retrained epoch_3 has the same path)."""
     args = list(map(str, command))
     if "--port" in args:
         args[args.index("--port") + 1] = "PORT"
     return fingerprint({"command": args, "requests": [(r.prompt, r.output_len, r.images) for r in requests],
-                        "scenario": scenario.to_dict(), "temperature": temperature, "backend": backend, "seed": seed})
+                        "scenario": scenario.to_dict(), "temperature": temperature, "backend": backend, "seed": seed,
+                        "checkpoint": checkpoint})
 
 
 def finished_result(path: Path, key: str) -> BenchResult | None:
@@ -157,13 +159,13 @@ def eval_with_servers(run_cfg, checkpoints: Sequence[Path], eval_cfg, run_dir, o
     requests = eval_requests(ev, scenario, tokenizer, run_dir, seed=seed, with_images=is_vl(getattr(run_cfg.target, "kind", None)))
     timeout = float(getattr(ev, "server_startup_timeout_s", 900.0))
 
-    runs: list[tuple[str, str | Launch]] = []
+    runs: list[tuple[str, str | Launch, Path | None]] = []  # (label, URL or launch, checkpoint)
     if ev.engine == "server":
         if not ev.url:
             raise InvalidInput("eval.engine=server needs eval.url (the base URL of a running server)")
         if getattr(ev, "baseline_url", None):
-            runs.append(("baseline", ev.baseline_url))
-        runs.append(("server", ev.url))
+            runs.append(("baseline", ev.baseline_url, None))
+        runs.append(("server", ev.url, None))
     elif ev.engine == "sglang":
         build = command_builder or sglang_command_builder(run_cfg, ev)
         target = resolve_target_path(run_cfg.target)
@@ -172,17 +174,18 @@ def eval_with_servers(run_cfg, checkpoints: Sequence[Path], eval_cfg, run_dir, o
         for label, ckpt, tree in configs:
             port = free_port()
             runs.append((label, Launch(build(target, ckpt, tree, port), port, out_dir / "logs" / f"{label}.log",
-                                       startup_timeout_s=timeout)))
+                                       startup_timeout_s=timeout), ckpt))
     else:
         raise ValueError(f"eval_with_servers: eval.engine={ev.engine!r} is not a server engine (server | sglang)")
 
     results: dict[str, BenchResult] = {}
     backend = getattr(ev, "bench_backend", "sglang")
-    for label, server in runs:
+    draft_bytes = {ckpt: file_fingerprint(ckpt) for ckpt in dict.fromkeys(c for _, _, c in runs if c is not None)}
+    for label, server, ckpt in runs:
         path = out_dir / f"{label}.json"
         key = None
         if isinstance(server, Launch):  # launched here: the same command measures the same thing again
-            key = resume_key(server.command, requests, scenario, ev.temperature, backend, seed)
+            key = resume_key(server.command, requests, scenario, ev.temperature, backend, seed, draft_bytes.get(ckpt))
             if (earlier := finished_result(path, key)) is not None:
                 print(f"[eval] {label}: measured by an earlier run of this evaluation ({path}), kept", flush=True)
                 results[label] = earlier

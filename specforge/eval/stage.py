@@ -6,7 +6,8 @@ from pathlib import Path
 from specforge.errors import InvalidInput
 from specforge.utils.io import write_json
 
-PARTIAL_NAME = "results.partial.json"  # the configurations finished so far, while an evaluation runs
+PARTIAL_NAME = "results.partial.json"  # the configurations finished so far, while an evaluation runs (resume.py)
+PLANNER_PARTIAL_NAME = "planner.partial.json"  # the checkpoints planned so far, while the planner runs
 
 
 def check(cfg) -> None:
@@ -62,6 +63,7 @@ def check_eval(eval_cfg) -> None:
 def run_evaluation(run_cfg, ckpt: str | Path, eval_cfg, out_dir: str | Path | None = None) -> dict:
     from specforge.eval.report import best_config, write_results
     from specforge.eval.engine_eval import eval_with_engine, find_checkpoints
+    from specforge.eval.resume import read_partial
     from specforge.run_layout import RunLayout
     from specforge.run_report import write_run_report
 
@@ -84,7 +86,8 @@ def run_evaluation(run_cfg, ckpt: str | Path, eval_cfg, out_dir: str | Path | No
         return run_planner(run_cfg, run_dir, ckpts, eval_cfg, out_dir)
     partial = out_dir / PARTIAL_NAME
     try:
-        results = eval_with_engine(run_cfg, ckpts, eval_cfg, on_progress=lambda r: write_json(partial, r))
+        results = eval_with_engine(run_cfg, ckpts, eval_cfg, on_progress=lambda r: write_json(partial, r),
+                                   earlier=read_partial(partial))
     except BaseException:
         if partial.exists():
             print(f"[eval] failed; the configurations finished so far are kept in {partial}", flush=True)
@@ -107,13 +110,22 @@ def run_planner(run_cfg, run_dir: Path, ckpts: list[Path], eval_cfg, out_dir: Pa
     kept with the run (reused while target, dtype, device and threads stay the same)."""
     from specforge.eval.planner_eval import eval_with_planner
     from specforge.eval.report import write_planner
+    from specforge.eval.resume import read_partial
     from specforge.run_layout import RunLayout
     from specforge.run_report import write_run_report
 
     layout = RunLayout(run_dir)
     cost_path = layout.cost_model if out_dir == layout.eval_dir else out_dir / layout.cost_model.name
-    planner, results = eval_with_planner(run_cfg, ckpts, eval_cfg, cost_path)
+    partial = out_dir / PLANNER_PARTIAL_NAME
+    try:
+        planner, results = eval_with_planner(run_cfg, ckpts, eval_cfg, cost_path,
+                                             on_progress=lambda r: write_json(partial, r), earlier=read_partial(partial))
+    except BaseException:
+        if partial.exists():
+            print(f"[eval] failed; the checkpoints planned so far are kept in {partial}", flush=True)
+        raise
     report = write_planner(planner, out_dir, results)
+    partial.unlink(missing_ok=True)
     best = planner["recommended"]
     if out_dir == layout.eval_dir:
         record_choice(layout, best, planner["rows"], "predicted_speedup")

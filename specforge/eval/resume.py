@@ -1,0 +1,60 @@
+"""What an embedded evaluation (or the planner) that stopped half-way leaves for its next run.
+
+Each finished configuration is written to a partial file at once (eval/stage.py) with a key of
+everything its figures depend on: the target, the prompts (tokens and images), the settings that
+change tokens or timings, the machine's dtype, device and threads, and the checkpoint's bytes (a
+retrained epoch_3 is measured again). The next run of the same evaluation keeps a row whose key
+it computes again and measures the rest, as the SGLang evaluation keeps a finished server's
+benchmark (server_eval.finished_result).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+from specforge.targets.loader import resolve_target_path, target_fingerprint
+from specforge.utils.io import fingerprint, read_json
+
+KEY = "resume_key"
+
+
+def prompts_digest(prompts: list[dict]) -> str:
+    """The prompts as the engine sees them: ids, suites, tokens and image tensors."""
+    h = hashlib.sha256()
+    for p in prompts:
+        h.update(json.dumps([p["id"], p["suite"], [int(t) for t in p["input_ids"]]]).encode())
+        for name, value in sorted((p.get("images") or {}).items()):
+            h.update(name.encode())
+            h.update(value.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def settings(run_cfg, eval_cfg, prompts: list[dict], dtype_name: str, device: str, names: tuple[str, ...]) -> dict:
+    """The part of every key that does not depend on the configuration: `names` are the eval
+    settings the figures depend on."""
+    return {"target": target_fingerprint(resolve_target_path(run_cfg.target)), "prompts": prompts_digest(prompts),
+            "eval": {name: getattr(eval_cfg, name, None) for name in names}, "dtype": dtype_name,
+            "device": device, "threads": torch.get_num_threads(), "torch": torch.__version__}
+
+
+def config_key(common: dict, ckpt_fingerprint: str, *parts) -> str:
+    """`common` (settings()), the checkpoint's bytes (file_fingerprint) and what else the row depends on."""
+    return fingerprint(common, ckpt_fingerprint, *parts)
+
+
+def read_partial(path: str | Path) -> dict | None:
+    """An earlier run's partial file, or None (absent, or unreadable: then measured again)."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    try:
+        saved = read_json(path)
+        if isinstance(saved, dict):
+            return saved
+    except (OSError, ValueError):
+        pass
+    print(f"[eval] {path} is not an earlier evaluation's partial results; everything is measured again", flush=True)
+    return None
