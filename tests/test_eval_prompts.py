@@ -94,13 +94,18 @@ def test_humaneval_is_the_packages_164_problems_as_user_turns(tiny_run, tiny_tok
     assert prompts[0]["input_ids"] == rendered(tiny_tokenizer, prompts[0]["messages"])
 
 
-def test_num_prompts_is_per_suite_in_the_order_given(tiny_run, tiny_tokenizer, tmp_path):
+def test_num_prompts_is_per_suite_in_the_order_given(tiny_run, tiny_tokenizer, tmp_path, capsys):
     write_jsonl(tmp_path / "asks.jsonl", [{"prompt": f"Question {i}"} for i in range(5)])
     run_cfg, ev = configs(tiny_run, f"suites=[humaneval,heldout,'{tmp_path / 'asks.jsonl'}']", "num_prompts=3")
     suites = load_suites(run_cfg, ev, tiny_tokenizer)
     assert list(suites) == ["humaneval", "heldout", "asks"]
     assert [len(p) for p in suites.values()] == [3, 3, 3]  # the held-out split has exactly 3
     assert [p["id"] for p in suites["humaneval"]] == ["HumanEval/0", "HumanEval/1", "HumanEval/2"]
+    assert "[eval] suite" not in capsys.readouterr().out
+
+    run_cfg, ev = configs(tiny_run, f"suites=[heldout,'{tmp_path / 'asks.jsonl'}']", "num_prompts=4")
+    assert [len(p) for p in load_suites(run_cfg, ev, tiny_tokenizer).values()] == [3, 4]
+    assert "[eval] suite 'heldout': 3 prompts, all it has (eval.num_prompts=4)" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("rows, message", [

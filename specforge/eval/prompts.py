@@ -213,4 +213,6 @@ def load_suites(run_cfg, eval_cfg, tokenizer, vl=None) -> dict[str, list[dict]]:
             prompts = [{"id": r["id"], **render_prompt(r["messages"], tokenizer, vl, r.get("tools"), template_kwargs)}
                        for r in rows[:limit]]
         suites[name] = [{**p, "suite": name} for p in prompts]
+        if len(prompts) < limit:  # the report's figures stand on fewer requests than asked for
+            print(f"[eval] suite {name!r}: {len(prompts)} prompts, all it has (eval.num_prompts={limit})", flush=True)
     return suites
