@@ -280,6 +280,22 @@ def test_resume_after_kill_matches_uninterrupted_run(target, tmp_path):
     assert len(records) == len({r["key"] for r in records}) == 16
 
 
+def test_another_chat_template_file_answers_everything_again(target, tmp_path):
+    """target.chat_template decides the prompts the target answers: the resume log of answers
+    to the prompts of another template is not reused (the same template's is)."""
+    from dataclasses import replace
+
+    from transformers import AutoTokenizer
+
+    template = AutoTokenizer.from_pretrained(target.path).chat_template
+    (tmp_path / "same.jinja").write_text(template)
+    (tmp_path / "brief.jinja").write_text("{{- 'Answer briefly.\\n' }}" + template)
+    rows = dataset(4)
+    runs = [regenerate_conversations(rows, cfg(), replace(target, chat_template=str(tmp_path / name)),
+                                     tmp_path / "work", "train")[1] for name in ("same.jinja", "same.jinja", "brief.jinja")]
+    assert [(r["resumed"], r["asked"]) for r in runs] == [(0, 4), (4, 0), (0, 4)]
+
+
 def prompt_ids(tok, messages: list[dict]) -> list[int]:
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
     assert isinstance(ids, list) and all(isinstance(t, int) for t in ids)

@@ -27,7 +27,7 @@ from specforge.data.formats import RawRow, tools_entry
 from specforge.data.regen.journal import Journal
 from specforge.data.regen.replay import Replay, conversation_key, turns_to_answer
 from specforge.errors import InvalidInput
-from specforge.utils.io import fingerprint, write_json, write_jsonl
+from specforge.utils.io import file_fingerprint, fingerprint, write_json, write_jsonl
 from specforge.utils.progress import progress_bar
 
 BACKENDS = ("embedded", "openai")
@@ -158,8 +158,10 @@ def regen_fingerprint(cfg, target_cfg, seed: int) -> str:
     if target_cfg is not None:
         from specforge.targets.loader import resolve_target_path, target_fingerprint
 
+        template = getattr(target_cfg, "chat_template", None)  # the prompts the target answers
         target = {"files": target_fingerprint(resolve_target_path(target_cfg)),
-                  "dtype": target_cfg.dtype if cfg.backend == "embedded" else None}
+                  "dtype": target_cfg.dtype if cfg.backend == "embedded" else None,
+                  **({"chat_template": file_fingerprint(template)} if template else {})}
     return fingerprint(FORMAT_VERSION, cfg.backend, cfg.model, float(cfg.temperature), int(cfg.max_new_tokens),
                        bool(cfg.thinking), seed, target, bool(cfg.keep_truncated))
 
