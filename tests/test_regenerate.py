@@ -423,6 +423,7 @@ class TargetServer(ThreadingHTTPServer):
         self.in_flight = self.max_in_flight = 0
         self.fail_markers: tuple[str, ...] = ()
         self.flaky = self.call_tools = False
+        self.chat_template: str | None = None  # as --chat-template FILE: instead of the tokenizer's
         self.seen: set[str] = set()
         self.url = f"http://127.0.0.1:{self.server_address[1]}"
 
@@ -438,7 +439,9 @@ class TargetServer(ThreadingHTTPServer):
         with self.gpu:
             ids = self.tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
                                                return_dict=True, **({"tools": body["tools"]} if "tools" in body else {}),
-                                               **body.get("chat_template_kwargs", {})).to(DEVICE)
+                                               **body.get("chat_template_kwargs", {}),
+                                               **({"chat_template": self.chat_template} if self.chat_template else {})
+                                               ).to(DEVICE)
             with torch.inference_mode():
                 out = self.model.generate(**ids, max_new_tokens=body["max_tokens"], do_sample=False)
         new = out[0, ids["input_ids"].shape[1]:].tolist()
@@ -448,7 +451,7 @@ class TargetServer(ThreadingHTTPServer):
         text = self.tok.decode(new, skip_special_tokens=True)
         return {"choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                              "finish_reason": "stop" if finished else "length"}],
-                "usage": {"completion_tokens": len(new)}}
+                "usage": {"prompt_tokens": ids["input_ids"].shape[1], "completion_tokens": len(new)}}
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -512,6 +515,7 @@ def fresh(server):
     server.requests.clear()
     server.seen.clear()
     server.max_in_flight, server.fail_markers, server.flaky, server.call_tools = 0, (), False, False
+    server.chat_template = None
     return server
 
 
@@ -564,6 +568,35 @@ def test_openai_failures_retries_and_rerun(fresh, target, tmp_path):
     assert report["asked"] == 2 and report["regenerated"] == 6 and report["failed"] == 0
     assert len(fresh.requests) == n + 2
     assert list(read_jsonl(tmp_path / "regen_train.failures.jsonl")) == []
+
+
+def test_a_server_rendering_another_template_stops_the_run_before_an_answer_is_kept(fresh, target, tmp_path):
+    """target.chat_template set, the server started without it (its tokenizer's template): the
+    first answer's prompt tokens differ from ours, the run stops naming the server and the fix,
+    nothing is kept; the server restarted with the template, every conversation is answered."""
+    from dataclasses import replace
+
+    from transformers import AutoTokenizer
+
+    from specforge.errors import InvalidInput
+
+    brief = "{{- 'Answer briefly.\\n' }}" + AutoTokenizer.from_pretrained(target.path).chat_template
+    (tmp_path / "brief.jinja").write_text(brief)
+    templated = replace(target, chat_template=str(tmp_path / "brief.jinja"))
+    convs = dataset(6)
+    c = cfg(backend="openai", urls=[fresh.url], concurrency=3, keep_truncated=True)  # the prefix makes it ramble
+    with pytest.raises(InvalidInput, match=rf"data.regenerate: {fresh.url} renders the prompts otherwise than the "
+                                           rf"target: a prompt of (\d+) tokens with target.chat_template=.*brief.jinja "
+                                           rf"is (\d+) tokens there.*--chat-template"):
+        regenerate_conversations(convs, c, templated, tmp_path / "work", "train")
+    log = (tmp_path / "work" / "regen_train.partial.jsonl").read_text().splitlines()
+    assert len(log) == 1  # the header: no answer of that server kept
+
+    fresh.chat_template = brief  # restarted with --chat-template brief.jinja
+    rows, report = regenerate_conversations(convs, c, templated, tmp_path / "work", "train")
+    assert report["regenerated"] == 6 and report["failed"] == 0 and report["asked"] == 6
+    assert all("Answer briefly." in fresh.tok.decode(fresh.tok.apply_chat_template(
+        r["messages"], chat_template=brief, add_generation_prompt=True)) for r in fresh.requests[-3:])
 
 
 @pytest.fixture(scope="module")

@@ -11,16 +11,13 @@ from __future__ import annotations
 
 import functools
 import itertools
-import warnings
 from typing import Callable, Iterator
 
-import jinja2
 import torch
 
-from specforge.data.formats import tools_entry
 from specforge.data.regen.decode import RefillDecoder, Request, logits_processors
+from specforge.data.regen.prompt import target_renderer
 from specforge.data.regen.replay import Answer, RegenFailure, Replay
-from specforge.data.template import THINKING_SWITCH, has_thinking_switch
 from specforge.utils.io import fingerprint
 
 
@@ -33,7 +30,7 @@ class EmbeddedBackend:
     name = "embedded"
 
     def __init__(self, cfg, target_cfg, seed: int = 0, device: str | None = None) -> None:
-        from specforge.targets.loader import load_target, load_tokenizer, resolve_target_path, text_config
+        from specforge.targets.loader import load_target, resolve_target_path, text_config
 
         if target_cfg is None:
             raise ValueError("data.regenerate.backend=embedded needs a target (target.path)")
@@ -43,20 +40,12 @@ class EmbeddedBackend:
                              "data.regenerate.backend=openai data.regenerate.urls=[http://127.0.0.1:30000] (SGLang)")
         self.cfg, self.seed = cfg, seed
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        self.tokenizer = load_tokenizer(target_cfg)
+        self.prompts = target_renderer(cfg, target_cfg)
+        self.tokenizer = self.prompts.tokenizer
         path = resolve_target_path(target_cfg)
-        template = self.tokenizer.chat_template
-        if not template:
-            raise ValueError(f"target tokenizer at {path} has no chat template; regeneration needs one")
         self.tokenizer.padding_side = "left"
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.template_kwargs = {}
-        if has_thinking_switch(self.tokenizer):
-            self.template_kwargs[THINKING_SWITCH] = bool(cfg.thinking)
-        elif cfg.thinking:
-            warnings.warn(f"data.regenerate.thinking=true but the chat template of {path} has no "
-                          f"{THINKING_SWITCH} switch; rendering without it", stacklevel=2)
         self.model = load_target(target_cfg, self.device)
         # logit shaping the decoder cannot apply is refused here, before any conversation is asked
         logits_processors(self.model.generation_config, cfg.temperature, source=str(path))
@@ -125,12 +114,7 @@ class EmbeddedBackend:
         return ", ".join(str((c.get("function") or {}).get("name", "?")) for c in calls) or None
 
     def _prompt_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        try:
-            text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True, **tools_entry(tools), **self.template_kwargs)
-        except (TypeError, ValueError, jinja2.TemplateError) as e:
-            raise RegenFailure("regen_template_error", f"the chat template cannot render the prompt ({e})") from None
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = self.prompts.ids(messages, tools)
         if self.max_positions and len(ids) + self.cfg.max_new_tokens > self.max_positions:
             raise RegenFailure("regen_prompt_too_long", f"{len(ids)} prompt tokens + max_new_tokens "
                                f"{self.cfg.max_new_tokens} > the model's {self.max_positions} positions")

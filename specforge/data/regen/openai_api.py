@@ -4,6 +4,10 @@ Standard library HTTP in a thread pool: `concurrency` conversations in flight, e
 by turn; requests go round-robin over the URLs and a retry moves on to the next URL. Connection
 errors, timeouts, 429 and 5xx are retried with exponential backoff; other 4xx are not (asking
 again gives the same answer).
+
+A server renders the prompt with its own chat template. Given the target's (`prompts`), the first
+text prompt each server answers is checked: as many prompt tokens there (OpenAI's usage) as here,
+or the run stops before any of that server's answers is kept, naming the difference.
 """
 from __future__ import annotations
 
@@ -19,8 +23,10 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from typing import Callable, Iterator
 
 from specforge.data.formats import REASONING_KEYS, tools_entry, with_reasoning
+from specforge.data.regen.prompt import PromptRenderer
 from specforge.data.regen.replay import Answer, RegenFailure, Replay
 from specforge.data.template import THINKING_SWITCH
+from specforge.errors import InvalidInput
 from specforge.utils.io import fingerprint
 
 RETRIES = 3  # after the first attempt; backoff 0.5 s, 1 s, 2 s
@@ -48,7 +54,8 @@ def _excerpt(err: urllib.error.HTTPError) -> str:
 class OpenAIBackend:
     name = "openai"
 
-    def __init__(self, cfg, seed: int = 0, retries: int = RETRIES, backoff_s: float = BACKOFF_S) -> None:
+    def __init__(self, cfg, seed: int = 0, retries: int = RETRIES, backoff_s: float = BACKOFF_S,
+                 prompts: PromptRenderer | None = None) -> None:
         if not cfg.urls:
             raise ValueError("data.regenerate.urls: empty; the openai backend needs at least one server URL "
                              "(e.g. http://127.0.0.1:30000)")
@@ -61,6 +68,9 @@ class OpenAIBackend:
         if served and self.model not in served:
             warnings.warn(f"data.regenerate.model={self.model!r} is not among the served models {served}", stacklevel=2)
         self._turn = itertools.count()  # round-robin position (next() on a count is atomic in CPython)
+        self.prompts = prompts
+        self._renders_alike: set[str] = set()  # servers whose prompt tokens matched ours once
+        self._mismatch: InvalidInput | None = None
 
     def _probe(self, urls: list[str]) -> tuple[list[str], list[str]]:
         """(URLs that answer, model ids they serve). Any HTTP answer counts as alive; if none
@@ -103,6 +113,8 @@ class OpenAIBackend:
                 if not running:
                     return
                 finished, running = wait(running, return_when=FIRST_COMPLETED)
+                if self._mismatch is not None:  # nothing of this batch is kept: it may be that server's
+                    raise self._mismatch
                 for fut in finished:
                     r = fut.result()
                     yield r
@@ -144,7 +156,9 @@ class OpenAIBackend:
                                          headers={"Content-Type": "application/json"})
             try:
                 with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as resp:
-                    return _parse(resp.read(), url)
+                    answer = _parse(resp.read(), url)
+                self._check_rendering(url, messages, tools, answer.prompt_tokens)
+                return answer
             except urllib.error.HTTPError as e:
                 last = f"{url}/v1/chat/completions: HTTP {e.code} {_excerpt(e)}".rstrip()
                 if e.code != 429 and e.code < 500:
@@ -154,6 +168,24 @@ class OpenAIBackend:
             if attempt < self.retries:
                 time.sleep(self.backoff_s * 2**attempt)
         raise RegenFailure("regen_server_error", f"{self.retries + 1} attempts failed; last: {last}", transient=True)
+
+
+    def _check_rendering(self, url: str, messages: list[dict], tools: list[dict] | None, served: int | None) -> None:
+        """Until `url` has once counted a text prompt as we do: the same count, or stop the run."""
+        if self.prompts is None or served is None or url in self._renders_alike or self._mismatch is not None \
+                or any(not isinstance(m["content"], str) for m in messages):  # images: counted by the server only
+            return
+        ours = len(self.prompts.ids(messages, tools))
+        if ours == served:
+            self._renders_alike.add(url)
+            return
+        self._mismatch = InvalidInput(
+            f"data.regenerate: {url} renders the prompts otherwise than the target: a prompt of {ours} tokens "
+            f"with {self.prompts.source} is {served} tokens there, so its answers would answer other prompts than "
+            "the draft is trained on. Start the server with this template (SGLang's and vLLM's --chat-template "
+            "FILE, as target.chat_template names it) and the same model, or name the server's model "
+            "(data.regenerate.model); the answers of servers that matched are kept, run again to go on")
+        raise self._mismatch
 
 
 def _openai_messages(messages: list[dict]) -> list[dict]:
@@ -192,11 +224,14 @@ def _parse(raw: bytes, url: str) -> Answer:
         reasoning = next((message[k] for k in REASONING_KEYS if isinstance(message.get(k), str) and message[k]), None)
         finish = choice.get("finish_reason")
         calls = [c["function"]["name"] for c in message.get("tool_calls") or ()]
-        tokens = int((data.get("usage") or {}).get("completion_tokens") or 0)
+        usage = data.get("usage") or {}
+        tokens = int(usage.get("completion_tokens") or 0)
+        prompt_tokens = int(usage["prompt_tokens"]) if usage.get("prompt_tokens") is not None else None
     except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
         raise RegenFailure("regen_bad_response",
                            f"{url}/v1/chat/completions: not a chat completion ({type(e).__name__}: {e})") from None
     if calls:  # its parser took the answer for calls; the results recorded after them are not theirs
         raise RegenFailure("regen_tool_call", f"{url}/v1/chat/completions: the target called {', '.join(calls)} "
                                               "where the conversation answers")
-    return Answer(text=with_reasoning(content, reasoning), tokens=tokens, truncated=finish == "length")
+    return Answer(text=with_reasoning(content, reasoning), tokens=tokens, truncated=finish == "length",
+                  prompt_tokens=prompt_tokens)

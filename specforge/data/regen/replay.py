@@ -53,6 +53,7 @@ class Answer:
     text: str
     tokens: int  # generated tokens, end-of-turn token included
     truncated: bool  # stopped by max_new_tokens rather than by an end of turn
+    prompt_tokens: int | None = None  # as a server counted the prompt (OpenAI's usage), where it says
 
 
 def conversation_key(conv: dict) -> str:

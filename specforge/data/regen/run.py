@@ -173,7 +173,12 @@ def make_backend(cfg, target_cfg, seed: int):
         return EmbeddedBackend(cfg, target_cfg, seed)
     from specforge.data.regen.openai_api import OpenAIBackend
 
-    return OpenAIBackend(cfg, seed)
+    prompts = None  # without a target (data_prep/regenerate.py without --target), or its template, nothing to check
+    if target_cfg is not None:
+        from specforge.data.regen.prompt import target_renderer
+
+        prompts = target_renderer(cfg, target_cfg, required=False)
+    return OpenAIBackend(cfg, seed, prompts=prompts)
 
 
 def _todo(conversations: list[dict], keys: list[str], done: dict, max_new_tokens: int,
