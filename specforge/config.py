@@ -105,6 +105,9 @@ class RegenerateConfig:
     # (True: what the target really says, loops included; its end-of-turn token is then trained
     # once where the target would have gone on).
     keep_truncated: bool = False
+    # openai: the first text prompt each server answers must count as many tokens (its usage) as
+    # the target's template renders, or the stage stops (a server started without --chat-template)
+    check_template: bool = True
 
 
 @dataclass

@@ -591,6 +591,8 @@ def test_a_server_rendering_another_template_stops_the_run_before_an_answer_is_k
         regenerate_conversations(convs, c, templated, tmp_path / "work", "train")
     log = (tmp_path / "work" / "regen_train.partial.jsonl").read_text().splitlines()
     assert len(log) == 1  # the header: no answer of that server kept
+    unchecked = cfg(backend="openai", urls=[fresh.url], concurrency=3, keep_truncated=True, check_template=False)
+    assert regenerate_conversations(convs, unchecked, templated, tmp_path / "unchecked", "train")[1]["asked"] == 6
 
     fresh.chat_template = brief  # restarted with --chat-template brief.jinja
     rows, report = regenerate_conversations(convs, c, templated, tmp_path / "work", "train")

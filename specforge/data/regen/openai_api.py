@@ -184,7 +184,8 @@ class OpenAIBackend:
             f"with {self.prompts.source} is {served} tokens there, so its answers would answer other prompts than "
             "the draft is trained on. Start the server with this template (SGLang's and vLLM's --chat-template "
             "FILE, as target.chat_template names it) and the same model, or name the server's model "
-            "(data.regenerate.model); the answers of servers that matched are kept, run again to go on")
+            "(data.regenerate.model); the answers of servers that matched are kept, run again to go on "
+            "(data.regenerate.check_template=false skips this check)")
         raise self._mismatch
 
 

@@ -174,7 +174,7 @@ def make_backend(cfg, target_cfg, seed: int):
     from specforge.data.regen.openai_api import OpenAIBackend
 
     prompts = None  # without a target (data_prep/regenerate.py without --target), or its template, nothing to check
-    if target_cfg is not None:
+    if target_cfg is not None and getattr(cfg, "check_template", True):
         from specforge.data.regen.prompt import target_renderer
 
         prompts = target_renderer(cfg, target_cfg, required=False)
