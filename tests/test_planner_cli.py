@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -219,7 +220,9 @@ def test_eval_stage_plans_every_epoch_and_tree_and_recommends_the_best(planner_r
     steps, topk, tokens = best["tree"].split("_")  # and serves the planner's choice
     assert (f"epoch_1 --speculative-num-steps {steps} --speculative-eagle-topk {topk} "
             f"--speculative-num-draft-tokens {tokens}") in (planner_run / "report.md").read_text().split("## Serve it")[1]
-    assert f"**{best['tree']}** (recommended" in capsys.readouterr().out
+    out = capsys.readouterr()
+    assert f"**{best['tree']}** (recommended" in out.out
+    assert re.search(r"plan: 6/6 \(100%\), .*epoch_2", out.out + out.err)  # the progress of 2 epochs x 3 prompts
     chain = max((r for r in rows if r["epoch"] == best["epoch"] and r["tree"].split("_")[1] == "1"),
                 key=lambda r: r["predicted_speedup"])  # vLLM drafts chains: the fastest one is served there
     assert read_json(RunLayout(planner_run).eval_choice)["chain"]["tree"] == chain["tree"]

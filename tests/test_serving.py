@@ -284,7 +284,7 @@ def alive(pid):
         return False
 
 
-def test_evaluate_serving_launches_and_stops_every_server(model_dirs, tmp_path):
+def test_evaluate_serving_launches_and_stops_every_server(model_dirs, tmp_path, capsys):
     """eval.engine=sglang's orchestration with our own server as the launched process: base, then
     checkpoint x tree, each started, waited for (/health), benchmarked and stopped."""
     target, trained, _ = model_dirs
@@ -295,6 +295,8 @@ def test_evaluate_serving_launches_and_stops_every_server(model_dirs, tmp_path):
     cfg.eval.num_prompts, cfg.eval.max_new_tokens, cfg.eval.bench_input_len = 2, 16, 12
     builder = partial(embedded_server_command, dtype="float32", threads=1)
     summary = eval_with_servers(cfg, [ckpt], cfg.eval, tmp_path, command_builder=builder)
+    said = capsys.readouterr()
+    assert "eval: 4/4 (100%)" in said.out + said.err  # the progress over 2 servers x 2 requests
     out = tmp_path / "eval" / "serving"
     runs = {label: json.loads((out / f"{label}.json").read_text()) for label in ("baseline", f"ckpt_{TREE}")}
     assert summary["metrics"][f"ckpt_{TREE}"]["accept_length"] > 1.0

@@ -294,11 +294,11 @@ async def run_benchmark_async(base_url: str, requests: Sequence[BenchRequest], *
                               request_rate: float = math.inf, max_concurrency: int | None = None,
                               temperature: float = 0.0, ignore_eos: bool = True, model: str | None = None,
                               seed: int = 0, timeout_s: float = 3600.0, label: str = "",
-                              warmup: int = 1, api_key: str | None = None) -> BenchResult:
+                              warmup: int = 1, api_key: str | None = None, on_request=None) -> BenchResult:
     """Send `requests` (after `warmup` untimed requests, as bench_serving) and measure them.
     A failed warmup raises (the server is not usable); failed timed requests are counted.
     `api_key` (default: $SPECFORGE_API_KEY): sent as `Authorization: Bearer` (SGLang's and
-    `specforge serve`'s --api-key)."""
+    `specforge serve`'s --api-key). `on_request()` after each timed request (a progress bar)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r}: one of {BACKENDS}")
     base_url = base_url.rstrip("/")
@@ -327,6 +327,8 @@ async def run_benchmark_async(base_url: str, requests: Sequence[BenchRequest], *
         tasks = []
         async for i in _arrivals(len(requests), request_rate, seed):
             tasks.append(asyncio.create_task(one(requests[i])))
+            if on_request is not None:
+                tasks[-1].add_done_callback(lambda _: on_request())
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
         server_info = await _server_info(client, base_url)

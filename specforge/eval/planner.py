@@ -291,7 +291,8 @@ def _prompt_ids(prompt, device) -> torch.Tensor:
 @torch.inference_mode()
 def plan(target, draft, prompts, trees, max_new_tokens: int, eos_token_id=None,
          exact_ancestor_attention: bool = False, batch: int = 256,
-         trajectory_tree=None, trajectory_batch: int = TRAJECTORY_BATCH) -> dict[str, list[RequestPlan]]:
+         trajectory_tree=None, trajectory_batch: int = TRAJECTORY_BATCH,
+         on_planned=None) -> dict[str, list[RequestPlan]]:
     """{tree name: [RequestPlan per prompt]} for every tree of `trees` (T_K_N strings or TreeSpecs),
     as `SpeculativeEngine(target, draft, tree).generate(prompt, max_new_tokens, eos_token_id=...)`
     would run them at temperature 0. `prompts`: token id sequences or heldout_prompts rows.
@@ -301,7 +302,8 @@ def plan(target, draft, prompts, trees, max_new_tokens: int, eos_token_id=None,
     batched decoding (`batched_trajectories`). Otherwise, and for vision-language targets, one
     prompt at a time: `trajectory_tree` names the tree whose engine gives them (the same tokens in
     fewer target forwards than decoding), or is a function of the plans so far that names the tree
-    for the next prompt (None: decoding), e.g. the one predicted fastest (planner_eval)."""
+    for the next prompt (None: decoding), e.g. the one predicted fastest (planner_eval).
+    `on_planned()` after each prompt's trees are planned (a progress bar)."""
     specs = [TreeSpec.parse(t) if isinstance(t, str) else t for t in trees]
     steps = {}  # per topk, the largest T of the grid
     for s in specs:
@@ -329,6 +331,8 @@ def plan(target, draft, prompts, trees, max_new_tokens: int, eos_token_id=None,
                                        chunk[0].get("images") if isinstance(chunk[0], dict) else None)]
         for traj in trajs:
             plan_trajectory(traj, engines, specs, batch, max_new_tokens, eos_token_id, out)
+            if on_planned is not None:
+                on_planned()
     return out
 
 

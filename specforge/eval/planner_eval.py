@@ -27,6 +27,7 @@ from specforge.run_layout import epoch_of
 from specforge.targets.loader import resolve_target_path, target_fingerprint, torch_dtype
 from specforge.targets.vl import is_vl_config
 from specforge.utils.io import file_fingerprint
+from specforge.utils.progress import progress_bar
 
 
 def check_planner(eval_cfg) -> list[TreeSpec]:
@@ -100,38 +101,36 @@ def plan_epochs(run_cfg, ckpts: list[Path], eval_cfg, cost_path: Path, on_progre
     common = resume.settings(run_cfg, eval_cfg, prompts, dtype_name, device, KEYED_SETTINGS)
     earlier = earlier or {}
     rows, cost, measured, plan_s, resumed = [], None, False, {}, 0
-    for ckpt in ckpts:
-        draft = load_draft(ckpt, device=device, dtype=torch_dtype(dtype_name))
-        if cost is None:  # every epoch of a run has the same geometry, so the same costs
-            key = cost_key(fingerprint, draft, prefix, exact)
-            cost, measured = load_or_measure(cost_path, key, target, draft, prompts[0], specs + chains)
-        ckpt_key = resume.config_key(common, file_fingerprint(ckpt), [s.name for s in specs + chains], cost.to_json())
-        config = {"epoch": epoch_of(ckpt), "checkpoint": str(ckpt), RESUME_KEY: ckpt_key}
-        kept = [r for r in earlier.get("rows", []) if r.get(RESUME_KEY) == ckpt_key]
-        if kept:
-            print(f"[eval] {ckpt.name}: planned by an earlier run of this planner that stopped, kept", flush=True)
-            rows += [{**r, **config, "resumed": True} for r in kept]
-            plan_s[str(ckpt)] = float(earlier.get("plan_s", {}).get(ckpt_key, 0.0))
-            resumed += 1
-            continue
-        t0 = time.perf_counter()
-        plans = plan(target, draft, prompts, specs + chains, eval_cfg.max_new_tokens, eos, exact,
-                     trajectory_tree=fastest_tree(cost, specs))
-        plan_s[str(ckpt)] = time.perf_counter() - t0
-        for spec in specs + chains:
-            row = {**config, "grid": spec in specs, **summarize(spec.name, plans[spec.name])}
-            rounds = row["verify_rounds"]
-            t_round = cost.t_round(spec, row["accept_histogram"]) if rounds else math.nan
-            row.update(tree_width=(spec.num_draft_tokens - 1) / row["tree_depth"] if rounds else math.nan,
-                       t_round_ms=1000 * t_round,
-                       predicted_speedup=cost.speedup(spec, decode_tokens_per_round(row), row["accept_histogram"])
-                       if rounds else math.nan)
-            rows.append(row)
-        if on_progress:
-            on_progress({"rows": rows, "plan_s": {r[RESUME_KEY]: plan_s[r["checkpoint"]] for r in rows}})
-    return {"meta": {"prompts": len(prompts), "resumed_checkpoints": resumed, "max_new_tokens": eval_cfg.max_new_tokens, "dtype": dtype_name,
+    with progress_bar() as bar:
+        task = bar.add_task("plan", total=len(ckpts) * len(prompts), info="")
+        for ckpt in ckpts:
+            draft = load_draft(ckpt, device=device, dtype=torch_dtype(dtype_name))
+            if cost is None:  # every epoch of a run has the same geometry, so the same costs
+                bar.update(task, info="round costs")
+                key = cost_key(fingerprint, draft, prefix, exact)
+                cost, measured = load_or_measure(cost_path, key, target, draft, prompts[0], specs + chains)
+            bar.update(task, info=ckpt.name)
+            ckpt_key = resume.config_key(common, file_fingerprint(ckpt), [s.name for s in specs + chains],
+                                         cost.to_json())
+            config = {"epoch": epoch_of(ckpt), "checkpoint": str(ckpt), RESUME_KEY: ckpt_key}
+            kept = [r for r in earlier.get("rows", []) if r.get(RESUME_KEY) == ckpt_key]
+            if kept:
+                print(f"[eval] {ckpt.name}: planned by an earlier run of this planner that stopped, kept", flush=True)
+                rows += [{**r, **config, "resumed": True} for r in kept]
+                plan_s[str(ckpt)] = float(earlier.get("plan_s", {}).get(ckpt_key, 0.0))
+                resumed += 1
+                bar.advance(task, len(prompts))
+                continue
+            t0 = time.perf_counter()
+            plans = plan(target, draft, prompts, specs + chains, eval_cfg.max_new_tokens, eos, exact,
+                         trajectory_tree=fastest_tree(cost, specs), on_planned=lambda: bar.advance(task))
+            plan_s[str(ckpt)] = time.perf_counter() - t0
+            rows += _rows(config, specs, chains, plans, cost)
+            if on_progress:
+                on_progress({"rows": rows, "plan_s": {r[RESUME_KEY]: plan_s[r["checkpoint"]] for r in rows}})
+    return {"meta": {"prompts": len(prompts), "max_new_tokens": eval_cfg.max_new_tokens, "dtype": dtype_name,
                      "device": device, "threads": torch.get_num_threads(), "trees": [s.name for s in specs],
-                     "chains": [s.name for s in chains],
+                     "chains": [s.name for s in chains], "resumed_checkpoints": resumed,
                      "prefix_len": prefix,
                      "trajectory": "decoding, then the tree predicted fastest so far" if is_vl_config(target.config)
                      else f"batched decoding ({TRAJECTORY_BATCH} prompts at a time)",
@@ -164,6 +163,22 @@ def compare(rows: list[dict], results: dict) -> list[dict]:
                     "t_round_ms": p["t_round_ms"], "measured_ms_per_round": c["ms_per_round"],
                     "lossless": c["lossless"]})
     return out
+
+
+def _rows(config: dict, specs: list[TreeSpec], chains: list[TreeSpec], plans: dict, cost) -> list[dict]:
+    """A checkpoint's row per tree of the grid (`grid`) and per chain: its plans' figures and the
+    cost model's round cost and predicted speed-up."""
+    rows = []
+    for spec in specs + chains:
+        row = {**config, "grid": spec in specs, **summarize(spec.name, plans[spec.name])}
+        rounds = row["verify_rounds"]
+        t_round = cost.t_round(spec, row["accept_histogram"]) if rounds else math.nan
+        row.update(tree_width=(spec.num_draft_tokens - 1) / row["tree_depth"] if rounds else math.nan,
+                   t_round_ms=1000 * t_round,
+                   predicted_speedup=cost.speedup(spec, decode_tokens_per_round(row), row["accept_histogram"])
+                   if rounds else math.nan)
+        rows.append(row)
+    return rows
 
 
 def eval_with_planner(run_cfg, ckpts: list[Path], eval_cfg, cost_path: Path, on_progress=None,

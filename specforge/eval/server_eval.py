@@ -21,6 +21,7 @@ from typing import Callable, Sequence
 
 from specforge.errors import InvalidInput
 from specforge.utils.io import file_fingerprint, fingerprint, write_json, write_text
+from specforge.utils.progress import progress_bar
 from specforge.eval.bench_client import (
     BenchRequest, BenchResult, comparison, comparison_table, conversation_requests, file_requests,
     random_token_requests, run_benchmark,
@@ -181,21 +182,26 @@ def eval_with_servers(run_cfg, checkpoints: Sequence[Path], eval_cfg, run_dir, o
     results: dict[str, BenchResult] = {}
     backend = getattr(ev, "bench_backend", "sglang")
     draft_bytes = {ckpt: file_fingerprint(ckpt) for ckpt in dict.fromkeys(c for _, _, c in runs if c is not None)}
-    for label, server, ckpt in runs:
-        path = out_dir / f"{label}.json"
-        key = None
-        if isinstance(server, Launch):  # launched here: the same command measures the same thing again
-            key = resume_key(server.command, requests, scenario, ev.temperature, backend, seed, draft_bytes.get(ckpt))
-            if (earlier := finished_result(path, key)) is not None:
-                print(f"[eval] {label}: measured by an earlier run of this evaluation ({path}), kept", flush=True)
-                results[label] = earlier
-                continue
-        results[label] = run_server_benchmark(
-            server, requests, scenario=scenario, label=label, temperature=ev.temperature,
-            backend=backend, seed=seed)  # key: $SPECFORGE_API_KEY
-        if key is not None:
-            results[label].config["resume_key"] = key
-        results[label].save(path)
+    with progress_bar() as bar:  # requests; a launched server's start-up shows as time on its label
+        task = bar.add_task("eval", total=len(runs) * len(requests), info="")
+        for label, server, ckpt in runs:
+            bar.update(task, info=label)
+            path = out_dir / f"{label}.json"
+            key = None
+            if isinstance(server, Launch):  # launched here: the same command measures the same thing again
+                key = resume_key(server.command, requests, scenario, ev.temperature, backend, seed,
+                                 draft_bytes.get(ckpt))
+                if (earlier := finished_result(path, key)) is not None:
+                    print(f"[eval] {label}: measured by an earlier run of this evaluation ({path}), kept", flush=True)
+                    results[label] = earlier
+                    bar.advance(task, len(requests))
+                    continue
+            results[label] = run_server_benchmark(
+                server, requests, scenario=scenario, label=label, temperature=ev.temperature,
+                backend=backend, seed=seed, on_request=lambda: bar.advance(task))  # key: $SPECFORGE_API_KEY
+            if key is not None:
+                results[label].config["resume_key"] = key
+            results[label].save(path)
 
     summary = {"engine": ev.engine, "scenario": scenario.to_dict(), "prompts": getattr(ev, "prompts", "conversations"),
                "metrics": {k: r.metrics for k, r in results.items()}, "comparisons": {}}
