@@ -259,6 +259,7 @@ def test_ones_own_prompt_file_through_evaluate_and_the_bench_command(model_dirs,
                            "--output-len", "8", "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(out.read_text())["eagle3"]["metrics"]["completed"] == 2
+    assert "bench: 4/4 (100%)" in proc.stderr and "bench" not in proc.stdout.split("\n")[0]  # the bar on stderr
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt": "fine"}) + "\n" + json.dumps({"text": "no prompt here"}) + "\n")

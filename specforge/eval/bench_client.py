@@ -533,12 +533,22 @@ def bench(args) -> dict:
         special = tokenizer.all_special_ids if tokenizer is not None else ()
         requests = random_token_requests(scenario.num_prompts, scenario.input_len, scenario.output_len,
                                          vocab, exclude_ids=special, seed=args.seed)
-    kw = dict(backend=args.backend, temperature=args.temperature, seed=args.seed, api_key=args.api_key)
+    from rich.console import Console
+
+    from specforge.utils.progress import progress_bar
+
     results = {"scenario": scenario.to_dict()}
-    eagle = _run_or_exit(args.url, scenario, requests, label="eagle3", **kw)
+    # stderr: stdout has the tables; transient: a refused warm-up leaves its one line alone
+    with progress_bar(console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("bench", total=len(requests) * (1 + bool(args.baseline_url)), info="eagle3")
+        kw = dict(backend=args.backend, temperature=args.temperature, seed=args.seed, api_key=args.api_key,
+                  on_request=lambda: bar.advance(task))
+        eagle = _run_or_exit(args.url, scenario, requests, label="eagle3", **kw)
+        if args.baseline_url:
+            bar.update(task, info="baseline")
+            base = _run_or_exit(args.baseline_url, scenario, requests, label="baseline", **kw)
     results["eagle3"] = eagle.to_dict(with_requests=False)
     if args.baseline_url:
-        base = _run_or_exit(args.baseline_url, scenario, requests, label="baseline", **kw)
         results["baseline"] = base.to_dict(with_requests=False)
         results["comparison"] = comparison(base.metrics, eagle.metrics)
         print(comparison_table(base.metrics, eagle.metrics))
