@@ -194,3 +194,16 @@ def test_the_prompts_digest_sees_tokens_and_image_bytes():
     assert prompts_digest([prompt(torch.tensor([1, 2, 3]), pixels.clone())]) == same  # a tensor or a list
     assert prompts_digest([prompt([1, 2, 4], pixels)]) != same
     assert prompts_digest([prompt([1, 2, 3], pixels.flip(0))]) != same  # another image, the same tokens
+
+
+def test_a_partial_file_that_is_not_ours_is_measured_again(tmp_path, capsys):
+    from specforge.eval.resume import read_partial, rows
+
+    path = tmp_path / PARTIAL_NAME
+    path.write_text('{"configs": [{"tree": "2_1_3"')  # cut short
+    assert read_partial(path) is None and "everything is measured again" in capsys.readouterr().out
+    path.write_text("[1, 2]")
+    assert read_partial(path) is None
+    assert read_partial(tmp_path / "absent.json") is None
+    assert rows({"configs": "2_1_3"}, "configs") == rows(None, "configs") == rows({}, "configs") == []
+    assert rows({"configs": [{"tree": "2_1_3"}, 3, None]}, "configs") == [{"tree": "2_1_3"}]

@@ -281,9 +281,9 @@ def _earlier_configs(run_cfg, eval_cfg, prompts, dtype_name, device, ckpts, tree
         ckpt_id = file_fingerprint(ckpt)
         keys.update({(ckpt, str(t)): resume.config_key(common, ckpt_id, str(t)) for t in trees})
     wanted = set(keys.values())
-    earlier = earlier or {}
-    kept = {r[RESUME_KEY]: (r, [s for s in earlier.get("suite_configs", []) if s.get(RESUME_KEY) == r[RESUME_KEY]])
-            for r in earlier.get("configs", []) if r.get(RESUME_KEY) in wanted}
+    configs, suite_configs = resume.rows(earlier, "configs"), resume.rows(earlier, "suite_configs")
+    kept = {r[RESUME_KEY]: (r, [s for s in suite_configs if s.get(RESUME_KEY) == r[RESUME_KEY]])
+            for r in configs if r.get(RESUME_KEY) in wanted}
     if kept:
         names = ", ".join(f"{Path(r['checkpoint']).name} {r['tree']}" for r, _ in kept.values())
         print(f"[eval] {len(kept)} of {len(keys)} configurations measured by an earlier run of this evaluation that "

@@ -100,6 +100,7 @@ def plan_epochs(run_cfg, ckpts: list[Path], eval_cfg, cost_path: Path, on_progre
     fingerprint = target_fingerprint(resolve_target_path(run_cfg.target))
     common = resume.settings(run_cfg, eval_cfg, prompts, dtype_name, device, KEYED_SETTINGS)
     earlier = earlier or {}
+    earlier_s = earlier.get("plan_s") if isinstance(earlier.get("plan_s"), dict) else {}
     rows, cost, measured, plan_s, resumed = [], None, False, {}, 0
     with progress_bar() as bar:
         task = bar.add_task("plan", total=len(ckpts) * len(prompts), info="")
@@ -113,11 +114,11 @@ def plan_epochs(run_cfg, ckpts: list[Path], eval_cfg, cost_path: Path, on_progre
             ckpt_key = resume.config_key(common, file_fingerprint(ckpt), [s.name for s in specs + chains],
                                          cost.to_json())
             config = {"epoch": epoch_of(ckpt), "checkpoint": str(ckpt), RESUME_KEY: ckpt_key}
-            kept = [r for r in earlier.get("rows", []) if r.get(RESUME_KEY) == ckpt_key]
+            kept = [r for r in resume.rows(earlier, "rows") if r.get(RESUME_KEY) == ckpt_key]
             if kept:
                 print(f"[eval] {ckpt.name}: planned by an earlier run of this planner that stopped, kept", flush=True)
                 rows += [{**r, **config, "resumed": True} for r in kept]
-                plan_s[str(ckpt)] = float(earlier.get("plan_s", {}).get(ckpt_key, 0.0))
+                plan_s[str(ckpt)] = float(earlier_s.get(ckpt_key, 0.0))
                 resumed += 1
                 bar.advance(task, len(prompts))
                 continue

@@ -58,3 +58,9 @@ def read_partial(path: str | Path) -> dict | None:
         pass
     print(f"[eval] {path} is not an earlier evaluation's partial results; everything is measured again", flush=True)
     return None
+
+
+def rows(saved: dict | None, name: str) -> list[dict]:
+    """The rows (dicts) of `saved[name]`; nothing for a file someone else wrote there."""
+    found = (saved or {}).get(name)
+    return [r for r in found if isinstance(r, dict)] if isinstance(found, list) else []
