@@ -114,6 +114,22 @@ def test_same_shapes_but_another_target_is_refused_unless_allowed(run, capsys):
     assert "[warning]" in capsys.readouterr().out
 
 
+def test_a_second_evaluation_writing_the_same_output_is_refused(run):
+    """evaluate.py while another one (or the pipeline's eval stage) writes the run's eval/: refused
+    before any model runs, naming the holder; another out_dir is free."""
+    import os
+
+    from specforge.utils.run_lock import RunDirBusy, RunDirLock
+
+    with RunDirLock(run / ".eval.lock"):  # as a first evaluation holds it
+        with pytest.raises(RunDirBusy, match=rf"{re.escape(str(run / 'eval'))} \(an evaluation's output\): in use by "
+                                             rf"another run \(pid {os.getpid()} .*give this evaluation another out_dir="):
+            run_evaluation(load_run_config(run), run, eval_cfg(run))
+        assert nothing_written(run)
+        summary = run_evaluation(load_run_config(run), run, eval_cfg(run, "epochs=[1]"), run / "elsewhere")
+    assert summary["configs"] == 1 and (run / "elsewhere" / "results.json").exists()
+
+
 def test_a_killed_evaluation_keeps_the_configurations_it_finished_and_the_next_run_measures_the_rest(run):
     trees = "['2_1_3','2_2_4','3_1_4','3_2_6','4_1_5','4_2_8','5_1_6','5_2_10']"
     settings = [f"ckpt={run}", "eval.num_prompts=2", "eval.max_new_tokens=48"]

@@ -61,15 +61,36 @@ def check_eval(eval_cfg) -> None:
 
 
 def run_evaluation(run_cfg, ckpt: str | Path, eval_cfg, out_dir: str | Path | None = None) -> dict:
-    from specforge.eval.report import best_config, write_results
-    from specforge.eval.engine_eval import eval_with_engine, find_checkpoints
-    from specforge.eval.resume import read_partial
+    """Every selected checkpoint x tree measured (or the planner's, or a serving benchmark's),
+    written to `out_dir` (default: the run's eval/, then its report.md)."""
+    from specforge.eval.engine_eval import find_checkpoints
     from specforge.run_layout import RunLayout
-    from specforge.run_report import write_run_report
 
     check_eval(eval_cfg)  # before anything loads
     run_dir, ckpts = find_checkpoints(ckpt, getattr(eval_cfg, "epochs", None))
     check_checkpoints(ckpts, run_cfg.target, bool(getattr(eval_cfg, "allow_other_target", False)))
+    with output_lock(Path(out_dir) if out_dir else RunLayout(run_dir).eval_dir):
+        return _evaluate(run_cfg, run_dir, ckpts, eval_cfg, out_dir)
+
+
+def output_lock(out_dir: Path):
+    """One evaluation writes `out_dir` at a time (a second evaluate.py of the same run, or one
+    beside the pipeline's eval stage, would interleave partial and final results). The lock file
+    lies beside it, so that a refusal before any model runs leaves `out_dir` unwritten."""
+    from specforge.utils.run_lock import RunDirLock
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    return RunDirLock(out_dir.parent / f".{out_dir.name}.lock", what=f"{out_dir} (an evaluation's output)",
+                      advice="give this evaluation another out_dir=")
+
+
+def _evaluate(run_cfg, run_dir: Path, ckpts: list[Path], eval_cfg, out_dir: str | Path | None) -> dict:
+    from specforge.eval.report import best_config, write_results
+    from specforge.eval.engine_eval import eval_with_engine
+    from specforge.eval.resume import read_partial
+    from specforge.run_layout import RunLayout
+    from specforge.run_report import write_run_report
+
     if eval_cfg.engine in ("server", "sglang"):  # a serving benchmark over HTTP (server_eval.py)
         from specforge.eval.server_eval import eval_with_servers
 

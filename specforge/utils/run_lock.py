@@ -24,8 +24,14 @@ class RunDirBusy(InputError, RuntimeError):
 
 
 class RunDirLock:
-    def __init__(self, path: str | Path) -> None:
+    """`what` the lock guards (default: the lock file's directory) and `advice`: what the refused
+    process may do instead of waiting (the pipeline: another run_name; an evaluation: another
+    out_dir), for the message."""
+
+    def __init__(self, path: str | Path, what: str | None = None, advice: str = "give this run another run_name") -> None:
         self.path = Path(path)
+        self.what = what or str(self.path.parent)
+        self.advice = advice
         self._fd: int | None = None
 
     def acquire(self) -> None:
@@ -35,8 +41,8 @@ class RunDirLock:
         except BlockingIOError:
             holder = _describe(os.pread(fd, 65536, 0))
             os.close(fd)
-            raise RunDirBusy(f"{self.path.parent}: in use by another run ({holder}); wait for it to end or "
-                               "stop it, or give this run another run_name") from None
+            raise RunDirBusy(f"{self.what}: in use by another run ({holder}); wait for it to end or "
+                               f"stop it, or {self.advice}") from None
         info = {"pid": os.getpid(), "host": socket.gethostname(),
                 "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(sys.argv)}
         os.ftruncate(fd, 0)
@@ -48,6 +54,13 @@ class RunDirLock:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
+
+    def __enter__(self) -> "RunDirLock":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
 
 def _describe(raw: bytes) -> str:
