@@ -327,6 +327,8 @@ class Config:
     output_dir: str = "outputs"
     cache_dir: str = ".cache"
     stages: List[str] = field(default_factory=lambda: ["data", "extract", "train"])
+    # run every check that needs no model and no stage's output, say which stages would run, stop
+    check_only: bool = False
     seed: int = 0
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)

@@ -7,6 +7,8 @@ A stage's fingerprint covers its config sections, its own extra inputs (e.g. raw
 the fingerprints of the stages it reads from, so a change anywhere upstream re-runs everything
 downstream and nothing else. Keys that only say how a stage runs, not what it computes (train.resume,
 train.strategy, ...), are left out: resuming or changing the number of processes is the same run.
+So are unset (None) keys: a new setting that is None by default keeps earlier runs up to date; one
+with another default either goes into its stage's `ignore` (a check, not a computation) or re-runs.
 
 Under torchrun / Slurm (more than one process): rank 0 decides what runs and writes the markers;
 a stage runs on rank 0 alone (data, eval; the others wait) or on every rank (extract shards its
@@ -16,6 +18,7 @@ them waiting.
 from __future__ import annotations
 
 import importlib
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,7 +55,8 @@ class Stage:
 STAGES: dict[str, Stage] = {
     s.name: s
     for s in [
-        Stage("data", "specforge.data.stage", ("target", "data", "draft.draft_vocab_size"), ()),
+        Stage("data", "specforge.data.stage", ("target", "data", "draft.draft_vocab_size"), (),
+              ignore=("data.regenerate.check_template",)),
         Stage("extract", "specforge.extract.stage", ("target", "extract"), ("data",), ranks="all",
               ignore=("extract.disk_check",)),
         Stage("train", "specforge.train.stage", ("target", "draft", "train", "seed"), ("data", "extract"),
@@ -68,8 +72,11 @@ def run_dir_of(cfg) -> Path:
     return Path(cfg.output_dir) / cfg.run_name
 
 
-def stage_fingerprint(cfg, stage: Stage, run_dir: Path) -> str:
-    sections = {k: OmegaConf.to_container(OmegaConf.select(cfg, k), resolve=True)
+def stage_fingerprint(cfg, stage: Stage, run_dir: Path, planned: dict | None = None) -> str:
+    """`planned`: the fingerprints upstream stages will have once they ran (check_only), in place
+    of their markers'. Settings that are None (not set) are left out: a setting added in a later
+    version, unset by default, leaves the runs made before it up to date."""
+    sections = {k: _set_only(OmegaConf.to_container(OmegaConf.select(cfg, k), resolve=True))
                 if OmegaConf.is_config(OmegaConf.select(cfg, k)) else OmegaConf.select(cfg, k)
                 for k in stage.config_keys}
     for key in stage.ignore:
@@ -84,7 +91,10 @@ def stage_fingerprint(cfg, stage: Stage, run_dir: Path) -> str:
     upstream = {}
     for dep in stage.depends:
         marker = RunLayout(run_dir).marker(dep)
-        upstream[dep] = read_json(marker)["fingerprint"] if marker.exists() else None
+        if planned and dep in planned:
+            upstream[dep] = planned[dep]
+        else:
+            upstream[dep] = read_json(marker)["fingerprint"] if marker.exists() else None
     return fingerprint(stage.name, sections, extra(cfg) if extra else None, upstream)
 
 
@@ -102,6 +112,8 @@ def run_pipeline(cfg) -> dict[str, dict]:
         check = STAGES[name].entry("check")
         if check is not None:
             check(cfg)
+    if cfg.check_only:
+        return {"check_only": plan_stages(cfg)}
     joined_here = not dist.current().distributed
     env = dist.init_distributed(OmegaConf.select(cfg, "launch.dist_timeout_minutes", default=120.0))
     try:
@@ -112,23 +124,47 @@ def run_pipeline(cfg) -> dict[str, dict]:
             dist.shutdown()
 
 
-def _decide(cfg, stage: Stage, run_dir: Path) -> tuple[str, str, dict]:
-    """("skip" | "run", fingerprint, summary of the finished stage)."""
-    missing = [d for d in stage.depends if not RunLayout(run_dir).marker(d).exists()]
+def _set_only(section):
+    if isinstance(section, dict):
+        return {k: _set_only(v) for k, v in section.items() if v is not None}
+    return section
+
+
+def plan_stages(cfg) -> dict[str, str]:
+    """`check_only=true`, every check passed: what each stage of `cfg.stages` would do now
+    ("up to date" or why it would run), printed; nothing is written or run."""
+    run_dir, planned, plan = run_dir_of(cfg), {}, {}
+    for name in [s for s in STAGES if s in cfg.stages]:
+        decision, planned[name], _, why = _decide(cfg, STAGES[name], run_dir, planned)
+        plan[name] = why if decision == "skip" else f"would run: {why}"
+    if os.environ.get("RANK", "0") == "0":
+        for name, what in plan.items():
+            print(f"[pipeline] check_only: {name}: {what}", flush=True)
+        print(f"[pipeline] check_only: every setting and input of stages {list(plan)} checked that can be "
+              "before a model runs; nothing was run or written", flush=True)
+    return plan
+
+
+def _decide(cfg, stage: Stage, run_dir: Path, planned: dict | None = None) -> tuple[str, str, dict, str]:
+    """("skip" | "run", fingerprint, summary of the finished stage, why). `planned`: see
+    stage_fingerprint (its stages count as done)."""
+    missing = [d for d in stage.depends if d not in (planned or {}) and not RunLayout(run_dir).marker(d).exists()]
     if missing:
         raise InvalidInput(
             f"stage '{stage.name}' needs the output of {missing} in {run_dir}; add them to stages=[...]"
         )
-    fp = stage_fingerprint(cfg, stage, run_dir)
+    fp = stage_fingerprint(cfg, stage, run_dir, planned)
     marker = RunLayout(run_dir).marker(stage.name)
-    if marker.exists() and read_json(marker).get("fingerprint") == fp:
-        summary = read_json(marker).get("summary", {})
-        damaged = stage.entry("damaged")
-        problem = damaged(cfg, run_dir, summary) if damaged else None
-        if problem is None:
-            return "skip", fp, summary
-        print(f"[pipeline] {stage.name}: up to date, but {problem}: running it again", flush=True)
-    return "run", fp, {}
+    if not marker.exists():
+        return "run", fp, {}, "not run yet"
+    if read_json(marker).get("fingerprint") != fp:
+        return "run", fp, {}, "its settings or inputs (or an earlier stage's) changed since it ran"
+    summary = read_json(marker).get("summary", {})
+    damaged = stage.entry("damaged")
+    problem = damaged(cfg, run_dir, summary) if damaged else None
+    if problem is None:
+        return "skip", fp, summary, "up to date"
+    return "run", fp, {}, f"up to date, but {problem}: running it again"
 
 
 def _check_shared_run_dir(run_dir: Path) -> None:
@@ -167,7 +203,9 @@ def _stages_in(cfg, env, run_dir: Path) -> dict[str, dict]:
     summaries = {}
     for name in [s for s in STAGES if s in cfg.stages]:
         stage = STAGES[name]
-        decision, fp, summary = dist.run_on_main(_decide, cfg, stage, run_dir, what=f"stage '{name}'")
+        decision, fp, summary, why = dist.run_on_main(_decide, cfg, stage, run_dir, what=f"stage '{name}'")
+        if why.startswith("up to date, but") and env.is_main:
+            print(f"[pipeline] {name}: {why}", flush=True)
         if decision == "skip":
             if env.is_main:
                 print(f"[pipeline] {name}: up to date (fingerprint {fp}), skipped", flush=True)

@@ -54,9 +54,13 @@ def weather_files(tmp_path):
 
 def test_pipeline_end_to_end_then_skips_then_reruns_only_what_changed(weather_files, tiny_target_dir, capsys):
     tmp_path = weather_files
+    run_dir = tmp_path / "outputs" / "smollm2_weather"
+    # check_only: every check, then what would run; nothing written
+    assert run_pipeline(compose_cfg(tmp_path, tiny_target_dir, "check_only=true")) == {
+        "check_only": {name: "would run: not run yet" for name in ("data", "extract", "train")}}
+    assert not run_dir.exists()
     cfg = compose_cfg(tmp_path, tiny_target_dir)
     summaries = run_pipeline(cfg)
-    run_dir = tmp_path / "outputs" / "smollm2_weather"
 
     assert summaries["train"]["steps"] == 2 * 6
     for epoch in (1, 2):
@@ -86,17 +90,42 @@ def test_pipeline_end_to_end_then_skips_then_reruns_only_what_changed(weather_fi
     out = capsys.readouterr().out
     assert out.count("up to date") == 3
 
-    # A training change re-runs training only.
+    # A training change re-runs training only: check_only says so first, and changes nothing.
+    markers = {name: (run_dir / f".stage_{name}.json").read_bytes() for name in ("data", "extract", "train")}
+    plan = run_pipeline(compose_cfg(tmp_path, tiny_target_dir, "train.lr=5e-4", "check_only=true"))["check_only"]
+    assert plan == {"data": "up to date", "extract": "up to date",
+                    "train": "would run: its settings or inputs (or an earlier stage's) changed since it ran"}
+    assert "[pipeline] check_only: train: would run" in capsys.readouterr().out
+    assert markers == {name: (run_dir / f".stage_{name}.json").read_bytes() for name in markers}
     run_pipeline(compose_cfg(tmp_path, tiny_target_dir, "train.lr=5e-4"))
     out = capsys.readouterr().out
     assert "data: up to date" in out and "extract: up to date" in out and "train: running" in out
 
     # New data re-runs everything downstream of it.
     write_jsonl(tmp_path / "train.jsonl", generate(20, seed=1, split="train"))
+    plan = run_pipeline(compose_cfg(tmp_path, tiny_target_dir, "train.lr=5e-4", "check_only=true"))["check_only"]
+    assert all(what.startswith("would run: its settings or inputs") for what in plan.values()) and len(plan) == 3
+    capsys.readouterr()
     run_pipeline(compose_cfg(tmp_path, tiny_target_dir, "train.lr=5e-4"))
     out = capsys.readouterr().out
     assert "data: running" in out and "extract: running" in out and "train: running" in out
     assert read_json(run_dir / ".stage_train.json")["summary"]["steps"] == 2 * 5
+
+
+def test_a_setting_added_unset_keeps_earlier_runs_up_to_date(weather_files, tiny_target_dir):
+    """A later version's new setting, None by default (as target.chat_template was), must not
+    re-run a finished extraction or training; a value set in it does."""
+    from omegaconf import OmegaConf
+
+    from specforge.pipeline import STAGES, stage_fingerprint
+
+    cfg = OmegaConf.create(OmegaConf.to_container(compose_cfg(weather_files, tiny_target_dir)))  # untyped: keys may be added
+    before = {name: stage_fingerprint(cfg, stage, weather_files) for name, stage in STAGES.items()}
+    cfg.target.future_setting, cfg.train.future_setting = None, None
+    assert {name: stage_fingerprint(cfg, stage, weather_files) for name, stage in STAGES.items()} == before
+    cfg.train.future_setting = 3
+    after = {name: stage_fingerprint(cfg, stage, weather_files) for name, stage in STAGES.items()}
+    assert [name for name in STAGES if after[name] != before[name]] == ["train"]
 
 
 def test_a_store_damaged_after_its_stage_finished_is_extracted_again_not_handed_to_training(
