@@ -15,6 +15,7 @@ import http.client
 import itertools
 import json
 import socket
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -71,6 +72,7 @@ class OpenAIBackend:
         self.prompts = prompts
         self._renders_alike: set[str] = set()  # servers whose prompt tokens matched ours once
         self._mismatch: InvalidInput | None = None
+        self._check_lock = threading.Lock()
 
     def _probe(self, urls: list[str]) -> tuple[list[str], list[str]]:
         """(URLs that answer, model ids they serve). Any HTTP answer counts as alive; if none
@@ -169,23 +171,25 @@ class OpenAIBackend:
                 time.sleep(self.backoff_s * 2**attempt)
         raise RegenFailure("regen_server_error", f"{self.retries + 1} attempts failed; last: {last}", transient=True)
 
-
     def _check_rendering(self, url: str, messages: list[dict], tools: list[dict] | None, served: int | None) -> None:
-        """Until `url` has once counted a text prompt as we do: the same count, or stop the run."""
-        if self.prompts is None or served is None or url in self._renders_alike or self._mismatch is not None \
-                or any(not isinstance(m["content"], str) for m in messages):  # images: counted by the server only
-            return
-        ours = len(self.prompts.ids(messages, tools))
-        if ours == served:
-            self._renders_alike.add(url)
-            return
-        self._mismatch = InvalidInput(
-            f"data.regenerate: {url} renders the prompts otherwise than the target: a prompt of {ours} tokens "
-            f"with {self.prompts.source} is {served} tokens there, so its answers would answer other prompts than "
-            "the draft is trained on. Start the server with this template (SGLang's and vLLM's --chat-template "
-            "FILE, as target.chat_template names it) and the same model, or name the server's model "
-            "(data.regenerate.model); the answers of servers that matched are kept, run again to go on "
-            "(data.regenerate.check_template=false skips this check)")
+        """Until `url` has once counted a text prompt as we do: the same count, or stop the run.
+        One thread at a time (a few times per run): the tokenizer is not shared across threads."""
+        if self.prompts is None or served is None or any(not isinstance(m["content"], str) for m in messages):
+            return  # images: counted by the server only
+        with self._check_lock:
+            if url in self._renders_alike or self._mismatch is not None:
+                return
+            ours = len(self.prompts.ids(messages, tools))
+            if ours == served:
+                self._renders_alike.add(url)
+                return
+            self._mismatch = InvalidInput(
+                f"data.regenerate: {url} renders the prompts otherwise than the target: a prompt of {ours} tokens "
+                f"with {self.prompts.source} is {served} tokens there, so its answers would answer other prompts "
+                "than the draft is trained on. Start the server with this template (SGLang's and vLLM's "
+                "--chat-template FILE, as target.chat_template names it) and the same model, or name the server's model "
+                "(data.regenerate.model); the answers of servers that matched are kept, run again to go on "
+                "(data.regenerate.check_template=false skips this check)")
         raise self._mismatch
 
 
