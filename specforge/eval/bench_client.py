@@ -34,6 +34,7 @@ from specforge.errors import InputError, InvalidInput
 from specforge.eval.scenarios import Scenario
 from specforge.launch.process import api_key_from_env, auth_headers, url_problem
 from specforge.run_layout import RunLayout
+from specforge.utils.io import write_json
 
 BACKENDS = ("sglang", "openai")
 
@@ -557,6 +558,5 @@ def bench(args) -> dict:
             v = eagle.metrics.get(name)
             print(f"{name:<28} {'-' if v is None else f'{v:.2f}'}")
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+        write_json(args.out, results)
     return results
