@@ -543,6 +543,10 @@ def check_config(cfg) -> None:
         if cfg.extract.dtype == "fp8":
             raise InvalidInput("extract.backend=online: fp8 is a storage format and nothing is stored online; "
                                "extract.dtype=bfloat16 (the rounding training would read from a store) or float32")
+    if "train" in cfg.stages:
+        from specforge.utils.metrics_log import check_wandb_login
+
+        check_wandb_login(cfg.logging)
     if "train" in cfg.stages and cfg.train.attention == "flex":
         import torch
 

@@ -309,6 +309,20 @@ def test_a_mistyped_path_with_the_demo_targets_fetch_is_refused_before_anything_
     assert not (weather_files / "models").exists() and not (weather_files / "outputs").exists()
 
 
+def test_wandb_syncing_without_a_key_is_refused_before_the_first_stage(weather_files, tiny_target_dir, monkeypatch):
+    """wandb.init would fail (or wait for a prompt) as training starts, after data and extraction."""
+    monkeypatch.setenv("HOME", str(weather_files / "home"))  # no ~/.netrc, no wandb settings
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "NETRC", "WANDB_IDENTITY_TOKEN_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    cfg = compose_cfg(weather_files, tiny_target_dir, "logging.wandb=true", "logging.wandb_mode=online",
+                      "check_only=true")
+    with pytest.raises(InvalidInput, match="logging.wandb=true, wandb_mode=online: wandb finds no API key here"):
+        run_pipeline(cfg)
+    assert run_pipeline(compose_cfg(weather_files, tiny_target_dir, "logging.wandb=true", "check_only=true"))  # offline
+    monkeypatch.setenv("WANDB_API_KEY", "0" * 40)  # as on a node logged in
+    assert run_pipeline(cfg)["check_only"]["train"] == "would run: not run yet"
+
+
 @pytest.mark.parametrize("setting", ["eval.url=127.0.0.1:30000", "eval.baseline_url=localhost",
                                      "extract.aux_url=127.0.0.1:30001", "extract.final_url=ftp://host"])
 def test_a_server_url_that_is_not_one_is_refused_before_the_data_stage(weather_files, tiny_target_dir, setting):

@@ -6,6 +6,31 @@ import os
 from pathlib import Path
 
 
+SYNCING_MODES = ("online", "shared")  # wandb modes that send to a server, and need a key for it
+
+
+def check_wandb_login(logging_cfg) -> None:
+    """logging.wandb in a mode that syncs needs credentials, found as wandb finds them
+    (WANDB_API_KEY, a settings file, ~/.netrc from `wandb login`); without them wandb.init fails
+    as training starts, after the stages before it ran. Asked of wandb itself, without a prompt or
+    a network call."""
+    from specforge.errors import InvalidInput
+
+    mode = os.environ.get("WANDB_MODE", logging_cfg.wandb_mode)  # as MetricsLogger sets it
+    if not logging_cfg.wandb or mode not in SYNCING_MODES:
+        return
+    import wandb
+
+    try:
+        found = wandb.login(verify=False, prompt=False)
+    except TypeError:  # a wandb without `prompt`: it would ask; nothing to check here
+        return
+    if not found:
+        raise InvalidInput(f"logging.wandb=true, wandb_mode={mode}: wandb finds no API key here (WANDB_API_KEY, or "
+                           "`wandb login`), so training would fail as it starts; log in, or set "
+                           "logging.wandb_mode=offline and `wandb sync` the run's wandb/ folder later")
+
+
 class MetricsLogger:
     def __init__(self, path: str | Path, logging_cfg=None, run_name: str = "", config: dict | None = None,
                  enabled: bool = True, fresh: bool = True, run_id: str | None = None):
