@@ -40,8 +40,9 @@ class Stage:
     name: str
     # exposes run(cfg, run_dir, fingerprint) -> dict (train keeps its fingerprint in its training states,
     # so that only the same run resumes them) and optionally extra_inputs(cfg) -> dict, check(cfg)
-    # (refusals before the first stage) and damaged(cfg, run_dir, summary) -> str | None (what of a
-    # finished stage's outputs is gone or broken: cheap checks, no model)
+    # (refusals before the first stage), damaged(cfg, run_dir, summary) -> str | None (what of a
+    # finished stage's outputs is gone or broken: cheap checks, no model) and preflight(cfg, run_dir)
+    # -> str | None (check_only: the checks of its inputs it makes as it starts, where they are final)
     module: str
     config_keys: tuple[str, ...]
     depends: tuple[str, ...]
@@ -135,7 +136,12 @@ def plan_stages(cfg) -> dict[str, str]:
     ("up to date" or why it would run), printed; nothing is written or run."""
     run_dir, planned, plan = run_dir_of(cfg), {}, {}
     for name in [s for s in STAGES if s in cfg.stages]:
-        decision, planned[name], _, why = _decide(cfg, STAGES[name], run_dir, planned)
+        stage = STAGES[name]
+        decision, planned[name], _, why = _decide(cfg, stage, run_dir, planned)
+        inputs_final = all(plan.get(dep, "up to date") == "up to date" for dep in stage.depends)
+        if decision == "run" and inputs_final and (preflight := stage.entry("preflight")) is not None:
+            line = preflight(cfg, run_dir)  # what the stage checks on its inputs as it starts, e.g. the disk
+            why += f"; {line}" if line else ""
         plan[name] = why if decision == "skip" else f"would run: {why}"
     if os.environ.get("RANK", "0") == "0":
         for name, what in plan.items():

@@ -97,6 +97,9 @@ def test_pipeline_end_to_end_then_skips_then_reruns_only_what_changed(weather_fi
                     "train": "would run: its settings or inputs (or an earlier stage's) changed since it ran"}
     assert "[pipeline] check_only: train: would run" in capsys.readouterr().out
     assert markers == {name: (run_dir / f".stage_{name}.json").read_bytes() for name in markers}
+    plan = run_pipeline(compose_cfg(tmp_path, tiny_target_dir, "extract.dtype=float32", "check_only=true"))["check_only"]
+    assert plan["data"] == "up to date" and "; the stores take ~" in plan["extract"]  # the disk, on the final samples
+    assert "tokens at extract.dtype=float32)" in plan["extract"] and " GB free in " in plan["extract"]
     run_pipeline(compose_cfg(tmp_path, tiny_target_dir, "train.lr=5e-4"))
     out = capsys.readouterr().out
     assert "data: up to date" in out and "extract: up to date" in out and "train: running" in out

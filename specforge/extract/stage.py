@@ -317,6 +317,21 @@ def config_meta(cfg) -> tuple[dict, object]:
     return store_meta(cfg, model_config, target_path), model_config
 
 
+def preflight(cfg, run_dir) -> str | None:
+    """check_only=true, with the data stage's samples final: the disk check on them (its line, or
+    refused), where the target's config is here already (nothing is fetched). None: nothing to say."""
+    from specforge.targets.loader import local_target_config
+
+    layout = RunLayout(Path(run_dir))
+    if cfg.extract.backend == "online" or not cfg.extract.disk_check or not layout.samples("train").exists() \
+            or local_target_config(cfg.target) is None:
+        return None
+    meta, model_config = config_meta(cfg)
+    rows = {split: split_rows(layout.samples(split), split, meta["vocab_size"])
+            for split in SPLITS if layout.samples(split).exists()}
+    return disk_check(cfg, layout, rows, meta, model_config)
+
+
 def disk_check(cfg, layout: RunLayout, rows: dict, meta: dict, model_config) -> str:
     """specforge/extract/disk.py's check of the stores `rows` make, before the target runs."""
     from specforge.extract.disk import check_disk_space, free_bytes, store_bytes
