@@ -323,3 +323,37 @@ def test_an_interrupted_planner_keeps_the_checkpoints_it_planned(planner_run, ti
     again = read_json(out / "planner.json")["rows"]
     assert [(r["epoch"], bool(r.get("resumed"))) for r in again] == [(1, False)] * 5 + [(2, True)] * 5
     assert [r["checkpoint"] for r in again] == [str(moved / "epoch_1")] * 5 + [str(moved / "epoch_2")] * 5
+
+
+def test_an_interrupted_confirmation_keeps_the_trees_it_measured(planner_run, threads, tmp_path, capsys):
+    """eval.planner_confirm=2, a Ctrl-C once the first confirmed tree is kept: the next run keeps
+    the planned checkpoint and that tree, and measures the second only."""
+    from specforge.eval.planner_eval import eval_with_planner
+    from specforge.eval.resume import Partial
+    from specforge.eval.stage import PARTIAL_NAME, PLANNER_PARTIAL_NAME
+
+    run_cfg = load_run_config(planner_run)
+    cfg = planner_cfg(planner_run, "planner_chains=0", "planner_confirm=2", "epochs=[1]")
+    out = tmp_path / "out"
+
+    class CtrlCAfterOne(Partial):
+        def save(self, record):
+            super().save(record)
+            if record["configs"]:
+                raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        eval_with_planner(run_cfg, [planner_run / "epoch_1"], cfg, out / "cost_model.json",
+                          Partial(out / PLANNER_PARTIAL_NAME, "planned"), CtrlCAfterOne(out / PARTIAL_NAME, "confirmed"))
+    (first,) = read_json(out / PARTIAL_NAME)["configs"]
+
+    run_evaluation(run_cfg, planner_run, cfg, out)
+    said = capsys.readouterr().out
+    assert "[eval] epoch_1: planned by an earlier run of this planner that stopped, kept" in said
+    assert f"[eval] 1 of 2 configurations measured by an earlier run of this evaluation that stopped, kept: " \
+           f"epoch_1 {first['tree']}" in said
+    confirmed = read_json(out / "results.json")["configs"]
+    assert [(c["tree"], c.get("resumed")) for c in confirmed][0] == (first["tree"], True)
+    assert confirmed[1].get("resumed") is None and confirmed[0]["accept_length"] == first["accept_length"]
+    assert [c["tree"] for c in read_json(out / "planner.json")["confirmed"]] == [c["tree"] for c in confirmed]
+    assert not (out / PARTIAL_NAME).exists() and not (out / PLANNER_PARTIAL_NAME).exists()

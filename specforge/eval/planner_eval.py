@@ -142,11 +142,13 @@ def plan_epochs(run_cfg, ckpts: list[Path], eval_cfg, cost_path: Path, on_progre
                         "planner": sum(plan_s.values()) + (cost.measure_s if measured else 0.0)}}
 
 
-def confirm(run_cfg, ckpt: str | Path, eval_cfg, trees: list[str]) -> dict:
-    """The engine's evaluation of `trees` on one checkpoint (eval_with_engine, eval_cfg's prompts)."""
+def confirm(run_cfg, ckpt: str | Path, eval_cfg, trees: list[str], partial=None) -> dict:
+    """The engine's evaluation of `trees` on one checkpoint (eval_with_engine, eval_cfg's prompts);
+    `partial` (resume.Partial): its configurations kept as they finish, and taken from a run that stopped."""
     from omegaconf import OmegaConf
 
-    return eval_with_engine(run_cfg, [Path(ckpt)], OmegaConf.merge(eval_cfg, {"trees": list(trees)}))
+    return eval_with_engine(run_cfg, [Path(ckpt)], OmegaConf.merge(eval_cfg, {"trees": list(trees)}),
+                            on_progress=partial.save if partial else None, earlier=partial.earlier if partial else None)
 
 
 def compare(rows: list[dict], results: dict) -> list[dict]:
@@ -182,11 +184,13 @@ def _rows(config: dict, specs: list[TreeSpec], chains: list[TreeSpec], plans: di
     return rows
 
 
-def eval_with_planner(run_cfg, ckpts: list[Path], eval_cfg, cost_path: Path, on_progress=None,
-                      earlier: dict | None = None) -> tuple[dict, dict | None]:
-    """(planner results, the confirmation's engine results or None); `on_progress`, `earlier`: the
-    planner's (plan_epochs)."""
-    planner = plan_epochs(run_cfg, ckpts, eval_cfg, cost_path, on_progress, earlier)
+def eval_with_planner(run_cfg, ckpts: list[Path], eval_cfg, cost_path: Path, planner_partial=None,
+                      confirm_partial=None) -> tuple[dict, dict | None]:
+    """(planner results, the confirmation's engine results or None). The partials (resume.Partial),
+    where given, keep the planned checkpoints and the confirmed configurations as they finish, and
+    bring back those of a run that stopped."""
+    planner = plan_epochs(run_cfg, ckpts, eval_cfg, cost_path, planner_partial.save if planner_partial else None,
+                          planner_partial.earlier if planner_partial else None)
     k = int(eval_cfg.planner_confirm)
     if k <= 0:
         return planner, None
@@ -194,7 +198,7 @@ def eval_with_planner(run_cfg, ckpts: list[Path], eval_cfg, cost_path: Path, on_
     top = sorted((r for r in planner["rows"] if r["checkpoint"] == best["checkpoint"]),
                  key=lambda r: -r["predicted_speedup"] if not math.isnan(r["predicted_speedup"]) else math.inf)[:k]
     t0 = time.perf_counter()
-    results = confirm(run_cfg, best["checkpoint"], eval_cfg, [r["tree"] for r in top])
+    results = confirm(run_cfg, best["checkpoint"], eval_cfg, [r["tree"] for r in top], confirm_partial)
     planner["seconds"]["confirm"] = time.perf_counter() - t0
     planner["confirmed"] = compare(planner["rows"], results)
     return planner, results

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from specforge.targets.loader import resolve_target_path, target_fingerprint
-from specforge.utils.io import fingerprint, read_json
+from specforge.utils.io import fingerprint, read_json, write_json
 
 KEY = "resume_key"
 
@@ -64,3 +64,22 @@ def rows(saved: dict | None, name: str) -> list[dict]:
     """The rows (dicts) of `saved[name]`; nothing for a file someone else wrote there."""
     found = (saved or {}).get(name)
     return [r for r in found if isinstance(r, dict)] if isinstance(found, list) else []
+
+
+class Partial:
+    """A partial results file: what a run that stopped left there (`earlier`, read once), rewritten
+    as work finishes (`save`, atomic), removed when the work ended (`remove`)."""
+
+    def __init__(self, path: str | Path, what: str) -> None:
+        self.path, self.what = Path(path), what
+        self.earlier = read_partial(self.path)
+
+    def save(self, record: dict) -> None:
+        write_json(self.path, record)
+
+    def say_kept(self) -> None:
+        if self.path.exists():
+            print(f"[eval] failed; {self.what} finished so far are kept in {self.path}", flush=True)
+
+    def remove(self) -> None:
+        self.path.unlink(missing_ok=True)

@@ -87,7 +87,7 @@ def output_lock(out_dir: Path):
 def _evaluate(run_cfg, run_dir: Path, ckpts: list[Path], eval_cfg, out_dir: str | Path | None) -> dict:
     from specforge.eval.report import best_config, write_results
     from specforge.eval.engine_eval import eval_with_engine
-    from specforge.eval.resume import read_partial
+    from specforge.eval.resume import Partial
     from specforge.run_layout import RunLayout
     from specforge.run_report import write_run_report
 
@@ -105,16 +105,14 @@ def _evaluate(run_cfg, run_dir: Path, ckpts: list[Path], eval_cfg, out_dir: str 
         layout.eval_choice.unlink(missing_ok=True)  # an older evaluation's, engine or planner
     if getattr(eval_cfg, "planner", False):
         return run_planner(run_cfg, run_dir, ckpts, eval_cfg, out_dir)
-    partial = out_dir / PARTIAL_NAME
+    partial = Partial(out_dir / PARTIAL_NAME, "the configurations")
     try:
-        results = eval_with_engine(run_cfg, ckpts, eval_cfg, on_progress=lambda r: write_json(partial, r),
-                                   earlier=read_partial(partial))
+        results = eval_with_engine(run_cfg, ckpts, eval_cfg, on_progress=partial.save, earlier=partial.earlier)
     except BaseException:
-        if partial.exists():
-            print(f"[eval] failed; the configurations finished so far are kept in {partial}", flush=True)
+        partial.say_kept()
         raise
     report = write_results(results, out_dir)
-    partial.unlink(missing_ok=True)
+    partial.remove()
     best = best_config(results)
     if out_dir == eval_dir:
         if best:
@@ -131,22 +129,23 @@ def run_planner(run_cfg, run_dir: Path, ckpts: list[Path], eval_cfg, out_dir: Pa
     kept with the run (reused while target, dtype, device and threads stay the same)."""
     from specforge.eval.planner_eval import eval_with_planner
     from specforge.eval.report import write_planner
-    from specforge.eval.resume import read_partial
+    from specforge.eval.resume import Partial
     from specforge.run_layout import RunLayout
     from specforge.run_report import write_run_report
 
     layout = RunLayout(run_dir)
     cost_path = layout.cost_model if out_dir == layout.eval_dir else out_dir / layout.cost_model.name
-    partial = out_dir / PLANNER_PARTIAL_NAME
+    partials = (Partial(out_dir / PLANNER_PARTIAL_NAME, "the checkpoints planned"),
+                Partial(out_dir / PARTIAL_NAME, "the confirmed configurations"))
     try:
-        planner, results = eval_with_planner(run_cfg, ckpts, eval_cfg, cost_path,
-                                             on_progress=lambda r: write_json(partial, r), earlier=read_partial(partial))
+        planner, results = eval_with_planner(run_cfg, ckpts, eval_cfg, cost_path, *partials)
     except BaseException:
-        if partial.exists():
-            print(f"[eval] failed; the checkpoints planned so far are kept in {partial}", flush=True)
+        for partial in partials:
+            partial.say_kept()
         raise
     report = write_planner(planner, out_dir, results)
-    partial.unlink(missing_ok=True)
+    for partial in partials:
+        partial.remove()
     best = planner["recommended"]
     if out_dir == layout.eval_dir:
         record_choice(layout, best, planner["rows"], "predicted_speedup")
