@@ -88,8 +88,6 @@ class BenchResult:
         return d
 
     def save(self, path) -> Path:
-        from specforge.utils.io import write_json
-
         write_json(path, self.to_dict())  # atomically: an evaluation resumed after a crash reads it
         return Path(path)
 
