@@ -34,7 +34,7 @@ from specforge.eval.prompts import load_suites
 from specforge.eval.resume import KEY as RESUME_KEY
 from specforge.run_layout import RunLayout, epoch_of
 from specforge.targets.loader import (compute_dtype, dtype_name as dtype_name_of, load_target, load_tokenizer,
-                                      resolve_target_path, torch_dtype)
+                                      resolve_target_path, target_fingerprint, torch_dtype)
 from specforge.targets.vl import is_vl, load_image_processor, vl_info
 from specforge.utils.io import file_fingerprint
 from specforge.utils.progress import progress_bar
@@ -275,7 +275,8 @@ KEYED_SETTINGS = ("max_new_tokens", "temperature", "seed", "exact_ancestor_atten
 def _earlier_configs(run_cfg, eval_cfg, prompts, dtype_name, device, ckpts, trees, earlier):
     """({(checkpoint, tree): key}, {key: (row, suite rows)} of `earlier` measured under a key of
     this run)."""
-    common = resume.settings(run_cfg, eval_cfg, prompts, dtype_name, device, KEYED_SETTINGS)
+    target = target_fingerprint(resolve_target_path(run_cfg.target))
+    common = resume.settings(target, eval_cfg, prompts, dtype_name, device, KEYED_SETTINGS)
     keys = {}
     for ckpt in ckpts:
         ckpt_id = file_fingerprint(ckpt)

@@ -98,7 +98,7 @@ def plan_epochs(run_cfg, ckpts: list[Path], eval_cfg, cost_path: Path, on_progre
     eos, exact = tokenizer.eos_token_id, eval_cfg.exact_ancestor_attention
     prefix = prefix_length(prompts, eval_cfg.max_new_tokens)
     fingerprint = target_fingerprint(resolve_target_path(run_cfg.target))
-    common = resume.settings(run_cfg, eval_cfg, prompts, dtype_name, device, KEYED_SETTINGS)
+    common = resume.settings(fingerprint, eval_cfg, prompts, dtype_name, device, KEYED_SETTINGS)
     earlier = earlier or {}
     earlier_s = earlier.get("plan_s") if isinstance(earlier.get("plan_s"), dict) else {}
     rows, cost, measured, plan_s, resumed = [], None, False, {}, 0

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import torch
 
-from specforge.targets.loader import resolve_target_path, target_fingerprint
 from specforge.utils.io import fingerprint, read_json, write_json
 
 KEY = "resume_key"
@@ -32,10 +31,10 @@ def prompts_digest(prompts: list[dict]) -> str:
     return h.hexdigest()[:16]
 
 
-def settings(run_cfg, eval_cfg, prompts: list[dict], dtype_name: str, device: str, names: tuple[str, ...]) -> dict:
-    """The part of every key that does not depend on the configuration: `names` are the eval
-    settings the figures depend on."""
-    return {"target": target_fingerprint(resolve_target_path(run_cfg.target)), "prompts": prompts_digest(prompts),
+def settings(target: str, eval_cfg, prompts: list[dict], dtype_name: str, device: str, names: tuple[str, ...]) -> dict:
+    """The part of every key that does not depend on the configuration: `target` is the target's
+    fingerprint (loader.target_fingerprint), `names` the eval settings the figures depend on."""
+    return {"target": target, "prompts": prompts_digest(prompts),
             "eval": {name: getattr(eval_cfg, name, None) for name in names}, "dtype": dtype_name,
             "device": device, "threads": torch.get_num_threads(), "torch": torch.__version__}
 
