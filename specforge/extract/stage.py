@@ -323,13 +323,22 @@ def preflight(cfg, run_dir) -> str | None:
     from specforge.targets.loader import local_target_config
 
     layout = RunLayout(Path(run_dir))
-    if cfg.extract.backend == "online" or not cfg.extract.disk_check or not layout.samples("train").exists() \
+    splits = sample_files(layout)
+    if cfg.extract.backend == "online" or not cfg.extract.disk_check or "train" not in splits \
             or local_target_config(cfg.target) is None:
         return None
     meta, model_config = config_meta(cfg)
-    rows = {split: split_rows(layout.samples(split), split, meta["vocab_size"])
-            for split in SPLITS if layout.samples(split).exists()}
-    return disk_check(cfg, layout, rows, meta, model_config)
+    return disk_check(cfg, layout, read_rows(splits, meta), meta, model_config)
+
+
+def sample_files(layout: RunLayout) -> dict[str, Path]:
+    """{split: the data stage's samples file}, for the splits that have one."""
+    return {split: layout.samples(split) for split in SPLITS if layout.samples(split).exists()}
+
+
+def read_rows(splits: dict[str, Path], meta: dict) -> dict[str, list[dict]]:
+    """Every split's rows, checked against the target's vocab (split_rows)."""
+    return {split: split_rows(path, split, meta["vocab_size"]) for split, path in splits.items()}
 
 
 def disk_check(cfg, layout: RunLayout, rows: dict, meta: dict, model_config) -> str:
@@ -413,18 +422,13 @@ def run(cfg, run_dir, fingerprint: str | None = None) -> dict:
 
     run_dir = Path(run_dir)
     layout = RunLayout(run_dir)
-    splits = {}
-    for split in SPLITS:
-        path = layout.samples(split)
-        if not path.exists():
-            if split == "train":
-                raise MissingInput(f"{path}: not found; run the data stage first")
-            continue
-        splits[split] = path
+    splits = sample_files(layout)
+    if "train" not in splits:
+        raise MissingInput(f"{layout.samples('train')}: not found; run the data stage first")
 
     env = dist.current()  # several processes: each extracts its share (extract_split_sharded)
     meta, model_config = config_meta(cfg)
-    rows = {split: split_rows(path, split, meta["vocab_size"]) for split, path in splits.items()}
+    rows = read_rows(splits, meta)
     if cfg.extract.backend == "online":
         return check_online(run_dir, rows, meta, env)
     if cfg.extract.disk_check:  # every rank: each refuses alike on a shared filesystem, or checks its own
