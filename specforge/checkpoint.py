@@ -99,9 +99,9 @@ def validate_config(d: dict, where: str = CONFIG_NAME) -> Eagle3Config:
         fail("eagle_config.use_aux_hidden_state must be true")
     try:
         check_eagle31_options(d)
+        return Eagle3Config.from_json_dict(d)  # its own checks: attention heads, M-RoPE sections
     except ValueError as e:
         fail(str(e))
-    return Eagle3Config.from_json_dict(d)
 
 
 def validate_tensors(cfg: Eagle3Config, shapes: dict[str, tuple], where: str = WEIGHTS_NAME) -> None:

@@ -42,12 +42,15 @@ class Stage:
     # so that only the same run resumes them) and optionally extra_inputs(cfg) -> dict, check(cfg)
     # (refusals before the first stage), damaged(cfg, run_dir, summary) -> str | None (what of a
     # finished stage's outputs is gone or broken: cheap checks, no model) and preflight(cfg, run_dir)
-    # -> str | None (check_only: the checks of its inputs it makes as it starts, where they are final)
+    # -> str | None (its checks of the outputs of `preflight_reads`, asked as soon as those are final:
+    # in a run before the next stage spends anything, e.g. training's batch against the data stage's
+    # samples before extraction; with check_only, also a stage's own disk check)
     module: str
     config_keys: tuple[str, ...]
     depends: tuple[str, ...]
     ranks: str = "main"  # main: rank 0 runs it, the others wait | all: every rank runs it
     ignore: tuple[str, ...] = ()  # keys under config_keys that do not change what the stage computes
+    preflight_reads: tuple[str, ...] = ()  # the stages whose outputs its preflight reads
 
     def entry(self, attr: str) -> Callable | None:
         return getattr(importlib.import_module(self.module), attr, None)
@@ -59,11 +62,12 @@ STAGES: dict[str, Stage] = {
         Stage("data", "specforge.data.stage", ("target", "data", "draft.draft_vocab_size"), (),
               ignore=("data.regenerate.check_template",)),
         Stage("extract", "specforge.extract.stage", ("target", "extract"), ("data",), ranks="all",
-              ignore=("extract.disk_check",)),
+              ignore=("extract.disk_check",), preflight_reads=("data",)),
         Stage("train", "specforge.train.stage", ("target", "draft", "train", "seed"), ("data", "extract"),
               ranks="all", ignore=("train.resume", "train.save_state_every", "train.num_threads",
                                    "train.strategy", "train.zero_stage", "train.memory_probe",
-                                   "train.keep_epoch_states", "draft.min_vocab_coverage")),
+                                   "train.keep_epoch_states", "draft.min_vocab_coverage"),
+              preflight_reads=("data",)),
         Stage("eval", "specforge.eval.stage", ("eval",), ("train",)),
     ]
 }
@@ -138,9 +142,9 @@ def plan_stages(cfg) -> dict[str, str]:
     for name in [s for s in STAGES if s in cfg.stages]:
         stage = STAGES[name]
         decision, planned[name], _, why = _decide(cfg, stage, run_dir, planned)
-        inputs_final = all(plan.get(dep, "up to date") == "up to date" for dep in stage.depends)
+        inputs_final = all(plan.get(dep, "up to date") == "up to date" for dep in stage.preflight_reads)
         if decision == "run" and inputs_final and (preflight := stage.entry("preflight")) is not None:
-            line = preflight(cfg, run_dir)  # what the stage checks on its inputs as it starts, e.g. the disk
+            line = preflight(cfg, run_dir)  # what the stage checks on its inputs, e.g. the disk
             why += f"; {line}" if line else ""
         plan[name] = why if decision == "skip" else f"would run: {why}"
     if os.environ.get("RANK", "0") == "0":
@@ -206,7 +210,7 @@ def _stages_in(cfg, env, run_dir: Path) -> dict[str, dict]:
         write_text(RunLayout(run_dir).config, OmegaConf.to_yaml(cfg, resolve=True))
     if env.distributed:
         _check_shared_run_dir(run_dir)
-    summaries = {}
+    summaries, preflighted = {}, set()
     for name in [s for s in STAGES if s in cfg.stages]:
         stage = STAGES[name]
         decision, fp, summary, why = dist.run_on_main(_decide, cfg, stage, run_dir, what=f"stage '{name}'")
@@ -217,6 +221,7 @@ def _stages_in(cfg, env, run_dir: Path) -> dict[str, dict]:
                 print(f"[pipeline] {name}: up to date (fingerprint {fp}), skipped", flush=True)
             summaries[name] = summary
             continue
+        _preflight_later(cfg, run_dir, name, final=lambda s: s in summaries or s not in cfg.stages, done=preflighted)
         if env.is_main:
             print(f"[pipeline] {name}: running" + (f" on {env.world_size} processes" if env.distributed
                                                   and stage.ranks == "all" else ""), flush=True)
@@ -234,3 +239,18 @@ def _stages_in(cfg, env, run_dir: Path) -> dict[str, dict]:
         dist.barrier()
         summaries[name] = summary
     return summaries
+
+
+def _preflight_later(cfg, run_dir: Path, name: str, final: Callable[[str], bool], done: set[str]) -> None:
+    """Before stage `name` runs: the preflight of each later stage whose inputs are `final` now,
+    once per run (training's refusal of a batch the samples cannot give comes before extraction)."""
+    order = [s for s in STAGES if s in cfg.stages]
+    for later in order[order.index(name) + 1:]:
+        stage = STAGES[later]
+        if later in done or not all(final(dep) for dep in stage.preflight_reads):
+            continue
+        done.add(later)
+        if (preflight := stage.entry("preflight")) is not None:
+            line = dist.run_on_main(preflight, cfg, run_dir, what=f"the {later} stage's checks")
+            if line and dist.current().is_main:
+                print(f"[pipeline] {later}: {line}", flush=True)

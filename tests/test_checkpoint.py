@@ -61,6 +61,9 @@ def edit_weights(ckpt, fn):
     ({"rope_theta": None, "rope_parameters": {"rope_theta": 1e6}}, "rope_theta must be a positive number"),
     # the ids as SGLang numbers them, copied to the key vLLM reads: vLLM would take each layer one early
     ({"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}, r"must be eagle_config's ids \+ 1 = \[1, 2, 3\]"),
+    # shapes a server and our engine cannot run, said naming the file instead of a shape error at the first step
+    ({"num_key_value_heads": 3}, r"config.json: num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
+    ({"head_dim": 7}, r"config.json: head_dim 7 is odd"),
 ])
 def test_bad_config_is_refused(ckpt, changes, message):
     edit_config(ckpt, **changes)

@@ -257,6 +257,13 @@ def test_empty_tree_list_is_refused_before_anything_runs(weather_files, tiny_tar
     (["stages=[]"], ["stages is empty: nothing to run"]),
     (["launch.nodes=0", "launch.dist_timeout_minutes=0"],
      ["launch.nodes: must be >= 1, got 0", "launch.dist_timeout_minutes: must be > 0, got 0.0"]),
+    # the draft's geometry: torch's shape errors at the first training step, after data and extract
+    (["draft.num_key_value_heads=3"], ["the draft's geometry (the target's, with the draft.* settings over it): "
+                                       "num_attention_heads 4 is not a multiple of num_key_value_heads 3"]),
+    (["draft.head_dim=15"], ["head_dim 15 is odd: RoPE rotates pairs of dimensions"]),
+    (["draft.hidden_size=32"], ["draft.hidden_size: the draft is 32 wide, the target 64: training embeds the draft's "
+                                "tokens with the target's embedding"]),
+    (["draft.max_position_embeddings=512"], ["draft.max_position_embeddings=512 is below data.max_length=1024"]),
 ])
 def test_settings_of_later_stages_that_cannot_work_are_refused_before_the_first_stage(
         weather_files, tiny_target_dir, overrides, refusals):
@@ -268,6 +275,27 @@ def test_settings_of_later_stages_that_cannot_work_are_refused_before_the_first_
     for refusal in refusals:
         assert refusal in str(refused.value)
     assert not (weather_files / "outputs").exists()  # not even the data stage ran
+
+
+def test_a_batch_the_samples_cannot_give_is_refused_before_the_extract_stage(weather_files, tiny_target_dir, capsys):
+    """train.batch_size above the sample count, or train.pack_tokens below the longest sample, can
+    only be known from the data stage's samples: refused as soon as they are final, not once the
+    target's hidden states are extracted. The data stage stays done: fixing the setting skips it."""
+    run_dir = weather_files / "outputs" / "smollm2_weather"
+    with pytest.raises(InvalidInput, match="train.batch_size=1000 is more than the 24 training samples"):
+        run_pipeline(compose_cfg(weather_files, tiny_target_dir, "train.batch_size=1000"))
+    assert (run_dir / ".stage_data.json").exists() and not (run_dir / "extract").exists()
+    longest = read_json(run_dir / ".stage_data.json")["summary"]["train"]["max_tokens"]
+    short = compose_cfg(weather_files, tiny_target_dir, f"train.pack_tokens={longest - 1}", "check_only=true")
+    with pytest.raises(InvalidInput, match=f"train.pack_tokens={longest - 1} is shorter than the longest of the 24 "
+                                           f"training samples \\({longest} tokens\\)"):
+        run_pipeline(short)  # check_only: the data stage's output is final, so training's check is asked
+    assert run_pipeline(compose_cfg(weather_files, tiny_target_dir, f"train.pack_tokens={longest}",
+                                    "check_only=true"))["check_only"]["data"] == "up to date"
+    capsys.readouterr()
+    run_pipeline(compose_cfg(weather_files, tiny_target_dir, "stages=[data,extract]", "train.batch_size=1000"))
+    out = capsys.readouterr().out  # training is not asked for: its batch is not checked
+    assert "data: up to date" in out and "extract: done" in out
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="flex trains where a GPU is")

@@ -104,6 +104,6 @@ def test_layer_init_identity_starts_as_the_highest_target_state():
     out, _, _ = draft.step(torch.randint(0, 50, (1, 5)), feat, torch.arange(5)[None])
     torch.testing.assert_close(out, draft.norm(feat) if draft.config.norm_output else feat)
     assert DraftConfig().layer_init == "random"
-    with pytest.raises(ValueError, match="layer_init=identity: the draft's hidden size 16 differs"):
+    with pytest.raises(ValueError, match="draft.hidden_size: the draft is 16 wide, the target 24"):
         build_draft(compose_cfg("draft.layer_init=identity", "draft.hidden_size=16", "draft.lm_head_init=random"),
                     tiny_target_config(), [0, 1, 2], tiny_vocab(), embed, head)

@@ -63,6 +63,11 @@ class Eagle3Config:
 
     def __post_init__(self):
         check_eagle31_options(self.eagle31_options)
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not a multiple of num_key_value_heads "
+                             f"{self.num_key_value_heads}: each key/value head serves an equal group of query heads")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim {self.head_dim} is odd: RoPE rotates pairs of dimensions")
         section = self.mrope_section
         if section is None:
             return

@@ -64,12 +64,42 @@ def autocast_for(precision: str, device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16)
 
 
+def fresh_draft_config(cfg, target_config, aux_layer_ids, draft_vocab_size: int) -> Eagle3Config:
+    """A fresh draft's geometry (the target's, with the draft.* settings over it), refused naming
+    the setting where this trainer cannot train it or a server would not serve the data's lengths.
+    The train stage's up-front check and build_draft both ask: a shape error at the first step
+    would come after the extract stage's hours."""
+    try:
+        draft_cfg = Eagle3Config.from_target(target_config, aux_layer_ids, cfg.draft, draft_vocab_size=draft_vocab_size)
+    except ValueError as e:
+        raise InvalidInput(f"the draft's geometry (the target's, with the draft.* settings over it): {e}") from None
+    check_trainable_width(draft_cfg, "draft.hidden_size")
+    if draft_cfg.max_position_embeddings < cfg.data.max_length:
+        raise InvalidInput(f"draft.max_position_embeddings={draft_cfg.max_position_embeddings} is below "
+                           f"data.max_length={cfg.data.max_length}: the checkpoint would declare fewer positions than "
+                           "its training samples hold, and servers read it as the longest sequence the draft serves "
+                           "(docs/contract.md §1); raise it or leave it unset (the target's)")
+    return draft_cfg
+
+
+def check_trainable_width(draft_cfg: Eagle3Config, what: str) -> None:
+    """Training embeds the draft's tokens with the target's embedding, frozen (docs/contract.md §1),
+    so the draft must be as wide as the target."""
+    if draft_cfg.hidden_size != draft_cfg.target_hidden_size:
+        raise InvalidInput(f"{what}: the draft is {draft_cfg.hidden_size} wide, the target "
+                           f"{draft_cfg.target_hidden_size}: training embeds the draft's tokens with the target's "
+                           "embedding, frozen, as SGLang and vLLM serve it in the draft's place (docs/contract.md §1); "
+                           "a draft of another width would need an embedding of its own, which this trainer does "
+                           "not train. Leave draft.hidden_size unset (the target's)")
+
+
 def check_init_from(cfg, ckpt_cfg: Eagle3Config, aux_layer_ids, target_config) -> None:
     """`draft.init_from` can go on training in this run: it fits the target, reads the layers the
     hidden states hold, and has the EAGLE 3.1 options asked for (a fine-tuned draft keeps its
     checkpoint's architecture). The train stage's up-front check and build_draft both ask."""
     where = cfg.draft.init_from
     check_fits_target(ckpt_cfg, target_config, where)
+    check_trainable_width(ckpt_cfg, f"draft.init_from: {where}")
     if ckpt_cfg.aux_layer_ids != list(aux_layer_ids):
         raise InvalidInput(f"draft.init_from: {where} reads layers {ckpt_cfg.aux_layer_ids}, the hidden states "
                            f"hold {list(aux_layer_ids)} (target.aux_layer_ids)")
@@ -93,8 +123,7 @@ def build_draft(cfg, target_config, aux_layer_ids, vocab: dict, embed: torch.Ten
         tensors.setdefault("embed_tokens.weight", embed)
         draft.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in tensors.items()})
     else:
-        draft_cfg = Eagle3Config.from_target(target_config, aux_layer_ids, cfg.draft,
-                                             draft_vocab_size=len(vocab["d2t"]))
+        draft_cfg = fresh_draft_config(cfg, target_config, aux_layer_ids, len(vocab["d2t"]))
         draft = Eagle3Draft(draft_cfg, attention=cfg.train.attention)
         draft.set_vocab_mapping(vocab["d2t"], vocab["t2d"])
         if str(cfg.draft.lm_head_init) == "target":
@@ -126,9 +155,7 @@ def init_layer_as_identity(draft: Eagle3Draft) -> None:
     reads the target's own head off a late layer's state (with lm_head_init=target, a logit lens)
     before anything is learnt. The other weights keep their random start and get gradients as soon
     as the output projections move."""
-    width, top = draft.config.hidden_size, draft.config.target_hidden_size
-    if width != top:
-        raise ValueError(f"draft.layer_init=identity: the draft's hidden size {width} differs from the target's {top}")
+    width, top = draft.config.hidden_size, draft.config.target_hidden_size  # equal (check_trainable_width)
     ids = draft.config.aux_layer_ids  # fc's input: the captured states in this order
     chunk = max(range(len(ids)), key=lambda i: ids[i])
     with torch.no_grad():
@@ -286,18 +313,18 @@ def optimizer_step(strategy, micro_batches: list[list[int]], samples: TeacherMem
     return strategy.step()
 
 
-def check_batch_shape(tc, lengths: list[int]) -> None:
+def check_batch_shape(tc, samples: int, longest: int) -> None:
     """A micro-batch the data cannot give: more samples than there are (every step would see all of
     them, not train.batch_size), or packed rows shorter than a sample (it would be a row of its own,
-    longer than train.pack_tokens says)."""
-    if not tc.pack_tokens and tc.batch_size > len(lengths):
-        raise InvalidInput(f"train.batch_size={tc.batch_size} is more than the {len(lengths)} training samples: every "
+    longer than train.pack_tokens says). `samples`: the training split's count, `longest`: its
+    longest sample's tokens (the data stage's summary has both, so the pipeline asks before extracting)."""
+    if not tc.pack_tokens and tc.batch_size > samples:
+        raise InvalidInput(f"train.batch_size={tc.batch_size} is more than the {samples} training samples: every "
                            f"step would be one micro-batch of all of them; lower train.batch_size")
-    longer = sum(n > tc.pack_tokens for n in lengths) if tc.pack_tokens else 0
-    if longer:
-        raise InvalidInput(f"train.pack_tokens={tc.pack_tokens} is shorter than {longer} of the {len(lengths)} training "
-                           f"samples (the longest: {max(lengths)} tokens); each would be a row of its own, longer than "
-                           f"that. Set train.pack_tokens >= {max(lengths)} (data.max_length bounds every sample)")
+    if tc.pack_tokens and longest > tc.pack_tokens:
+        raise InvalidInput(f"train.pack_tokens={tc.pack_tokens} is shorter than the longest of the {samples} training "
+                           f"samples ({longest} tokens), which would be a row of its own, longer than that. Set "
+                           f"train.pack_tokens >= {longest} (data.max_length bounds every sample)")
 
 
 def plateaued(epochs: list[dict], patience: int, min_delta: float) -> str | None:
@@ -364,7 +391,7 @@ def train(cfg, run_dir: Path, fingerprint: str) -> dict:
     # -- inputs: hidden states, vocab map, the target's embedding and head -------------------------
     train_store, eval_store = open_stores(cfg, layout, device)
     vocab = load_file(layout.vocab)
-    check_batch_shape(tc, train_store.lengths)
+    check_batch_shape(tc, len(train_store.lengths), max(train_store.lengths, default=0))
     # packed rows differ per epoch (and so may their number): every epoch takes as many steps as the
     # shortest; unpacked, every epoch has the same number of micro-batches
     epochs = range(1, tc.epochs + 1) if tc.pack_tokens else [1]

@@ -2,17 +2,34 @@
 from pathlib import Path
 
 from specforge.checkpoint import read_config
+from specforge.run_layout import RunLayout
 from specforge.targets.loader import aux_layer_ids, local_target_config
-from specforge.train.loop import check_init_from, train
+from specforge.train.loop import check_batch_shape, check_init_from, fresh_draft_config, train
+from specforge.utils.io import read_json
 
 
 def check(cfg) -> None:
-    """The pipeline's check before its first stage: a draft to fine-tune (draft.init_from) that
-    cannot go on in this run (another target, other layers or options) is refused now, not after
-    the data and extract stages."""
-    if not cfg.draft.init_from or (target_config := local_target_config(cfg.target)) is None:
-        return  # nothing to fine-tune, or a target still to fetch: build_draft checks it then
-    check_init_from(cfg, read_config(cfg.draft.init_from), aux_layer_ids(cfg.target, target_config), target_config)
+    """The pipeline's check before its first stage: a draft this run cannot train (a geometry the
+    target's embedding or the data's lengths do not fit; a draft.init_from of another target, other
+    layers or options) is refused now, not after the data and extract stages."""
+    if (target_config := local_target_config(cfg.target)) is None:
+        return  # a target still to fetch: preflight asks once the data stage has fetched it
+    ids = aux_layer_ids(cfg.target, target_config)
+    if cfg.draft.init_from:
+        check_init_from(cfg, read_config(cfg.draft.init_from), ids, target_config)
+    else:
+        fresh_draft_config(cfg, target_config, ids, cfg.draft.draft_vocab_size)
+
+
+def preflight(cfg, run_dir) -> None:
+    """The checks that need the data stage's output, run once it is final (before the extract
+    stage spends its hours; check_only too): `check` again (a fetched target is here now) and the
+    micro-batch against the training split's sample count and longest sample."""
+    check(cfg)
+    marker = RunLayout(Path(run_dir)).marker("data")
+    split = (read_json(marker).get("summary") or {}).get("train") or {} if marker.exists() else {}
+    if "samples" in split and "max_tokens" in split:  # a data stage of an older version may lack them
+        check_batch_shape(cfg.train, split["samples"], split["max_tokens"])
 
 
 def run(cfg, run_dir: Path, fingerprint: str) -> dict:
