@@ -22,10 +22,11 @@ sys.argv = quote_trees(sys.argv)  # T_K_N trees stay text (see cli_args)
 def main(cfg) -> None:
     from omegaconf import OmegaConf
 
-    from specforge.errors import InputError, InvalidInput, exit_refused
+    from specforge.errors import InputError, InvalidInput, exit_refused, plain_warnings
     from specforge.eval.engine_eval import find_checkpoints, load_run_config
     from specforge.eval.stage import check_eval, run_evaluation
 
+    plain_warnings("evaluate.py")
     try:
         if OmegaConf.is_missing(cfg, "ckpt"):
             raise InvalidInput("ckpt: missing; name a checkpoint or a run: python evaluate.py ckpt=outputs/<run>[/epoch_<k>]")

@@ -5,6 +5,7 @@ Also the entry of every process of a distributed run: `torchrun --nproc_per_node
 A run stopped by SIGTERM/SIGUSR1 saves a training state and exits with code 75; run the same
 command with train.resume=auto to continue it. A refused input (a setting, data file, checkpoint)
 prints `train.py: error: ...` and exits with code 2; a crash keeps its traceback (exit code 1).
+What runs but maybe not as meant prints one line, `train.py: warning: ...`.
 """
 import os
 import sys
@@ -26,9 +27,10 @@ sys.argv = quote_trees(sys.argv)  # T_K_N trees stay text (see cli_args)
 @hydra.main(version_base=None, config_path="conf", config_name="config")
 def main(cfg) -> None:
     from specforge.distributed.preemption import TrainingInterrupted
-    from specforge.errors import InputError, exit_refused
+    from specforge.errors import InputError, exit_refused, plain_warnings
     from specforge.pipeline import run_pipeline
 
+    plain_warnings("train.py")
     try:
         run_pipeline(cfg)
     except InputError as e:  # a setting, file or checkpoint refused: its message says which

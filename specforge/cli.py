@@ -11,8 +11,11 @@ from pathlib import Path
 
 def main(argv=None) -> None:
     from specforge.config import TARGET_KINDS
+    from specforge.errors import plain_warnings
     from specforge.eval import bench_client
     from specforge.serving import app
+
+    plain_warnings("specforge")
 
     parser = argparse.ArgumentParser(prog="specforge", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)

@@ -27,6 +27,7 @@ import torch
 
 from specforge.checkpoint import (CONFIG_NAME, WEIGHTS_NAME, check_fits_target, read_config_json, save_checkpoint,
                                   validate_config, validate_tensors, validate_vocab)
+from specforge.errors import SpecForgeWarning
 from specforge.models.draft import ARCHITECTURE, VLLM_IDS_KEY, Eagle3Draft
 from specforge.speculators_format import from_speculators, options_of
 from specforge.targets.loader import default_aux_layer_ids, deepstack_layers, sglang_adds_one, text_config
@@ -96,7 +97,7 @@ def _speculators_layout(config: dict, tensors: dict, where: Path) -> tuple[dict,
     if "sliding_attention" in (layer.get("layer_types") or []):  # kept in config.json: vLLM applies it
         warnings.warn(f"{where}: the draft attends within a sliding window of {layer.get('sliding_window')} tokens "
                       "(as speculators trained it and vLLM serves it); SGLang and our engine attend to the whole "
-                      "context, the same numbers on shorter ones", stacklevel=2)
+                      "context, the same numbers on shorter ones", category=SpecForgeWarning, stacklevel=2)
     ours = {**layer, **options, "architectures": [ARCHITECTURE], "model_type": "llama", "num_hidden_layers": 1,
             "draft_vocab_size": config.get("draft_vocab_size"), "tie_word_embeddings": False}
     if config.get("target_hidden_size") is not None:

@@ -24,6 +24,26 @@ class MissingInput(InputError, FileNotFoundError):
     """A file or directory the run was told to read is not there."""
 
 
+class SpecForgeWarning(UserWarning):
+    """A warning of ours: what the user gave runs, but maybe not as they meant. The command-line
+    entry points print it as one line (plain_warnings)."""
+
+
+def plain_warnings(prog: str) -> None:
+    """Print SpecForgeWarning as `prog: warning: message`, one line as a refusal is, without
+    Python's source file, line number and the `warnings.warn(` line; other warnings keep that."""
+    import warnings
+
+    python_format = warnings.formatwarning
+
+    def formatwarning(message, category, filename, lineno, line=None):
+        if issubclass(category, SpecForgeWarning):
+            return f"{prog}: warning: {message}\n"
+        return python_format(message, category, filename, lineno, line)
+
+    warnings.formatwarning = formatwarning
+
+
 def exit_refused(error: InputError, prog: str) -> None:
     """Print `error`'s message (on rank 0 of a distributed run: every rank refuses alike; a Slurm
     task's rank before the process group exports it) and exit."""

@@ -196,6 +196,12 @@ def test_a_run_of_another_version_is_evaluated_passing_over_what_this_one_lacks(
     assert (cfg.target.path, cfg.train.lr, list(cfg.eval.trees), cfg.train.memory_probe) == \
            ("/models/tiny", 3e-3, ["3_1_4"], True)
     assert cfg.output_dir == str(tmp_path) and cfg.run_name == "old"
+    # as evaluate.py prints it: one line, as a refusal is, not Python's file, line and source line
+    said = subprocess.run([sys.executable, "-c", "from specforge.errors import plain_warnings; "
+                           "from specforge.eval.engine_eval import load_run_config; "
+                           f"plain_warnings('evaluate.py'); load_run_config({str(run)!r})"],
+                          capture_output=True, text=True, check=True, cwd=Path(__file__).resolve().parents[1])
+    assert said.stderr == f"evaluate.py: warning: {message}\n"
 
 
 def test_the_prompts_digest_sees_tokens_and_image_bytes():

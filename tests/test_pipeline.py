@@ -292,6 +292,9 @@ def test_a_batch_the_samples_cannot_give_is_refused_before_the_extract_stage(wea
         run_pipeline(short)  # check_only: the data stage's output is final, so training's check is asked
     assert run_pipeline(compose_cfg(weather_files, tiny_target_dir, f"train.pack_tokens={longest}",
                                     "check_only=true"))["check_only"]["data"] == "up to date"
+    with pytest.raises(InvalidInput, match=r"train: 24 samples make 6 micro-batches of 4 samples, fewer than one "
+                                           r"optimizer step takes \(train.grad_accum=7 x 1 processes\)"):
+        run_pipeline(compose_cfg(weather_files, tiny_target_dir, "train.grad_accum=7"))
     capsys.readouterr()
     run_pipeline(compose_cfg(weather_files, tiny_target_dir, "stages=[data,extract]", "train.batch_size=1000"))
     out = capsys.readouterr().out  # training is not asked for: its batch is not checked

@@ -28,7 +28,7 @@ from specforge.checkpoint import load_draft
 from specforge.data.template import THINKING_SWITCH
 from specforge.engine.speculative import PHASES, GenerationStats, SpeculativeEngine
 from specforge.engine.tree_spec import TreeSpec
-from specforge.errors import InvalidInput, MissingInput
+from specforge.errors import InvalidInput, MissingInput, SpecForgeWarning
 from specforge.eval import resume
 from specforge.eval.prompts import load_suites
 from specforge.eval.resume import KEY as RESUME_KEY
@@ -75,7 +75,7 @@ def load_run_config(run_dir: str | Path):
     passed_over = merge_known(run_cfg, OmegaConf.to_container(OmegaConf.load(saved)))
     if passed_over:  # a run of an earlier version: what this one no longer has, or types otherwise
         warnings.warn(f"{saved}: written by another version of SpecForge; these settings are not this version's "
-                      f"and were passed over: {'; '.join(passed_over)}", stacklevel=2)
+                      f"and were passed over: {'; '.join(passed_over)}", category=SpecForgeWarning, stacklevel=2)
     run_cfg.output_dir, run_cfg.run_name = str(run_dir.parent), run_dir.name
     return run_cfg
 

@@ -27,7 +27,7 @@ from specforge.data.formats import THINK_START, DataError, read_raw_rows, to_con
 from specforge.data.sources import check_source, is_hub, is_table_source
 from specforge.data.template import THINKING_SWITCH, has_thinking_switch
 from specforge.data.vl_render import image_paths, prompt_with_images
-from specforge.errors import InvalidInput, MissingInput
+from specforge.errors import InvalidInput, MissingInput, SpecForgeWarning
 from specforge.utils.io import read_jsonl
 
 HELDOUT, HUMANEVAL = "heldout", "humaneval"
@@ -42,7 +42,8 @@ def thinking_kwargs(tokenizer, thinking: bool | None, conversations_file: str | 
     if not has_thinking_switch(tokenizer):
         if thinking is not None:  # asked for a mode the template cannot render: said, as regeneration says it
             warnings.warn(f"eval.thinking={str(thinking).lower()} but the chat template has no "
-                          f"{THINKING_SWITCH} switch; prompts rendered without it", stacklevel=2)
+                          f"{THINKING_SWITCH} switch; prompts rendered without it",
+                          category=SpecForgeWarning, stacklevel=2)
         return {}
     if thinking is None:
         path = Path(conversations_file) if conversations_file is not None else None

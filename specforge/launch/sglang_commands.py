@@ -20,7 +20,7 @@ from typing import Any, Mapping, Sequence
 from packaging.version import InvalidVersion, Version
 
 from specforge.engine.tree_spec import TreeSpec
-from specforge.errors import InputError
+from specforge.errors import InputError, SpecForgeWarning
 from specforge.targets.layers import check_aux_layer_ids
 
 # Canonical option name -> flag, as spelled by SGLang 0.5.20 (read from its server_args fields).
@@ -122,7 +122,7 @@ def flag_table(version: str | None = None) -> FlagTable:
             f"SGLang {version} is newer than the newest version whose flags were checked "
             f"({NEWEST_CHECKED}); using those spellings. If the server refuses a flag, see "
             "`python -m sglang.launch_server --help` and add a row to FLAG_TABLES.",
-            stacklevel=3,
+            category=SpecForgeWarning, stacklevel=3,
         )
     return [t for t in FLAG_TABLES if v.release[:3] >= Version(t.since).release][-1]
 

@@ -313,11 +313,13 @@ def optimizer_step(strategy, micro_batches: list[list[int]], samples: TeacherMem
     return strategy.step()
 
 
-def check_batch_shape(tc, samples: int, longest: int) -> None:
-    """A micro-batch the data cannot give: more samples than there are (every step would see all of
-    them, not train.batch_size), or packed rows shorter than a sample (it would be a row of its own,
-    longer than train.pack_tokens says). `samples`: the training split's count, `longest`: its
-    longest sample's tokens (the data stage's summary has both, so the pipeline asks before extracting)."""
+def check_batch_shape(tc, samples: int, longest: int, world_size: int, micro_batches: int | None = None) -> None:
+    """A batch the data cannot give: more samples than there are (every step would see all of
+    them, not train.batch_size), packed rows shorter than a sample (it would be a row of its own,
+    longer than train.pack_tokens says), or fewer micro-batches than one optimizer step takes.
+    `samples`: the training split's count, `longest`: its longest sample's tokens (the data stage's
+    summary has both, so the pipeline asks before extracting); `micro_batches`: an epoch's, where
+    known (packed rows: once packed)."""
     if not tc.pack_tokens and tc.batch_size > samples:
         raise InvalidInput(f"train.batch_size={tc.batch_size} is more than the {samples} training samples: every "
                            f"step would be one micro-batch of all of them; lower train.batch_size")
@@ -325,6 +327,13 @@ def check_batch_shape(tc, samples: int, longest: int) -> None:
         raise InvalidInput(f"train.pack_tokens={tc.pack_tokens} is shorter than the longest of the {samples} training "
                            f"samples ({longest} tokens), which would be a row of its own, longer than that. Set "
                            f"train.pack_tokens >= {longest} (data.max_length bounds every sample)")
+    if micro_batches is None and not tc.pack_tokens:
+        micro_batches = -(-samples // tc.batch_size)
+    if micro_batches is not None and steps_per_epoch(micro_batches, tc.grad_accum, world_size) == 0:
+        unit = f"rows of <= {tc.pack_tokens} tokens" if tc.pack_tokens else "samples"
+        raise InvalidInput(f"train: {samples} samples make {micro_batches} micro-batches of {tc.batch_size} {unit}, "
+                           f"fewer than one optimizer step takes (train.grad_accum={tc.grad_accum} x {world_size} "
+                           "processes); lower train.batch_size or train.grad_accum, or use fewer processes")
 
 
 def plateaued(epochs: list[dict], patience: int, min_delta: float) -> str | None:
@@ -391,19 +400,15 @@ def train(cfg, run_dir: Path, fingerprint: str) -> dict:
     # -- inputs: hidden states, vocab map, the target's embedding and head -------------------------
     train_store, eval_store = open_stores(cfg, layout, device)
     vocab = load_file(layout.vocab)
-    check_batch_shape(tc, len(train_store.lengths), max(train_store.lengths, default=0))
     # packed rows differ per epoch (and so may their number): every epoch takes as many steps as the
     # shortest; unpacked, every epoch has the same number of micro-batches
     epochs = range(1, tc.epochs + 1) if tc.pack_tokens else [1]
     micro_batches = min(len(global_batches(train_store.lengths, tc.batch_size, cfg.seed, epoch,
                                            pack_tokens=tc.pack_tokens)) for epoch in epochs)
+    check_batch_shape(tc, len(train_store.lengths), max(train_store.lengths, default=0), env.world_size, micro_batches)
     per_epoch = steps_per_epoch(micro_batches, tc.grad_accum, env.world_size)
     global_batch = tc.batch_size * tc.grad_accum * env.world_size
     unit = f"rows of <= {tc.pack_tokens} tokens" if tc.pack_tokens else "samples"
-    if per_epoch == 0:
-        raise ValueError(f"train: {len(train_store)} samples make {micro_batches} micro-batches of "
-                         f"{tc.batch_size} {unit}, fewer than one global batch of {tc.grad_accum * env.world_size}; "
-                         "lower train.batch_size or train.grad_accum, or use fewer processes")
 
     image_token_id = override_token(cfg, train_store)
     embed, teacher_weight, target_config = target_head(cfg)

@@ -1,6 +1,7 @@
 """Pipeline stage `train`: the EAGLE3 head from the extracted hidden states."""
 from pathlib import Path
 
+from specforge import distributed as dist
 from specforge.checkpoint import read_config
 from specforge.run_layout import RunLayout
 from specforge.targets.loader import aux_layer_ids, local_target_config
@@ -24,12 +25,13 @@ def check(cfg) -> None:
 def preflight(cfg, run_dir) -> None:
     """The checks that need the data stage's output, run once it is final (before the extract
     stage spends its hours; check_only too): `check` again (a fetched target is here now) and the
-    micro-batch against the training split's sample count and longest sample."""
+    batch against the training split's sample count and longest sample (and, unpacked, this run's
+    processes: check_only on a login node counts one)."""
     check(cfg)
     marker = RunLayout(Path(run_dir)).marker("data")
     split = (read_json(marker).get("summary") or {}).get("train") or {} if marker.exists() else {}
     if "samples" in split and "max_tokens" in split:  # a data stage of an older version may lack them
-        check_batch_shape(cfg.train, split["samples"], split["max_tokens"])
+        check_batch_shape(cfg.train, split["samples"], split["max_tokens"], dist.current().world_size)
 
 
 def run(cfg, run_dir: Path, fingerprint: str) -> dict:

@@ -27,7 +27,7 @@ from specforge.data.formats import REASONING_KEYS, tools_entry, with_reasoning
 from specforge.data.regen.prompt import PromptRenderer
 from specforge.data.regen.replay import Answer, RegenFailure, Replay
 from specforge.data.template import THINKING_SWITCH
-from specforge.errors import InvalidInput
+from specforge.errors import InvalidInput, SpecForgeWarning
 from specforge.utils.io import fingerprint
 
 RETRIES = 3  # after the first attempt; backoff 0.5 s, 1 s, 2 s
@@ -67,7 +67,8 @@ class OpenAIBackend:
         if self.model is None:
             raise ValueError(f"data.regenerate.model: not set and {self.urls[0]}/v1/models lists no model")
         if served and self.model not in served:
-            warnings.warn(f"data.regenerate.model={self.model!r} is not among the served models {served}", stacklevel=2)
+            warnings.warn(f"data.regenerate.model={self.model!r} is not among the served models {served}",
+                          category=SpecForgeWarning, stacklevel=2)
         self._turn = itertools.count()  # round-robin position (next() on a count is atomic in CPython)
         self.prompts = prompts
         self._renders_alike: set[str] = set()  # servers whose prompt tokens matched ours once
@@ -97,7 +98,8 @@ class OpenAIBackend:
         if not alive:
             raise ConnectionError("data.regenerate.urls: no OpenAI-compatible server answers at " + ", ".join(dead))
         for d in dead:
-            warnings.warn(f"data.regenerate.urls: {d} does not answer; using the others", stacklevel=3)
+            warnings.warn(f"data.regenerate.urls: {d} does not answer; using the others", category=SpecForgeWarning,
+                          stacklevel=3)
         return alive, served
 
     def run(self, replays: list[Replay], on_answer: Callable[[int], None] | None = None) -> Iterator[Replay]:

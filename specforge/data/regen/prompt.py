@@ -11,6 +11,7 @@ import jinja2
 from specforge.data.formats import tools_entry
 from specforge.data.regen.replay import RegenFailure
 from specforge.data.template import THINKING_SWITCH, has_thinking_switch
+from specforge.errors import SpecForgeWarning
 
 
 class PromptRenderer:
@@ -23,7 +24,8 @@ class PromptRenderer:
             self.kwargs[THINKING_SWITCH] = bool(thinking)
         elif thinking:
             warnings.warn(f"data.regenerate.thinking=true but the chat template of {source} has no "
-                          f"{THINKING_SWITCH} switch; rendering without it", stacklevel=3)
+                          f"{THINKING_SWITCH} switch; rendering without it", category=SpecForgeWarning,
+                          stacklevel=3)
 
     def ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         try:
