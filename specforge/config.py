@@ -353,7 +353,8 @@ class EvaluateConfig:
 # (the modules that act on them take these tuples from here).
 DATA_FORMATS = ("auto", "sharegpt", "messages", "conversations", "alpaca", "prompt_completion")  # data/formats.py
 TARGET_KINDS = ("causal_lm", "qwen3_vl", "qwen2_5_vl")  # specforge/targets/loader.py
-TARGET_DTYPES = ("bfloat16", "float16", "float32")  # specforge/targets/loader.py
+TARGET_DTYPES = ("bfloat16", "float16", "float32")  # specforge/targets/loader.py (and eval.dtype)
+OVERLENGTH = ("truncate", "drop")  # specforge/data/template.py
 OPTIMIZERS = ("adamw", "muon")  # specforge/distributed/optimizer.py
 STRATEGIES = ("single", "ddp", "fsdp", "deepspeed")  # specforge/distributed/strategy.py
 PRECISIONS = ("bf16", "fp32")  # specforge/train/loop.py
@@ -407,6 +408,7 @@ RANGES = {
         "data.train_files": (lambda v: len(v) > 0, "name at least one file"),
         "data.format": _one_of(DATA_FORMATS),
         "data.max_length": _at_least(2),
+        "data.overlength": _one_of(OVERLENGTH),
         "data.max_samples": _none_or(_at_least(1)),
         "data.max_chars_per_row": _none_or(_at_least(1)),
         "data.max_quarantined_share": _within(0.0, 1.0),
@@ -467,6 +469,7 @@ RANGES = {
     },
     "eval": {
         "eval.num_prompts": _at_least(1),
+        "eval.dtype": _none_or(_one_of(TARGET_DTYPES)),
         "eval.max_new_tokens": (lambda v: v >= 2, "be >= 2 (the first token comes from the prefill; drafts "
                                                   "speed up the ones after it)"),
         "eval.temperature": _at_least(0.0),

@@ -255,6 +255,10 @@ def test_empty_tree_list_is_refused_before_anything_runs(weather_files, tiny_tar
      ["data.train_files: must name at least one file, got []",
       "logging.wandb_mode: must be one of online, offline, shared, disabled, got 'bogus'"]),
     (["stages=[]"], ["stages is empty: nothing to run"]),
+    (["data.overlength=cut", "eval.dtype=fp16"],
+     ["data.overlength: must be one of truncate, drop, got 'cut'",
+      "eval.dtype: must be one of bfloat16, float16, float32 (or null), got 'fp16'"]),
+    (["eval.scenario=bogus"], ["eval.scenario: unknown scenario 'bogus'; known: ['chat', 'code', 'completion']"]),
     (["launch.nodes=0", "launch.dist_timeout_minutes=0"],
      ["launch.nodes: must be >= 1, got 0", "launch.dist_timeout_minutes: must be > 0, got 0.0"]),
     # the draft's geometry: torch's shape errors at the first training step, after data and extract

@@ -12,9 +12,8 @@ from typing import Iterator
 
 import jinja2
 
+from specforge.config import OVERLENGTH
 from specforge.data.formats import THINK_END, DataError, tools_entry
-
-OVERLENGTH = ("truncate", "drop")
 
 
 class TemplateError(DataError):

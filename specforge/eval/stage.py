@@ -48,6 +48,13 @@ def check_eval(eval_cfg) -> None:
 
         check_planner(eval_cfg)  # its grid, its engine, temperature 0
     check_suites(eval_cfg)  # an unknown suite, a missing file, suites for a server engine
+    if getattr(eval_cfg, "scenario", None) is not None:
+        from specforge.eval.scenarios import get_scenario
+
+        try:
+            get_scenario(eval_cfg.scenario)
+        except ValueError as e:
+            raise InvalidInput(f"eval.scenario: {e}") from None
     if str(eval_cfg.engine) == "server" and not eval_cfg.url:
         raise InvalidInput("eval.engine=server needs eval.url (the base URL of a running server)")
     if str(eval_cfg.engine) == "server":
