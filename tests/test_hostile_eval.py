@@ -128,6 +128,12 @@ def test_a_second_evaluation_writing_the_same_output_is_refused(run):
         assert nothing_written(run)
         summary = run_evaluation(load_run_config(run), run, eval_cfg(run, "epochs=[1]"), run / "elsewhere")
     assert summary["configs"] == 1 and (run / "elsewhere" / "results.json").exists()
+    # an out_dir where nothing can be written (even by root: /proc), before any model runs
+    from specforge.errors import InvalidInput
+
+    with pytest.raises(InvalidInput, match=r"^/proc/x \(an evaluation's output\): cannot write in /proc \(.+\); give "
+                                           r"this evaluation another out_dir=$"):
+        run_evaluation(load_run_config(run), run, eval_cfg(run, "epochs=[1]"), "/proc/x")
 
 
 def test_a_killed_evaluation_keeps_the_configurations_it_finished_and_the_next_run_measures_the_rest(run):

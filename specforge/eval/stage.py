@@ -86,7 +86,6 @@ def output_lock(out_dir: Path):
     lies beside it, so that a refusal before any model runs leaves `out_dir` unwritten."""
     from specforge.utils.run_lock import RunDirLock
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
     return RunDirLock(out_dir.parent / f".{out_dir.name}.lock", what=f"{out_dir} (an evaluation's output)",
                       advice="give this evaluation another out_dir=")
 

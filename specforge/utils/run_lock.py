@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from specforge.errors import InputError
+from specforge.errors import InputError, InvalidInput
 
 
 class RunDirBusy(InputError, RuntimeError):
@@ -35,7 +35,12 @@ class RunDirLock:
         self._fd: int | None = None
 
     def acquire(self) -> None:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:  # a read-only file system, a directory of another user, /proc
+            raise InvalidInput(f"{self.what}: cannot write in {self.path.parent} ({e.strerror}); "
+                               f"{self.advice}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
