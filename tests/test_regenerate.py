@@ -436,6 +436,12 @@ class TargetServer(ThreadingHTTPServer):
         messages = [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.loads(
             c["function"]["arguments"])}} for c in m["tool_calls"]]} if m.get("tool_calls") else m
             for m in body["messages"]]
+        # images as a vision-language server takes them: IMAGE_TOKENS more prompt tokens each (the
+        # tiny text target reads the text around them)
+        images = sum(p.get("type") == "image_url" for m in messages if isinstance(m["content"], list)
+                     for p in m["content"])
+        messages = [{**m, "content": "".join(p["text"] for p in m["content"] if p.get("type") == "text")}
+                    if isinstance(m["content"], list) else m for m in messages]
         with self.gpu:
             ids = self.tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
                                                return_dict=True, **({"tools": body["tools"]} if "tools" in body else {}),
@@ -451,7 +457,11 @@ class TargetServer(ThreadingHTTPServer):
         text = self.tok.decode(new, skip_special_tokens=True)
         return {"choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                              "finish_reason": "stop" if finished else "length"}],
-                "usage": {"prompt_tokens": ids["input_ids"].shape[1], "completion_tokens": len(new)}}
+                "usage": {"prompt_tokens": ids["input_ids"].shape[1] + IMAGE_TOKENS * images,
+                          "completion_tokens": len(new)}}
+
+
+IMAGE_TOKENS = 16  # the test server's tokens per image
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -599,6 +609,40 @@ def test_a_server_rendering_another_template_stops_the_run_before_an_answer_is_k
     assert report["regenerated"] == 6 and report["failed"] == 0 and report["asked"] == 6
     assert all("Answer briefly." in fresh.tok.decode(fresh.tok.apply_chat_template(
         r["messages"], chat_template=brief, add_generation_prompt=True)) for r in fresh.requests[-3:])
+
+
+def test_prompts_with_images_are_checked_by_their_text_alone(fresh, target, tmp_path):
+    """Every prompt with an image (a vision-language dataset): the server counts the image's
+    tokens, which we cannot, so its first prompt is asked again without the image, for one token,
+    and compared as a text prompt is. A server rendering another template is stopped."""
+    from dataclasses import replace
+
+    from PIL import Image
+    from transformers import AutoTokenizer
+
+    from specforge.errors import InvalidInput
+
+    Image.new("RGB", (8, 8), "blue").save(tmp_path / "sky.png")
+    convs = dataset(4, follow_up_every=99)
+    for row in convs:
+        first = next(m for m in row["messages"] if m["role"] == "user")
+        first["content"] = [{"type": "image", "image": str(tmp_path / "sky.png")}, {"type": "text", "text": first["content"]}]
+    brief = "{{- 'Answer briefly.\\n' }}" + AutoTokenizer.from_pretrained(target.path).chat_template
+    (tmp_path / "brief.jinja").write_text(brief)
+    templated = replace(target, chat_template=str(tmp_path / "brief.jinja"))
+    c = cfg(backend="openai", urls=[fresh.url], concurrency=1, keep_truncated=True)
+    with pytest.raises(InvalidInput, match=rf"data.regenerate: {fresh.url} renders the prompts otherwise than the target"):
+        regenerate_conversations(convs, c, templated, tmp_path / "other", "train")
+    probe = fresh.requests[1]  # after the first prompt: its text alone, one token
+    assert probe["max_tokens"] == 1 and all(isinstance(m["content"], str) for m in probe["messages"])
+    assert probe["messages"][-1]["content"] == "What is the weather in " + CITIES[0] + "?"
+
+    fresh.requests.clear()
+    fresh.chat_template = brief  # restarted with --chat-template
+    rows, report = regenerate_conversations(convs, c, templated, tmp_path / "same", "train")
+    assert report["regenerated"] == 4 and report["failed"] == 0
+    assert [r["max_tokens"] for r in fresh.requests] == [24, 1, 24, 24, 24, 24]  # 5 turns, one probe after the first
+    assert rows[0]["messages"][0 if rows[0]["messages"][0]["role"] == "user" else 1]["content"][0]["type"] == "image"
 
 
 @pytest.fixture(scope="module")

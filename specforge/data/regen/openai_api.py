@@ -6,8 +6,9 @@ errors, timeouts, 429 and 5xx are retried with exponential backoff; other 4xx ar
 again gives the same answer).
 
 A server renders the prompt with its own chat template. Given the target's (`prompts`), the first
-text prompt each server answers is checked: as many prompt tokens there (OpenAI's usage) as here,
-or the run stops before any of that server's answers is kept, naming the difference.
+prompt each server answers is checked: as many prompt tokens there (OpenAI's usage) as here, or the
+run stops before any of that server's answers is kept, naming the difference. Images count only
+there, so a prompt with images is checked by asking its text alone once more (one token answered).
 """
 from __future__ import annotations
 
@@ -143,16 +144,20 @@ class OpenAIBackend:
                 on_answer(answer.tokens)
         return r
 
-    def _ask(self, messages: list[dict], key: str, turn: int, tools: list[dict] | None = None) -> Answer:
-        body = json.dumps({
+    def _body(self, messages: list[dict], tools: list[dict] | None, seed: int, max_tokens: int) -> bytes:
+        return json.dumps({
             "model": self.model,
             "messages": _openai_messages(messages),
             **tools_entry(tools),  # the server's default tool_choice: a call back is kept_original
             "temperature": float(self.cfg.temperature),
-            "max_tokens": int(self.cfg.max_new_tokens),
-            "seed": int(fingerprint(self.seed, key, turn), 16) % (2**31),  # reproducible sampling
+            "max_tokens": max_tokens,
+            "seed": seed,
             "chat_template_kwargs": {THINKING_SWITCH: bool(self.cfg.thinking)},
         }).encode()
+
+    def _ask(self, messages: list[dict], key: str, turn: int, tools: list[dict] | None = None) -> Answer:
+        seed = int(fingerprint(self.seed, key, turn), 16) % (2**31)  # reproducible sampling
+        body = self._body(messages, tools, seed, int(self.cfg.max_new_tokens))
         last = ""
         for attempt in range(self.retries + 1):
             url = self.urls[next(self._turn) % len(self.urls)]
@@ -174,13 +179,17 @@ class OpenAIBackend:
         raise RegenFailure("regen_server_error", f"{self.retries + 1} attempts failed; last: {last}", transient=True)
 
     def _check_rendering(self, url: str, messages: list[dict], tools: list[dict] | None, served: int | None) -> None:
-        """Until `url` has once counted a text prompt as we do: the same count, or stop the run.
-        One thread at a time (a few times per run): the tokenizer is not shared across threads."""
-        if self.prompts is None or served is None or any(not isinstance(m["content"], str) for m in messages):
-            return  # images: counted by the server only
+        """Until `url` has once counted a prompt as we do: the same count, or stop the run. One
+        thread at a time (a few times per run): the tokenizer is not shared across threads."""
+        if self.prompts is None or served is None:
+            return
         with self._check_lock:
             if url in self._renders_alike or self._mismatch is not None:
                 return
+            if any(not isinstance(m["content"], str) for m in messages):  # images: the server counts them alone
+                messages = [{**m, "content": _text_of(m["content"])} for m in messages]
+                if (served := self._prompt_tokens(url, messages, tools)) is None:
+                    return  # not answered now: a later prompt checks it
             ours = len(self.prompts.ids(messages, tools))
             if ours == served:
                 self._renders_alike.add(url)
@@ -193,6 +202,21 @@ class OpenAIBackend:
                 "(data.regenerate.model); the answers of servers that matched are kept, run again to go on "
                 "(data.regenerate.check_template=false skips this check)")
         raise self._mismatch
+
+    def _prompt_tokens(self, url: str, messages: list[dict], tools: list[dict] | None) -> int | None:
+        """`url`'s count of this prompt's tokens, asked for one answered token (None: no answer)."""
+        req = urllib.request.Request(f"{url}/v1/chat/completions", data=self._body(messages, tools, 0, 1),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as resp:
+                return _parse(resp.read(), url).prompt_tokens
+        except (urllib.error.HTTPError, RegenFailure, *TRANSPORT_ERRORS):
+            return None
+
+
+def _text_of(content: str | list) -> str:
+    """A message's text without its images (their parts' texts, as chat templates join them)."""
+    return content if isinstance(content, str) else "".join(p["text"] for p in content if p.get("type") == "text")
 
 
 def _openai_messages(messages: list[dict]) -> list[dict]:
