@@ -235,6 +235,19 @@ def test_rows_of_a_json_list_on_one_line_regenerate(target, tmp_path):
         ("rows.json", 1, "duplicate: same messages as rows.json:1 (after regeneration)")]
 
 
+def test_the_group_of_the_longest_conversation_is_decoded_first(target, tmp_path):
+    """Groups (4 x batch_size conversations, cut by position) decode heaviest first, so that a batch
+    too large for a GPU's memory fails in the first minutes; the rows still come in input order."""
+    convs = dataset(8)  # batch_size 1: groups w0-w3 and w4-w7
+    user = next(m for m in convs[6]["messages"] if m["role"] == "user")
+    user["content"] += " Tell me everything about the sky, the wind and the rain there." * 3
+    rows, report = regenerate_conversations(convs, cfg(batch_size=1), target, tmp_path, "train")
+    journal = [json.loads(line)["id"] for line in (tmp_path / "regen_train.partial.jsonl").read_text().splitlines()[1:]]
+    assert sorted(journal[:4]) == ["w4", "w5", "w6", "w7"] and sorted(journal[4:]) == ["w0", "w1", "w2", "w3"]
+    ids = [r["id"] for r in rows]  # (the tiny target may not finish w6's longer question: skipped)
+    assert ids == sorted(ids, key=[c["id"] for c in convs].index) and len(ids) >= 7 and report["asked"] == 8
+
+
 def test_resume_after_kill_matches_uninterrupted_run(target, tmp_path):
     """Kill the CLI (SIGKILL) mid-run, tear its last log line, rerun: same output, no duplicates."""
     from data_prep.regenerate import main

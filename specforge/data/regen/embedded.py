@@ -3,7 +3,9 @@
 Conversations are taken in groups of GROUP_BATCHES x `batch_size`; a group's turns are decoded
 by a RefillDecoder with `batch_size` rows in flight, a conversation's next turn asked as soon as
 its previous answer ends. Groups are cut by position in the full input, not among the pending
-ones, so a resumed run batches exactly like an uninterrupted one and gives the same answers.
+ones, so a resumed run batches exactly like an uninterrupted one and gives the same answers. The
+group with the longest conversation goes first: a batch too large for the GPU's memory fails in
+the first minutes rather than hours in (each group decodes alone: their order changes no answer).
 An answer that is a tool call, read with transformers' response template for the target (as a
 server's tool parser reads it), keeps the row as written, as it does through a server.
 """
@@ -15,6 +17,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from specforge.data.fix.conversations import message_chars
 from specforge.data.regen.decode import RefillDecoder, Request, logits_processors
 from specforge.data.regen.prompt import target_renderer
 from specforge.data.regen.replay import Answer, RegenFailure, Replay
@@ -57,10 +60,12 @@ class EmbeddedBackend:
 
     def run(self, replays: list[Replay], on_answer: Callable[[int], None] | None = None) -> Iterator[Replay]:
         """Yield each conversation once all its turns are answered (or it failed), a group at a
-        time; `on_answer(tokens)` is called after every answered turn."""
-        group = GROUP_BATCHES * max(1, int(self.cfg.batch_size))
-        for _, members in itertools.groupby(replays, key=lambda r: r.index // group):
-            members = list(members)
+        time, the longest conversation's group first; `on_answer(tokens)` is called after every
+        answered turn."""
+        size = GROUP_BATCHES * max(1, int(self.cfg.batch_size))
+        groups = [list(members) for _, members in itertools.groupby(replays, key=lambda r: r.index // size)]
+        groups.sort(key=lambda group: -max(message_chars(r.source) for r in group))  # the heaviest first
+        for members in groups:
             self._run_group(members, on_answer)
             yield from members
 
