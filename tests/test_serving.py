@@ -3,6 +3,7 @@ measured by the streaming benchmark client against the in-process engine; and se
 that are always stopped."""
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -22,6 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from specforge.checkpoint import load_draft, save_checkpoint
 from specforge.config import Config
 from specforge.engine.speculative import SpeculativeEngine
+from specforge.errors import InvalidInput
 from specforge.models.draft import Eagle3Config, Eagle3Draft
 from specforge.eval import bench_client as bc
 from specforge.eval.server_eval import eval_with_servers
@@ -223,6 +225,36 @@ def test_evaluate_serving_against_running_servers(model_dirs, servers, tmp_path)
     report = (tmp_path / "eval" / "serving" / "report.md").read_text()
     assert "| metric | baseline | server | change |" in report
     assert json.loads((tmp_path / "eval" / "serving" / "baseline.json").read_text())["metrics"]["completed"] == 3
+    assert summary["served"]["baseline"] == {"model_path": str(target), "speculative_algorithm": None,
+                                             "speculative_draft_model_path": None, "speculative_num_steps": None,
+                                             "speculative_eagle_topk": None, "speculative_num_draft_tokens": None}
+    assert f"- baseline: `{target}` alone" in report
+    assert f"- server: `{target}` with EAGLE3 draft `{model_dirs[1]}` (steps " in report
+
+
+def test_swapped_or_identical_server_urls_are_refused_before_a_request_is_timed(model_dirs, servers, tmp_path):
+    """eval.url must draft and eval.baseline_url must not: swapped, the report would call the base
+    model's speed the speculative one's (as /server_info says; vLLM's servers have none and are
+    taken at their word)."""
+    target, _, _ = model_dirs
+    eagle, base = servers
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "eval.conversations.jsonl").write_text(
+        json.dumps({"id": "0", "messages": [{"role": "user", "content": "weather in Oslo?"}]}) + "\n")
+    cfg = OmegaConf.structured(Config)
+    cfg.run_name, cfg.target.name, cfg.target.path = "t", "tiny", str(target)
+    cfg.eval.engine, cfg.eval.url, cfg.eval.baseline_url = "server", base.url, eagle.url
+    with pytest.raises(InvalidInput, match=rf"eval.url {base.url} serves {re.escape(str(target))} without "
+                                           r"speculative decoding .*--speculative-algorithm EAGLE3 .*, or swap "
+                                           r"eval.url and eval.baseline_url"):
+        eval_with_servers(cfg, [], cfg.eval, tmp_path)
+    cfg.eval.url = cfg.eval.baseline_url = eagle.url
+    with pytest.raises(InvalidInput, match=rf"eval.url and eval.baseline_url both name {eagle.url}"):
+        eval_with_servers(cfg, [], cfg.eval, tmp_path)
+    cfg.eval.url, cfg.eval.baseline_url = base.url, None  # the base model's server alone: refused too
+    with pytest.raises(InvalidInput, match="without speculative decoding"):
+        eval_with_servers(cfg, [], cfg.eval, tmp_path)
+    assert not (tmp_path / "eval").exists()
 
 
 def test_ones_own_prompt_file_through_evaluate_and_the_bench_command(model_dirs, servers, tmp_path):

@@ -3,7 +3,8 @@
 - `run_server_benchmark(server, requests, ...)`: `server` is a base URL (any running server) or a
   `Launch` (a command to start: wait for /health, bench, always stop; log in the run dir).
 - `eval_with_servers(run_cfg, checkpoints, eval_cfg, run_dir)`: what `eval.engine=server` and
-  `eval.engine=sglang` do. `server`: bench `eval.url` (and `eval.baseline_url` when given).
+  `eval.engine=sglang` do. `server`: bench `eval.url` (and `eval.baseline_url` when given), after
+  asking each what it serves (`served_by`: eval.url must draft, the baseline must not).
   `sglang`: launch the base target, then every checkpoint x tree, one server at a time (the
   server-wide accept length is cumulative since start, so one server per configuration).
   Writes `<label>.json`, `summary.json`, `report.md` and the server logs `logs/<label>.log` in
@@ -14,12 +15,13 @@ from __future__ import annotations
 import json
 import math
 import re
+import warnings
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Callable, Sequence
 
-from specforge.errors import InvalidInput
+from specforge.errors import InvalidInput, SpecForgeWarning
 from specforge.utils.io import file_fingerprint, fingerprint, write_json, write_text
 from specforge.utils.progress import progress_bar
 from specforge.eval.bench_client import (
@@ -28,7 +30,7 @@ from specforge.eval.bench_client import (
 )
 from specforge.eval.scenarios import Scenario, get_scenario
 from specforge.targets.vl import is_vl
-from specforge.launch.process import ServerProcess, free_port
+from specforge.launch.process import ServerProcess, free_port, http_json
 from specforge.run_layout import RunLayout
 
 # (target_path, draft_path | None, tree | None, port) -> command
@@ -143,6 +145,63 @@ def finished_result(path: Path, key: str) -> BenchResult | None:
     return None
 
 
+# What a server's /server_info (SGLang's server args; `specforge serve` answers the same keys) says it
+# serves, kept in the summary and named in the report.
+SERVED_KEYS = ("model_path", "speculative_algorithm", "speculative_draft_model_path", "speculative_num_steps",
+               "speculative_eagle_topk", "speculative_num_draft_tokens")
+
+
+def served_by(url: str, baseline_url: str | None) -> dict[str, dict]:
+    """eval.engine=server: what each running server serves, checked before a request is timed:
+    eval.url must draft and eval.baseline_url must not (swapped URLs would report the target alone
+    as the speed-up), and they should serve one target. A server without /server_info (vLLM) is
+    taken at its word. -> {label: its SERVED_KEYS} for the servers that said."""
+    if baseline_url and url.rstrip("/") == baseline_url.rstrip("/"):
+        raise InvalidInput(f"eval.url and eval.baseline_url both name {url}: the server would be measured "
+                           "against itself; give the base model's server as eval.baseline_url")
+    said = {}
+    for label, where in (("server", url), ("baseline", baseline_url)):
+        if where:
+            info = _server_info(where)
+            if info is not None:
+                said[label] = {key: info.get(key) for key in SERVED_KEYS if key in info}
+    spec, base = said.get("server", {}), said.get("baseline", {})
+    if "speculative_algorithm" in spec and not spec["speculative_algorithm"]:
+        raise InvalidInput(f"eval.url {url} serves {spec.get('model_path')} without speculative decoding (its "
+                           "/server_info: speculative_algorithm null): start it with the run report's SGLang "
+                           "command (--speculative-algorithm EAGLE3 --speculative-draft-model-path <run>/epoch_<k>)"
+                           + (", or swap eval.url and eval.baseline_url" if base.get("speculative_algorithm") else ""))
+    if base.get("speculative_algorithm"):
+        raise InvalidInput(f"eval.baseline_url {baseline_url} drafts with {base['speculative_algorithm']} "
+                           f"({base.get('speculative_draft_model_path')}): the baseline is the target alone; start "
+                           "it without --speculative-algorithm")
+    models = {Path(str(info["model_path"])).name for info in said.values() if info.get("model_path")}
+    if len(models) > 1:
+        warnings.warn(f"eval.url serves {spec['model_path']}, eval.baseline_url {base['model_path']}: the speed-up "
+                      "compares two different targets", category=SpecForgeWarning, stacklevel=2)
+    return said
+
+
+def _server_info(url: str) -> dict | None:
+    for path in ("/server_info", "/get_server_info"):
+        try:
+            info = http_json(url.rstrip("/") + path, timeout=30.0)
+        except (RuntimeError, ConnectionError):  # not there (vLLM), or not answering: the benchmark says so
+            continue
+        if isinstance(info, dict):
+            return info
+    return None
+
+
+def served_line(label: str, info: dict) -> str:
+    """What a server said it serves, for the report."""
+    if not info.get("speculative_algorithm"):
+        return f"- {label}: `{info.get('model_path')}` alone"
+    return (f"- {label}: `{info.get('model_path')}` with {info['speculative_algorithm']} draft "
+            f"`{info.get('speculative_draft_model_path')}` (steps {info.get('speculative_num_steps')}, topk "
+            f"{info.get('speculative_eagle_topk')}, {info.get('speculative_num_draft_tokens')} draft tokens)")
+
+
 def eval_with_servers(run_cfg, checkpoints: Sequence[Path], eval_cfg, run_dir, out_dir=None, *,
                      tokenizer=None, command_builder: CommandBuilder | None = None) -> dict:
     """Serving benchmark for eval_cfg.engine = server | sglang (see the module doc). `run_cfg` gives
@@ -157,13 +216,16 @@ def eval_with_servers(run_cfg, checkpoints: Sequence[Path], eval_cfg, run_dir, o
     tokenizer = tokenizer or load_tokenizer(run_cfg.target)
     scenario = eval_scenario(ev)
     seed = int(getattr(run_cfg, "seed", 0) or 0)
-    requests = eval_requests(ev, scenario, tokenizer, run_dir, seed=seed, with_images=is_vl(getattr(run_cfg.target, "kind", None)))
+    requests = eval_requests(ev, scenario, tokenizer, run_dir, seed=seed,
+                             with_images=is_vl(getattr(run_cfg.target, "kind", None)))
     timeout = float(getattr(ev, "server_startup_timeout_s", 900.0))
 
     runs: list[tuple[str, str | Launch, Path | None]] = []  # (label, URL or launch, checkpoint)
+    said: dict[str, dict] = {}  # what running servers say they serve
     if ev.engine == "server":
         if not ev.url:
             raise InvalidInput("eval.engine=server needs eval.url (the base URL of a running server)")
+        said = served_by(ev.url, getattr(ev, "baseline_url", None))
         if getattr(ev, "baseline_url", None):
             runs.append(("baseline", ev.baseline_url, None))
         runs.append(("server", ev.url, None))
@@ -204,9 +266,12 @@ def eval_with_servers(run_cfg, checkpoints: Sequence[Path], eval_cfg, run_dir, o
             results[label].save(path)
 
     summary = {"engine": ev.engine, "scenario": scenario.to_dict(), "prompts": getattr(ev, "prompts", "conversations"),
-               "metrics": {k: r.metrics for k, r in results.items()}, "comparisons": {}}
+               "metrics": {k: r.metrics for k, r in results.items()}, "comparisons": {}, "served": said}
     report = [f"# Serving benchmark ({ev.engine}, scenario {scenario.name})", "",
               f"`{json.dumps(scenario.to_dict())}`", ""]
+    if said:
+        report += ["What the servers said they serve (/server_info):", "",
+                   *(served_line(label, info) for label, info in said.items()), ""]
     base = results.get("baseline")
     for label, r in results.items():
         if label == "baseline":
