@@ -30,7 +30,7 @@ from specforge.eval.bench_client import (
 )
 from specforge.eval.scenarios import Scenario, get_scenario
 from specforge.targets.vl import is_vl
-from specforge.launch.process import ServerProcess, free_port, http_json
+from specforge.launch.process import ServerProcess, free_port, server_info
 from specforge.run_layout import RunLayout
 
 # (target_path, draft_path | None, tree | None, port) -> command
@@ -162,8 +162,11 @@ def served_by(url: str, baseline_url: str | None) -> dict[str, dict]:
     said = {}
     for label, where in (("server", url), ("baseline", baseline_url)):
         if where:
-            info = _server_info(where)
-            if info is not None:
+            try:
+                info = server_info(where.rstrip("/"))
+            except (RuntimeError, ConnectionError):  # none (vLLM), or not answering: the benchmark says so
+                continue
+            if isinstance(info, dict):
                 said[label] = {key: info.get(key) for key in SERVED_KEYS if key in info}
     spec, base = said.get("server", {}), said.get("baseline", {})
     if "speculative_algorithm" in spec and not spec["speculative_algorithm"]:
@@ -180,17 +183,6 @@ def served_by(url: str, baseline_url: str | None) -> dict[str, dict]:
         warnings.warn(f"eval.url serves {spec['model_path']}, eval.baseline_url {base['model_path']}: the speed-up "
                       "compares two different targets", category=SpecForgeWarning, stacklevel=2)
     return said
-
-
-def _server_info(url: str) -> dict | None:
-    for path in ("/server_info", "/get_server_info"):
-        try:
-            info = http_json(url.rstrip("/") + path, timeout=30.0)
-        except (RuntimeError, ConnectionError):  # not there (vLLM), or not answering: the benchmark says so
-            continue
-        if isinstance(info, dict):
-            return info
-    return None
 
 
 def served_line(label: str, info: dict) -> str:

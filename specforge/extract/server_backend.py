@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from specforge.extract.batching import Extractor
-from specforge.launch.process import ServerProcess, free_port, http_json
+from specforge.launch.process import ServerProcess, free_port, http_json, server_info
 
 SAMPLING = {"max_new_tokens": 1, "temperature": 0.0}
 
@@ -73,14 +73,6 @@ def decode_answer(content: bytes, ids: Sequence[str], lengths: Sequence[int], wi
         raise ValueError(f"{where}: expected a list of {len(ids)} results for a batch of {len(ids)} prompts")
     return [prompt_rows(r.get("meta_info") if isinstance(r, dict) else None, n, width, f"{where}, sample {sid!r}")
             for sid, n, r in zip(ids, lengths, answer)]
-
-
-def server_info(url: str, timeout: float = 30.0) -> dict:
-    """GET /server_info (SGLang's older name: /get_server_info)."""
-    try:
-        return http_json(url + "/server_info", timeout=timeout)
-    except RuntimeError:
-        return http_json(url + "/get_server_info", timeout=timeout)
 
 
 class ServerExtractor(Extractor):

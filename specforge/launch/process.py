@@ -113,6 +113,15 @@ def http_json(url: str, body=None, timeout: float = 600.0, *, raw: bool = False)
         raise ConnectionError(f"{url}: no answer ({getattr(e, 'reason', e)})") from None
 
 
+def server_info(url: str, timeout: float = 30.0) -> dict:
+    """GET /server_info (SGLang's older name: /get_server_info): a server's arguments (SGLang's
+    server args; `specforge serve` answers the same keys) and state."""
+    try:
+        return http_json(url + "/server_info", timeout=timeout)
+    except RuntimeError:
+        return http_json(url + "/get_server_info", timeout=timeout)
+
+
 def _tail(path: Path, lines: int = 30) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
