@@ -94,7 +94,9 @@ def test_pipeline_end_to_end_then_skips_then_reruns_only_what_changed(weather_fi
     markers = {name: (run_dir / f".stage_{name}.json").read_bytes() for name in ("data", "extract", "train")}
     plan = run_pipeline(compose_cfg(tmp_path, tiny_target_dir, "train.lr=5e-4", "check_only=true"))["check_only"]
     assert plan == {"data": "up to date", "extract": "up to date",
-                    "train": "would run: its settings or inputs (or an earlier stage's) changed since it ran"}
+                    "train": "would run: its settings or inputs (or an earlier stage's) changed since it ran; 24 "
+                             "training samples: 6 optimizer steps per epoch x 2 epochs, a global batch of 4 samples "
+                             "on 1 process"}
     assert "[pipeline] check_only: train: would run" in capsys.readouterr().out
     assert markers == {name: (run_dir / f".stage_{name}.json").read_bytes() for name in markers}
     plan = run_pipeline(compose_cfg(tmp_path, tiny_target_dir, "extract.dtype=float32", "check_only=true"))["check_only"]
@@ -296,6 +298,9 @@ def test_a_batch_the_samples_cannot_give_is_refused_before_the_extract_stage(wea
         run_pipeline(short)  # check_only: the data stage's output is final, so training's check is asked
     assert run_pipeline(compose_cfg(weather_files, tiny_target_dir, f"train.pack_tokens={longest}",
                                     "check_only=true"))["check_only"]["data"] == "up to date"
+    assert run_pipeline(compose_cfg(weather_files, tiny_target_dir, "check_only=true"))["check_only"]["train"] == \
+           ("would run: not run yet; 24 training samples: 6 optimizer steps per epoch x 2 epochs, a global batch of 4 "
+            "samples on 1 process")
     with pytest.raises(InvalidInput, match=r"train: 24 samples make 6 micro-batches of 4 samples, fewer than one "
                                            r"optimizer step takes \(train.grad_accum=7 x 1 processes\)"):
         run_pipeline(compose_cfg(weather_files, tiny_target_dir, "train.grad_accum=7"))

@@ -88,9 +88,9 @@ def check_trainable_width(draft_cfg: Eagle3Config, what: str) -> None:
     if draft_cfg.hidden_size != draft_cfg.target_hidden_size:
         raise InvalidInput(f"{what}: the draft is {draft_cfg.hidden_size} wide, the target "
                            f"{draft_cfg.target_hidden_size}: training embeds the draft's tokens with the target's "
-                           "embedding, frozen, as SGLang and vLLM serve it in the draft's place (docs/contract.md §1); "
-                           "a draft of another width would need an embedding of its own, which this trainer does "
-                           "not train. Leave draft.hidden_size unset (the target's)")
+                           "embedding, frozen, as SGLang and vLLM serve it in the draft's place "
+                           "(docs/contract.md §1); a draft of another width would need an embedding of its own, "
+                           "which this trainer does not train. Leave draft.hidden_size unset (the target's)")
 
 
 def check_init_from(cfg, ckpt_cfg: Eagle3Config, aux_layer_ids, target_config) -> None:
@@ -313,13 +313,14 @@ def optimizer_step(strategy, micro_batches: list[list[int]], samples: TeacherMem
     return strategy.step()
 
 
-def check_batch_shape(tc, samples: int, longest: int, world_size: int, micro_batches: int | None = None) -> None:
+def check_batch_shape(tc, samples: int, longest: int, world_size: int,
+                      micro_batches: int | None = None) -> int | None:
     """A batch the data cannot give: more samples than there are (every step would see all of
     them, not train.batch_size), packed rows shorter than a sample (it would be a row of its own,
     longer than train.pack_tokens says), or fewer micro-batches than one optimizer step takes.
     `samples`: the training split's count, `longest`: its longest sample's tokens (the data stage's
     summary has both, so the pipeline asks before extracting); `micro_batches`: an epoch's, where
-    known (packed rows: once packed)."""
+    known (packed rows: once packed). -> the optimizer steps of an epoch, where known."""
     if not tc.pack_tokens and tc.batch_size > samples:
         raise InvalidInput(f"train.batch_size={tc.batch_size} is more than the {samples} training samples: every "
                            f"step would be one micro-batch of all of them; lower train.batch_size")
@@ -329,11 +330,15 @@ def check_batch_shape(tc, samples: int, longest: int, world_size: int, micro_bat
                            f"train.pack_tokens >= {longest} (data.max_length bounds every sample)")
     if micro_batches is None and not tc.pack_tokens:
         micro_batches = -(-samples // tc.batch_size)
-    if micro_batches is not None and steps_per_epoch(micro_batches, tc.grad_accum, world_size) == 0:
+    if micro_batches is None:
+        return None
+    steps = steps_per_epoch(micro_batches, tc.grad_accum, world_size)
+    if steps == 0:
         unit = f"rows of <= {tc.pack_tokens} tokens" if tc.pack_tokens else "samples"
         raise InvalidInput(f"train: {samples} samples make {micro_batches} micro-batches of {tc.batch_size} {unit}, "
                            f"fewer than one optimizer step takes (train.grad_accum={tc.grad_accum} x {world_size} "
                            "processes); lower train.batch_size or train.grad_accum, or use fewer processes")
+    return steps
 
 
 def plateaued(epochs: list[dict], patience: int, min_delta: float) -> str | None:
@@ -405,8 +410,8 @@ def train(cfg, run_dir: Path, fingerprint: str) -> dict:
     epochs = range(1, tc.epochs + 1) if tc.pack_tokens else [1]
     micro_batches = min(len(global_batches(train_store.lengths, tc.batch_size, cfg.seed, epoch,
                                            pack_tokens=tc.pack_tokens)) for epoch in epochs)
-    check_batch_shape(tc, len(train_store.lengths), max(train_store.lengths, default=0), env.world_size, micro_batches)
-    per_epoch = steps_per_epoch(micro_batches, tc.grad_accum, env.world_size)
+    per_epoch = check_batch_shape(tc, len(train_store.lengths), max(train_store.lengths, default=0), env.world_size,
+                                  micro_batches)
     global_batch = tc.batch_size * tc.grad_accum * env.world_size
     unit = f"rows of <= {tc.pack_tokens} tokens" if tc.pack_tokens else "samples"
 

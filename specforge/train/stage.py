@@ -22,16 +22,22 @@ def check(cfg) -> None:
         fresh_draft_config(cfg, target_config, ids, cfg.draft.draft_vocab_size)
 
 
-def preflight(cfg, run_dir) -> None:
+def preflight(cfg, run_dir) -> str | None:
     """The checks that need the data stage's output, run once it is final (before the extract
     stage spends its hours; check_only too): `check` again (a fetched target is here now) and the
     batch against the training split's sample count and longest sample (and, unpacked, this run's
-    processes: check_only on a login node counts one)."""
+    processes: check_only on a login node counts one). -> the epoch's steps, where known."""
     check(cfg)
     marker = RunLayout(Path(run_dir)).marker("data")
     split = (read_json(marker).get("summary") or {}).get("train") or {} if marker.exists() else {}
-    if "samples" in split and "max_tokens" in split:  # a data stage of an older version may lack them
-        check_batch_shape(cfg.train, split["samples"], split["max_tokens"], dist.current().world_size)
+    if "samples" not in split or "max_tokens" not in split:  # a data stage of an older version
+        return None
+    tc, world = cfg.train, dist.current().world_size
+    steps = check_batch_shape(tc, split["samples"], split["max_tokens"], world)
+    if steps is None:  # packed: the rows are known once packed
+        return None
+    return (f"{split['samples']} training samples: {steps} optimizer steps per epoch x {tc.epochs} epochs, a global "
+            f"batch of {tc.batch_size * tc.grad_accum * world} samples on {world} process{'es' * (world > 1)}")
 
 
 def run(cfg, run_dir: Path, fingerprint: str) -> dict:
