@@ -421,7 +421,8 @@ class TargetServer(ThreadingHTTPServer):
     it ever had in flight; `fail_markers`: requests mentioning one answer 500; `flaky` makes
     the first attempt of every distinct request answer 500. As SGLang and vLLM, it renders the
     request's `tools`, parses a call's JSON arguments back into an object for the template, and
-    refuses a tool result without a `tool_call_id`; `call_tools` answers with a parsed call."""
+    refuses a tool result without a `tool_call_id`; `call_tools` answers with a parsed call;
+    `refuse_one_token` answers 400 to a request for one token (the template check's probe)."""
 
     daemon_threads = True
 
@@ -435,7 +436,7 @@ class TargetServer(ThreadingHTTPServer):
         self.requests: list[dict] = []
         self.in_flight = self.max_in_flight = 0
         self.fail_markers: tuple[str, ...] = ()
-        self.flaky = self.call_tools = False
+        self.flaky = self.call_tools = self.refuse_one_token = False
         self.chat_template: str | None = None  # as --chat-template FILE: instead of the tokenizer's
         self.seen: set[str] = set()
         self.url = f"http://127.0.0.1:{self.server_address[1]}"
@@ -517,6 +518,8 @@ class Handler(BaseHTTPRequestHandler):
                 return self._send(400, {"error": "tool messages need a tool_call_id"})
             if srv.flaky and first_try:
                 return self._send(503, {"error": "overloaded (test)"})
+            if srv.refuse_one_token and body["max_tokens"] == 1:
+                return self._send(400, {"error": "refused (test)"})
             self._send(200, srv.complete(body))
         finally:
             with srv.lock:
@@ -538,6 +541,7 @@ def fresh(server):
     server.requests.clear()
     server.seen.clear()
     server.max_in_flight, server.fail_markers, server.flaky, server.call_tools = 0, (), False, False
+    server.refuse_one_token = False
     server.chat_template = None
     return server
 
@@ -655,6 +659,13 @@ def test_prompts_with_images_are_checked_by_their_text_alone(fresh, target, tmp_
     rows, report = regenerate_conversations(convs, c, templated, tmp_path / "same", "train")
     assert report["regenerated"] == 4 and report["failed"] == 0
     assert [r["max_tokens"] for r in fresh.requests] == [24, 1, 24, 24, 24, 24]  # 5 turns, one probe after the first
+
+    fresh.requests.clear()
+    fresh.chat_template, fresh.refuse_one_token = None, True  # a server that does not answer the probe
+    with pytest.warns(UserWarning, match=rf"{fresh.url} did not answer a prompt's text without its images"):
+        rows, report = regenerate_conversations(convs, c, templated, tmp_path / "unprobed", "train")
+    assert report["regenerated"] + len(report["quarantine"]) == 4  # not checked: answered, once said
+    assert [r["max_tokens"] for r in fresh.requests].count(1) == 1  # asked once, not at every prompt
     assert rows[0]["messages"][0 if rows[0]["messages"][0]["role"] == "user" else 1]["content"][0]["type"] == "image"
 
 

@@ -73,6 +73,7 @@ class OpenAIBackend:
         self._turn = itertools.count()  # round-robin position (next() on a count is atomic in CPython)
         self.prompts = prompts
         self._renders_alike: set[str] = set()  # servers whose prompt tokens matched ours once
+        self._unprobed: set[str] = set()  # servers that did not answer a prompt's text alone
         self._mismatch: InvalidInput | None = None
         self._check_lock = threading.Lock()
 
@@ -187,9 +188,15 @@ class OpenAIBackend:
             if url in self._renders_alike or self._mismatch is not None:
                 return
             if any(not isinstance(m["content"], str) for m in messages):  # images: the server counts them alone
+                if url in self._unprobed:
+                    return  # a later text prompt may still check it
                 messages = [{**m, "content": _text_of(m["content"])} for m in messages]
                 if (served := self._prompt_tokens(url, messages, tools)) is None:
-                    return  # not answered now: a later prompt checks it
+                    self._unprobed.add(url)
+                    warnings.warn(f"data.regenerate: {url} did not answer a prompt's text without its images, so "
+                                  "its chat template is not checked against the target's until it answers a text "
+                                  "prompt", category=SpecForgeWarning, stacklevel=2)
+                    return
             ours = len(self.prompts.ids(messages, tools))
             if ours == served:
                 self._renders_alike.add(url)
