@@ -643,12 +643,13 @@ def test_prompts_with_images_are_checked_by_their_text_alone(fresh, target, tmp_
     convs = dataset(4, follow_up_every=99)
     for row in convs:
         first = next(m for m in row["messages"] if m["role"] == "user")
-        first["content"] = [{"type": "image", "image": str(tmp_path / "sky.png")}, {"type": "text", "text": first["content"]}]
+        first["content"] = [{"type": "image", "image": str(tmp_path / "sky.png")},
+                            {"type": "text", "text": first["content"]}]
     brief = "{{- 'Answer briefly.\\n' }}" + AutoTokenizer.from_pretrained(target.path).chat_template
     (tmp_path / "brief.jinja").write_text(brief)
     templated = replace(target, chat_template=str(tmp_path / "brief.jinja"))
     c = cfg(backend="openai", urls=[fresh.url], concurrency=1, keep_truncated=True)
-    with pytest.raises(InvalidInput, match=rf"data.regenerate: {fresh.url} renders the prompts otherwise than the target"):
+    with pytest.raises(InvalidInput, match=rf"data.regenerate: {fresh.url} renders the prompts otherwise"):
         regenerate_conversations(convs, c, templated, tmp_path / "other", "train")
     probe = fresh.requests[1]  # after the first prompt: its text alone, one token
     assert probe["max_tokens"] == 1 and all(isinstance(m["content"], str) for m in probe["messages"])
