@@ -422,7 +422,9 @@ class TargetServer(ThreadingHTTPServer):
     the first attempt of every distinct request answer 500. As SGLang and vLLM, it renders the
     request's `tools`, parses a call's JSON arguments back into an object for the template, and
     refuses a tool result without a `tool_call_id`; `call_tools` answers with a parsed call;
-    `refuse_one_token` answers 400 to a request for one token (the template check's probe)."""
+    `refuse_one_token` answers 400 to a request for one token (the template check's probe),
+    `reject_all` 400 to every chat request; `api_key` wants it as a Bearer token (401 otherwise);
+    a model other than tiny-chat is 404, as vLLM answers it."""
 
     daemon_threads = True
 
@@ -436,7 +438,8 @@ class TargetServer(ThreadingHTTPServer):
         self.requests: list[dict] = []
         self.in_flight = self.max_in_flight = 0
         self.fail_markers: tuple[str, ...] = ()
-        self.flaky = self.call_tools = self.refuse_one_token = False
+        self.flaky = self.call_tools = self.refuse_one_token = self.reject_all = False
+        self.api_key: str | None = None  # as --api-key KEY
         self.chat_template: str | None = None  # as --chat-template FILE: instead of the tokenizer's
         self.seen: set[str] = set()
         self.url = f"http://127.0.0.1:{self.server_address[1]}"
@@ -492,7 +495,16 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
+    def _refused_key(self) -> bool:
+        """As a server started with --api-key: 401 without its Bearer token."""
+        if self.server.api_key and self.headers.get("Authorization") != f"Bearer {self.server.api_key}":
+            self._send(401, {"error": "Unauthorized"})
+            return True
+        return False
+
     def do_GET(self):
+        if self._refused_key():
+            return
         if self.path == "/v1/models":
             self._send(200, {"object": "list", "data": [{"id": "tiny-chat", "object": "model"}]})
         else:
@@ -510,8 +522,14 @@ class Handler(BaseHTTPRequestHandler):
             srv.seen.add(raw)
         try:
             time.sleep(0.05)  # a server takes a while to answer; let the client's requests overlap
+            if self._refused_key():
+                return
             if self.path != "/v1/chat/completions":
                 return self._send(404, {"error": f"no route {self.path}"})
+            if body.get("model") != "tiny-chat":
+                return self._send(404, {"error": f"The model `{body.get('model')}` does not exist."})
+            if srv.reject_all:
+                return self._send(400, {"error": "unsupported parameter (test)"})
             if any(m in json.dumps(body["messages"]) for m in srv.fail_markers):
                 return self._send(500, {"error": "internal error (test)"})
             if any(m["role"] == "tool" and not m.get("tool_call_id") for m in body["messages"]):
@@ -541,7 +559,8 @@ def fresh(server):
     server.requests.clear()
     server.seen.clear()
     server.max_in_flight, server.fail_markers, server.flaky, server.call_tools = 0, (), False, False
-    server.refuse_one_token = False
+    server.refuse_one_token = server.reject_all = False
+    server.api_key = None
     server.chat_template = None
     return server
 
@@ -595,6 +614,42 @@ def test_openai_failures_retries_and_rerun(fresh, target, tmp_path):
     assert report["asked"] == 2 and report["regenerated"] == 6 and report["failed"] == 0
     assert len(fresh.requests) == n + 2
     assert list(read_jsonl(tmp_path / "regen_train.failures.jsonl")) == []
+
+
+def test_a_server_that_rejects_every_conversation_stops_the_run_and_keeps_none_of_them(fresh, target, tmp_path,
+                                                                                       monkeypatch):
+    """A server started with --api-key (no key here), a model name it does not serve, or one that
+    rejects every request (400): before, each conversation was kept with its original answer and
+    logged as done, so the fixed server was never asked again. Now the run stops naming the error;
+    a rejection streak keeps none of its conversations, and the next run asks them all."""
+    from specforge.errors import InvalidInput
+
+    monkeypatch.delenv("SPECFORGE_API_KEY", raising=False)
+    convs = dataset(10, follow_up_every=99)
+    c = cfg(backend="openai", urls=[fresh.url], concurrency=2)
+    fresh.api_key = "s3cret"
+    with pytest.raises(InvalidInput, match=rf"{fresh.url}/v1/models: HTTP 401: the server wants an API key; set "
+                                           "SPECFORGE_API_KEY to its --api-key"):
+        regenerate_conversations(convs, c, target, tmp_path / "key", "train")
+    monkeypatch.setenv("SPECFORGE_API_KEY", "s3cret")
+    assert regenerate_conversations(convs[:2], c, target, tmp_path / "key", "train")[1]["regenerated"] == 2
+    fresh.api_key = None
+
+    with pytest.raises(InvalidInput, match=r"HTTP 404 .*does not exist.*: no such model or route there; check "
+                                           r"data.regenerate.model \('gpt-4'\)"):
+        with pytest.warns(UserWarning, match="is not among the served models"):
+            regenerate_conversations(convs, cfg(backend="openai", urls=[fresh.url], model="gpt-4"), target,
+                                     tmp_path / "model", "train")
+
+    fresh.reject_all = True
+    with pytest.raises(InvalidInput, match=r"the servers rejected the last 8 conversations in a row; last: .*HTTP 400 "
+                                           r".*unsupported parameter \(test\).* None of them is kept"):
+        regenerate_conversations(convs, c, target, tmp_path / "rejected", "train")
+    log = (tmp_path / "rejected" / "regen_train.partial.jsonl").read_text().splitlines()
+    assert len(log) == 1  # the header: not one conversation kept as done
+    fresh.reject_all = False  # the server fixed: every conversation is asked
+    rows, report = regenerate_conversations(convs, c, target, tmp_path / "rejected", "train")
+    assert report["asked"] == 10 and report["resumed"] == 0 and report["failed"] == 0
 
 
 def test_a_server_rendering_another_template_stops_the_run_before_an_answer_is_kept(fresh, target, tmp_path):

@@ -1,9 +1,11 @@
 """Regeneration through OpenAI-compatible servers (SGLang, vLLM): POST /v1/chat/completions.
 
 Standard library HTTP in a thread pool: `concurrency` conversations in flight, each replayed turn
-by turn; requests go round-robin over the URLs and a retry moves on to the next URL. Connection
-errors, timeouts, 429 and 5xx are retried with exponential backoff; other 4xx are not (asking
-again gives the same answer).
+by turn; requests go round-robin over the URLs and a retry moves on to the next URL, with the key
+of $SPECFORGE_API_KEY (the servers' --api-key) as a Bearer token. Connection errors, timeouts, 429
+and 5xx are retried with exponential backoff; other 4xx are not (asking again gives the same
+answer). 401, 403 and 404 say the server or model is wrong, not the conversation: the run stops.
+So does a streak of rejected conversations, none of which is kept: the next run asks them again.
 
 A server renders the prompt with its own chat template. Given the target's (`prompts`), the first
 prompt each server answers is checked: as many prompt tokens there (OpenAI's usage) as here, or the
@@ -29,6 +31,7 @@ from specforge.data.regen.prompt import PromptRenderer
 from specforge.data.regen.replay import Answer, RegenFailure, Replay
 from specforge.data.template import THINKING_SWITCH
 from specforge.errors import InvalidInput, SpecForgeWarning
+from specforge.launch.process import api_key_from_env, auth_headers
 from specforge.utils.io import fingerprint
 
 RETRIES = 3  # after the first attempt; backoff 0.5 s, 1 s, 2 s
@@ -63,6 +66,7 @@ class OpenAIBackend:
                              "(e.g. http://127.0.0.1:30000)")
         self.cfg, self.seed, self.retries, self.backoff_s = cfg, seed, retries, backoff_s
         self.concurrency = max(1, int(cfg.concurrency))
+        self.auth = auth_headers(api_key_from_env())
         self.urls, served = self._probe([normalise_url(u) for u in cfg.urls])
         self.model = cfg.model or (served[0] if served else None)
         if self.model is None:
@@ -83,9 +87,13 @@ class OpenAIBackend:
         alive, served, dead = [], [], []
         for url in urls:
             try:
-                with urllib.request.urlopen(f"{url}/v1/models", timeout=PROBE_TIMEOUT_S) as resp:
+                req = urllib.request.Request(f"{url}/v1/models", headers=self.auth)
+                with urllib.request.urlopen(req, timeout=PROBE_TIMEOUT_S) as resp:
                     raw = resp.read()
-            except urllib.error.HTTPError:
+            except urllib.error.HTTPError as e:
+                if e.code in (401, 403):
+                    raise InvalidInput(f"data.regenerate.urls: {url}/v1/models: HTTP {e.code}: the server wants an "
+                                       "API key; set SPECFORGE_API_KEY to its --api-key") from None
                 alive.append(url)
                 continue
             except TRANSPORT_ERRORS as e:
@@ -107,22 +115,33 @@ class OpenAIBackend:
     def run(self, replays: list[Replay], on_answer: Callable[[int], None] | None = None) -> Iterator[Replay]:
         """Yield conversations as they finish; `on_answer(tokens)` is called after every answered
         turn, from the worker threads. Stops with ConnectionError when the servers stop answering
-        (a streak of conversations failing transiently): what finished is kept."""
+        (a streak of conversations failing transiently), and with InvalidInput when they reject
+        conversation after conversation (a streak of rejections, held back until one goes through,
+        so that none of a streak is kept as done); what finished is kept."""
         pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="regen")
         todo = iter(replays)
         running: set = set()
         streak, give_up = 0, max(8, 2 * self.concurrency)
+        rejected: list[Replay] = []  # rejected in a row: theirs, or the servers' (then never kept)
         try:
             while True:
                 while len(running) < self.concurrency and (r := next(todo, None)) is not None:
                     running.add(pool.submit(self._replay, r, on_answer))
                 if not running:
+                    yield from rejected  # fewer than a streak: kept with their original answers, counted
                     return
                 finished, running = wait(running, return_when=FIRST_COMPLETED)
                 if self._mismatch is not None:  # nothing of this batch is kept: it may be that server's
                     raise self._mismatch
                 for fut in finished:
                     r = fut.result()
+                    if r.failure is not None and r.failure.code == "regen_request_rejected":
+                        rejected.append(r)
+                        if len(rejected) >= give_up:
+                            raise _rejected_all(rejected)
+                        continue
+                    yield from rejected  # another conversation went through: the rejections were theirs
+                    rejected.clear()
                     yield r
                     streak = streak + 1 if r.failure is not None and r.failure.transient else 0
                     if streak >= give_up:
@@ -163,7 +182,7 @@ class OpenAIBackend:
         for attempt in range(self.retries + 1):
             url = self.urls[next(self._turn) % len(self.urls)]
             req = urllib.request.Request(f"{url}/v1/chat/completions", data=body,
-                                         headers={"Content-Type": "application/json"})
+                                         headers={"Content-Type": "application/json", **self.auth})
             try:
                 with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as resp:
                     answer = _parse(resp.read(), url)
@@ -171,6 +190,14 @@ class OpenAIBackend:
                 return answer
             except urllib.error.HTTPError as e:
                 last = f"{url}/v1/chat/completions: HTTP {e.code} {_excerpt(e)}".rstrip()
+                if e.code in (401, 403):
+                    raise InvalidInput(f"data.regenerate: {last}: the server wants an API key; set SPECFORGE_API_KEY "
+                                       "to its --api-key. Finished results are kept; run again to resume") from None
+                if e.code == 404:
+                    raise InvalidInput(f"data.regenerate: {last}: no such model or route there; check "
+                                       f"data.regenerate.model ({self.model!r}) and that the URL is an "
+                                       "OpenAI-compatible server. Finished results are kept; run again to resume"
+                                       ) from None
                 if e.code != 429 and e.code < 500:
                     raise RegenFailure("regen_request_rejected", last) from None
             except TRANSPORT_ERRORS as e:
@@ -213,12 +240,18 @@ class OpenAIBackend:
     def _prompt_tokens(self, url: str, messages: list[dict], tools: list[dict] | None) -> int | None:
         """`url`'s count of this prompt's tokens, asked for one answered token (None: no answer)."""
         req = urllib.request.Request(f"{url}/v1/chat/completions", data=self._body(messages, tools, 0, 1),
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json", **self.auth})
         try:
             with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as resp:
                 return _parse(resp.read(), url).prompt_tokens
         except (urllib.error.HTTPError, RegenFailure, *TRANSPORT_ERRORS):
             return None
+
+
+def _rejected_all(rejected: list[Replay]) -> InvalidInput:
+    return InvalidInput(f"data.regenerate: the servers rejected the last {len(rejected)} conversations in a row; "
+                        f"last: {rejected[-1].failure.detail}. None of them is kept; check the servers' options "
+                        "(data.regenerate.model, --chat-template, the context length) and run again to resume")
 
 
 def _text_of(content: str | list) -> str:
