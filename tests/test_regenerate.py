@@ -423,8 +423,8 @@ class TargetServer(ThreadingHTTPServer):
     request's `tools`, parses a call's JSON arguments back into an object for the template, and
     refuses a tool result without a `tool_call_id`; `call_tools` answers with a parsed call;
     `refuse_one_token` answers 400 to a request for one token (the template check's probe),
-    `reject_all` 400 to every chat request; `api_key` wants it as a Bearer token (401 otherwise);
-    a model other than tiny-chat is 404, as vLLM answers it."""
+    `reject_all` 400 to every chat request, `not_chat` 200 with no completion; `api_key` wants it as
+    a Bearer token (401 otherwise); a model other than tiny-chat is 404, as vLLM answers it."""
 
     daemon_threads = True
 
@@ -438,7 +438,7 @@ class TargetServer(ThreadingHTTPServer):
         self.requests: list[dict] = []
         self.in_flight = self.max_in_flight = 0
         self.fail_markers: tuple[str, ...] = ()
-        self.flaky = self.call_tools = self.refuse_one_token = self.reject_all = False
+        self.flaky = self.call_tools = self.refuse_one_token = self.reject_all = self.not_chat = False
         self.api_key: str | None = None  # as --api-key KEY
         self.chat_template: str | None = None  # as --chat-template FILE: instead of the tokenizer's
         self.seen: set[str] = set()
@@ -530,6 +530,8 @@ class Handler(BaseHTTPRequestHandler):
                 return self._send(404, {"error": f"The model `{body.get('model')}` does not exist."})
             if srv.reject_all:
                 return self._send(400, {"error": "unsupported parameter (test)"})
+            if srv.not_chat:
+                return self._send(200, {"status": "ok"})
             if any(m in json.dumps(body["messages"]) for m in srv.fail_markers):
                 return self._send(500, {"error": "internal error (test)"})
             if any(m["role"] == "tool" and not m.get("tool_call_id") for m in body["messages"]):
@@ -559,7 +561,7 @@ def fresh(server):
     server.requests.clear()
     server.seen.clear()
     server.max_in_flight, server.fail_markers, server.flaky, server.call_tools = 0, (), False, False
-    server.refuse_one_token = server.reject_all = False
+    server.refuse_one_token = server.reject_all = server.not_chat = False
     server.api_key = None
     server.chat_template = None
     return server
@@ -642,12 +644,17 @@ def test_a_server_that_rejects_every_conversation_stops_the_run_and_keeps_none_o
                                      tmp_path / "model", "train")
 
     fresh.reject_all = True
-    with pytest.raises(InvalidInput, match=r"the servers rejected the last 8 conversations in a row; last: .*HTTP 400 "
+    with pytest.raises(InvalidInput, match=r"the servers rejected the last 8 conversations in a row \(or answered them "
+                                           r"with no chat completion\); last: regen_request_rejected: .*HTTP 400 "
                                            r".*unsupported parameter \(test\).* None of them is kept"):
         regenerate_conversations(convs, c, target, tmp_path / "rejected", "train")
+    fresh.reject_all, fresh.not_chat = False, True  # an endpoint that answers something else
+    with pytest.raises(InvalidInput, match=r"last: regen_bad_response: .*not a chat completion"):
+        regenerate_conversations(convs, c, target, tmp_path / "rejected", "train")
+    fresh.not_chat = False
     log = (tmp_path / "rejected" / "regen_train.partial.jsonl").read_text().splitlines()
     assert len(log) == 1  # the header: not one conversation kept as done
-    fresh.reject_all = False  # the server fixed: every conversation is asked
+    # the server fixed: every conversation is asked
     rows, report = regenerate_conversations(convs, c, target, tmp_path / "rejected", "train")
     assert report["asked"] == 10 and report["resumed"] == 0 and report["failed"] == 0
 

@@ -38,6 +38,9 @@ RETRIES = 3  # after the first attempt; backoff 0.5 s, 1 s, 2 s
 BACKOFF_S = 0.5
 REQUEST_TIMEOUT_S = 600.0  # a long answer on a busy server takes minutes
 PROBE_TIMEOUT_S = 10.0
+# Failures that are the conversation's own now and then, but the server's when they come in a streak
+# (an option it does not take, an endpoint that answers something else than a chat completion).
+SERVER_WIDE = ("regen_request_rejected", "regen_bad_response")
 TRANSPORT_ERRORS = (urllib.error.URLError, ConnectionError, TimeoutError, socket.timeout, http.client.HTTPException)
 
 
@@ -135,7 +138,7 @@ class OpenAIBackend:
                     raise self._mismatch
                 for fut in finished:
                     r = fut.result()
-                    if r.failure is not None and r.failure.code == "regen_request_rejected":
+                    if r.failure is not None and r.failure.code in SERVER_WIDE:
                         rejected.append(r)
                         if len(rejected) >= give_up:
                             raise _rejected_all(rejected)
@@ -249,9 +252,11 @@ class OpenAIBackend:
 
 
 def _rejected_all(rejected: list[Replay]) -> InvalidInput:
-    return InvalidInput(f"data.regenerate: the servers rejected the last {len(rejected)} conversations in a row; "
-                        f"last: {rejected[-1].failure.detail}. None of them is kept; check the servers' options "
-                        "(data.regenerate.model, --chat-template, the context length) and run again to resume")
+    return InvalidInput(f"data.regenerate: the servers rejected the last {len(rejected)} conversations in a row "
+                        f"(or answered them with no chat completion); last: {rejected[-1].failure.reason}. None of "
+                        "them is kept; check the servers' options (data.regenerate.model, --chat-template, the "
+                        "context length) and that data.regenerate.urls are OpenAI-compatible servers, and run again "
+                        "to resume")
 
 
 def _text_of(content: str | list) -> str:
