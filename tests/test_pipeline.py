@@ -261,6 +261,9 @@ def test_empty_tree_list_is_refused_before_anything_runs(weather_files, tiny_tar
      ["data.overlength: must be one of truncate, drop, got 'cut'",
       "eval.dtype: must be one of bfloat16, float16, float32 (or null), got 'fp16'"]),
     (["eval.scenario=bogus"], ["eval.scenario: unknown scenario 'bogus'; known: ['chat', 'code', 'completion']"]),
+    # every conversation would be refused as too long and kept with its original answer
+    (["data.regenerate.enabled=true", "data.regenerate.max_new_tokens=2048"],
+     ["data.regenerate.max_new_tokens=2048 leaves no room for a prompt in the target's 2048 positions"]),
     (["launch.nodes=0", "launch.dist_timeout_minutes=0"],
      ["launch.nodes: must be >= 1, got 0", "launch.dist_timeout_minutes: must be > 0, got 0.0"]),
     # the draft's geometry: torch's shape errors at the first training step, after data and extract

@@ -185,12 +185,19 @@ def target_context(target_config) -> int | None:
 
 def check_max_length(cfg, target_config, where) -> None:
     """data.max_length within the target's positions: past them its hidden states are not what it
-    serves (RoPE beyond its training), and training would learn from them without a sign."""
+    serves (RoPE beyond its training), and training would learn from them without a sign. And
+    room for a prompt beside data.regenerate.max_new_tokens: else every conversation is refused
+    (regen_prompt_too_long) and kept with its original answer."""
     positions = target_context(target_config)
     if positions and cfg.data.max_length > positions:
         raise InvalidInput(f"data.max_length={cfg.data.max_length} is past the target's context: {positions} "
                            f"positions (max_position_embeddings and RoPE scaling in {where}/config.json); "
                            f"set data.max_length <= {positions}")
+    regen = cfg.data.regenerate
+    if positions and regen.enabled and regen.max_new_tokens >= positions:
+        raise InvalidInput(f"data.regenerate.max_new_tokens={regen.max_new_tokens} leaves no room for a prompt in the "
+                           f"target's {positions} positions ({where}/config.json): every conversation would be kept "
+                           f"with its original answer; set it well below {positions}")
 
 
 def _identities(entries: list[str]) -> dict[str, tuple]:
