@@ -206,12 +206,14 @@ def test_a_max_length_past_the_targets_context_is_refused_before_any_row_is_read
     # a RoPE scaling factor stated beside the original length extends it; Llama 3.1's names the original
     from transformers import LlamaConfig
 
-    assert stage.target_context(LlamaConfig(max_position_embeddings=4096, rope_scaling={"rope_type": "linear",
-                                                                                        "factor": 4.0})) == 16384
+    from specforge.targets.loader import target_context
+
+    assert target_context(LlamaConfig(max_position_embeddings=4096, rope_scaling={"rope_type": "linear",
+                                                                                  "factor": 4.0})) == 16384
     llama31 = AutoConfig.from_pretrained(Path(__file__).resolve().parents[1] / "benchmarks/targets/llama-3.1-8b")
-    assert stage.target_context(llama31) == 131072  # already the scaled length (8 x 8,192 is less)
+    assert target_context(llama31) == 131072  # already the scaled length (8 x 8,192 is less)
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
-    assert stage.target_context(LlamaConfig(max_position_embeddings=40960, rope_scaling=yarn)) == 131072  # Qwen3
+    assert target_context(LlamaConfig(max_position_embeddings=40960, rope_scaling=yarn)) == 131072  # Qwen3
 
 
 def test_a_draft_vocab_that_covers_too_few_loss_tokens_is_refused_with_its_report(tmp_path, tiny_target_dir, raw):

@@ -174,6 +174,18 @@ def test_a_bad_row_stops_the_stage_before_the_target_loads(tiny_run, tmp_path, m
     assert not (tiny_run / "eval").exists()
 
 
+def test_a_prompt_past_the_targets_context_is_refused_before_the_target_loads(tiny_run, tmp_path, monkeypatch):
+    """With eval.max_new_tokens, a prompt longer than the target's positions (the tiny target's
+    2,048) would be measured where the target was never trained: refused naming it."""
+    write_jsonl(tmp_path / "asks.jsonl", [{"prompt": "ok"}, {"id": "essay", "prompt": "word " * 2100}])
+    monkeypatch.setattr(engine_eval, "load_target", lambda *a, **k: pytest.fail("the target loaded"))
+    run_cfg, ev = configs(tiny_run, f"suites=['{tmp_path / 'asks.jsonl'}']")
+    with pytest.raises(ValueError, match=r"eval.suites: .*asks.jsonl: prompt 'essay' is \d+ tokens: with "
+                                         r"eval.max_new_tokens 6 it runs past the target's 2048 positions"):
+        run_evaluation(run_cfg, tiny_run, ev)
+    assert not (tiny_run / "eval").exists()
+
+
 def test_the_eval_stage_reports_every_configuration_per_suite(tiny_run, tmp_path):
     write_jsonl(tmp_path / "asks.jsonl", [{"prompt": f"Write a function number {i}"} for i in range(4)])
     run_cfg, ev = configs(tiny_run, f"suites=[heldout,'{tmp_path / 'asks.jsonl'}']", "dtype=float32")

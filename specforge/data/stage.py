@@ -167,27 +167,13 @@ def check(cfg) -> None:
                                    "training prompts")
 
 
-def target_context(target_config) -> int | None:
-    """The positions the target serves: max_position_embeddings, or its RoPE scaling's reach where
-    that is longer: the factor times the original length it names (YaRN on Qwen3: 4 x 32,768; Llama
-    3.1's max_position_embeddings is that already), else times max_position_embeddings (linear)."""
-    from specforge.targets.loader import text_config
-
-    text = text_config(target_config)
-    positions = getattr(text, "max_position_embeddings", None)
-    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
-    factor = rope.get("factor") if isinstance(rope, dict) else None
-    original = rope.get("original_max_position_embeddings") if isinstance(rope, dict) else None
-    if positions and factor and factor > 1:
-        return max(positions, int((original or positions) * factor))
-    return positions
-
-
 def check_max_length(cfg, target_config, where) -> None:
     """data.max_length within the target's positions: past them its hidden states are not what it
     serves (RoPE beyond its training), and training would learn from them without a sign. And
     room for a prompt beside data.regenerate.max_new_tokens: else every conversation is refused
     (regen_prompt_too_long) and kept with its original answer."""
+    from specforge.targets.loader import target_context
+
     positions = target_context(target_config)
     if positions and cfg.data.max_length > positions:
         raise InvalidInput(f"data.max_length={cfg.data.max_length} is past the target's context: {positions} "

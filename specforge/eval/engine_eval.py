@@ -34,7 +34,8 @@ from specforge.eval.prompts import load_suites
 from specforge.eval.resume import KEY as RESUME_KEY
 from specforge.run_layout import RunLayout, epoch_of
 from specforge.targets.loader import (compute_dtype, dtype_name as dtype_name_of, load_target, load_tokenizer,
-                                      resolve_target_path, target_fingerprint, torch_dtype)
+                                      local_target_config, resolve_target_path, target_context,
+                                      target_fingerprint, torch_dtype)
 from specforge.targets.vl import is_vl, load_image_processor, vl_info
 from specforge.utils.io import file_fingerprint
 from specforge.utils.progress import progress_bar
@@ -264,7 +265,9 @@ def load_engine_inputs(run_cfg, eval_cfg):
         target_path = resolve_target_path(run_cfg.target)
         vl = (load_image_processor(target_path, run_cfg.data.image_min_pixels, run_cfg.data.image_max_pixels),
               vl_info(target_path))
-    suites = load_suites(run_cfg, eval_cfg, tokenizer, vl)  # a bad suite fails before the target loads
+    config = local_target_config(run_cfg.target)
+    positions = target_context(config) if config is not None else None
+    suites = load_suites(run_cfg, eval_cfg, tokenizer, vl, positions)  # a bad suite fails before the target loads
     return device, dtype_name, tokenizer, suites, load_target(target_cfg, device)
 
 

@@ -188,11 +188,13 @@ def check_suites(eval_cfg) -> dict[str, str]:
     return named
 
 
-def load_suites(run_cfg, eval_cfg, tokenizer, vl=None) -> dict[str, list[dict]]:
+def load_suites(run_cfg, eval_cfg, tokenizer, vl=None, positions: int | None = None) -> dict[str, list[dict]]:
     """{suite name: [{"id", "suite", "input_ids", "messages", ("images")}]}, up to eval.num_prompts
     per suite, every file checked whole first; what eval_with_engine and the planner (`plan` takes
     these dicts) run. `vl` (image processor, VLInfo): see render_prompt; without it a file prompt
-    with images is refused (a text target cannot see them)."""
+    with images is refused (a text target cannot see them). `positions`: the target's context
+    (targets/loader.py target_context); a prompt that with eval.max_new_tokens runs past it is
+    refused (its figures would come from positions the target never served)."""
     from specforge.run_layout import RunLayout
 
     limit = int(eval_cfg.num_prompts)
@@ -213,6 +215,11 @@ def load_suites(run_cfg, eval_cfg, tokenizer, vl=None) -> dict[str, list[dict]]:
                                        f"target ({run_cfg.target.kind}) is not a vision-language model")
             prompts = [{"id": r["id"], **render_prompt(r["messages"], tokenizer, vl, r.get("tools"), template_kwargs)}
                        for r in rows[:limit]]
+        new = int(eval_cfg.max_new_tokens)
+        if positions and (long := next((p for p in prompts if len(p["input_ids"]) + new > positions), None)):
+            raise InvalidInput(f"eval.suites: {entry}: prompt {long['id']!r} is {len(long['input_ids'])} tokens: with "
+                               f"eval.max_new_tokens {new} it runs past the target's {positions} positions; shorten "
+                               "or drop it, or lower eval.max_new_tokens")
         suites[name] = [{**p, "suite": name} for p in prompts]
         if len(prompts) < limit:  # the report's figures stand on fewer requests than asked for
             print(f"[eval] suite {name!r}: {len(prompts)} prompts, all it has (eval.num_prompts={limit})", flush=True)

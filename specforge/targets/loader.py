@@ -83,6 +83,20 @@ def local_target_config(target_cfg):
     return AutoConfig.from_pretrained(target_cfg.path, trust_remote_code=target_cfg.trust_remote_code)
 
 
+def target_context(target_config) -> int | None:
+    """The positions the target serves: max_position_embeddings, or its RoPE scaling's reach where
+    that is longer: the factor times the original length it names (YaRN on Qwen3: 4 x 32,768; Llama
+    3.1's max_position_embeddings is that already), else times max_position_embeddings (linear)."""
+    text = text_config(target_config)
+    positions = getattr(text, "max_position_embeddings", None)
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    factor = rope.get("factor") if isinstance(rope, dict) else None
+    original = rope.get("original_max_position_embeddings") if isinstance(rope, dict) else None
+    if positions and factor and factor > 1:
+        return max(positions, int((original or positions) * factor))
+    return positions
+
+
 def _refuse_a_draft(path: Path) -> None:
     """A draft checkpoint named as the target would load as a model whose every layer but one
     is random (transformers only warns): say what it is instead."""
