@@ -287,9 +287,10 @@ def test_settings_of_later_stages_that_cannot_work_are_refused_before_the_first_
 
 
 def test_a_batch_the_samples_cannot_give_is_refused_before_the_extract_stage(weather_files, tiny_target_dir, capsys):
-    """train.batch_size above the sample count, or train.pack_tokens below the longest sample, can
-    only be known from the data stage's samples: refused as soon as they are final, not once the
-    target's hidden states are extracted. The data stage stays done: fixing the setting skips it."""
+    """train.batch_size above the sample count, train.pack_tokens below the longest sample, or fewer
+    micro-batches than one optimizer step takes can only be known from the data stage's samples:
+    refused as soon as they are final, not once the target's hidden states are extracted (and
+    check_only says the steps per epoch). The data stage stays done: fixing the setting skips it."""
     run_dir = weather_files / "outputs" / "smollm2_weather"
     with pytest.raises(InvalidInput, match="train.batch_size=1000 is more than the 24 training samples"):
         run_pipeline(compose_cfg(weather_files, tiny_target_dir, "train.batch_size=1000"))
