@@ -41,6 +41,7 @@ PROBE_TIMEOUT_S = 10.0
 # Failures that are the conversation's own now and then, but the server's when they come in a streak
 # (an option it does not take, an endpoint that answers something else than a chat completion).
 SERVER_WIDE = ("regen_request_rejected", "regen_bad_response")
+NEEDS_KEY = "the server wants an API key; set SPECFORGE_API_KEY to its --api-key"  # its answer to 401 / 403
 TRANSPORT_ERRORS = (urllib.error.URLError, ConnectionError, TimeoutError, socket.timeout, http.client.HTTPException)
 
 
@@ -95,8 +96,7 @@ class OpenAIBackend:
                     raw = resp.read()
             except urllib.error.HTTPError as e:
                 if e.code in (401, 403):
-                    raise InvalidInput(f"data.regenerate.urls: {url}/v1/models: HTTP {e.code}: the server wants an "
-                                       "API key; set SPECFORGE_API_KEY to its --api-key") from None
+                    raise InvalidInput(f"data.regenerate.urls: {url}/v1/models: HTTP {e.code}: {NEEDS_KEY}") from None
                 alive.append(url)
                 continue
             except TRANSPORT_ERRORS as e:
@@ -184,18 +184,15 @@ class OpenAIBackend:
         last = ""
         for attempt in range(self.retries + 1):
             url = self.urls[next(self._turn) % len(self.urls)]
-            req = urllib.request.Request(f"{url}/v1/chat/completions", data=body,
-                                         headers={"Content-Type": "application/json", **self.auth})
             try:
-                with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as resp:
-                    answer = _parse(resp.read(), url)
+                answer = self._post(url, body)
                 self._check_rendering(url, messages, tools, answer.prompt_tokens)
                 return answer
             except urllib.error.HTTPError as e:
                 last = f"{url}/v1/chat/completions: HTTP {e.code} {_excerpt(e)}".rstrip()
                 if e.code in (401, 403):
-                    raise InvalidInput(f"data.regenerate: {last}: the server wants an API key; set SPECFORGE_API_KEY "
-                                       "to its --api-key. Finished results are kept; run again to resume") from None
+                    raise InvalidInput(f"data.regenerate: {last}: {NEEDS_KEY}. Finished results are kept; run again "
+                                       "to resume") from None
                 if e.code == 404:
                     raise InvalidInput(f"data.regenerate: {last}: no such model or route there; check "
                                        f"data.regenerate.model ({self.model!r}) and that the URL is an "
@@ -240,13 +237,17 @@ class OpenAIBackend:
                 "(data.regenerate.check_template=false skips this check)")
         raise self._mismatch
 
+    def _post(self, url: str, body: bytes) -> Answer:
+        """One chat completion of `url` (an HTTP or transport error, or no completion, raises)."""
+        req = urllib.request.Request(f"{url}/v1/chat/completions", data=body,
+                                     headers={"Content-Type": "application/json", **self.auth})
+        with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as resp:
+            return _parse(resp.read(), url)
+
     def _prompt_tokens(self, url: str, messages: list[dict], tools: list[dict] | None) -> int | None:
         """`url`'s count of this prompt's tokens, asked for one answered token (None: no answer)."""
-        req = urllib.request.Request(f"{url}/v1/chat/completions", data=self._body(messages, tools, 0, 1),
-                                     headers={"Content-Type": "application/json", **self.auth})
         try:
-            with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as resp:
-                return _parse(resp.read(), url).prompt_tokens
+            return self._post(url, self._body(messages, tools, 0, 1)).prompt_tokens
         except (urllib.error.HTTPError, RegenFailure, *TRANSPORT_ERRORS):
             return None
 
