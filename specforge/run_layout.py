@@ -59,6 +59,11 @@ class RunLayout:
         return self.data_dir / f"{split}.conversations.jsonl"
 
     @property
+    def embedded_images(self) -> Path:
+        """The images the data came with as bytes (data: URIs, table image columns), one file each."""
+        return self.data_dir / "images"
+
+    @property
     def quarantine(self) -> Path:
         return self.data_dir / "quarantine.jsonl"
 

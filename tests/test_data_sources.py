@@ -155,15 +155,19 @@ def test_nulls_are_dropped_at_every_level(tmp_path):
 
 
 def test_binary_values_quarantine_the_row_naming_the_field(tmp_path):
+    """Bytes in an image column's layout are an image (tests/test_embedded_images.py), here a broken
+    one; bytes anywhere else are not JSON."""
     path = tmp_path / "embedded.parquet"
-    pq.write_table(table_of([
-        {"id": "a", "images": [{"bytes": b"\x89PNG", "path": None}],
-         "conversations": [{"from": "human", "value": "<image>"}, {"from": "gpt", "value": "sun"}]}]), path)
-    (row,) = read_raw_rows(path)
-    assert row.data is None and row.line == 1
-    assert row.error.startswith("not representable as JSON: images[0].bytes holds bytes data")
-    (q,) = fix_dataset([row], FixConfig()).quarantined
-    assert q["reason"].startswith("invalid_json: not representable as JSON") and q["file"] == str(path)
+    conversations = [{"from": "human", "value": "<image>"}, {"from": "gpt", "value": "sun"}]
+    pq.write_table(table_of([{"id": "a", "images": [{"bytes": b"\x89PNG", "path": None}], "conversations": conversations},
+                             {"id": "b", "blob": b"\x89PNG", "conversations": conversations}]),
+                   path)
+    image, other = read_raw_rows(path)
+    assert image.data["images"] == ["data:;base64,iVBORw=="] and other.data is None and other.line == 2
+    assert other.error.startswith("not representable as JSON: blob holds bytes data")
+    broken, not_json = fix_dataset([image, other], FixConfig()).quarantined
+    assert broken["reason"].startswith("image_unreadable: data:;base64,iVBORw==: cannot be read as an image")
+    assert not_json["reason"].startswith("invalid_json: not representable as JSON") and not_json["file"] == str(path)
 
 
 def test_unreadable_tables_fail_naming_the_input(tmp_path):

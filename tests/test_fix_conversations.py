@@ -155,11 +155,14 @@ def test_readable_image_is_kept_with_its_resolved_absolute_path(image_root):
         {"type": "text", "text": "What is this map?"}, {"type": "image", "image": str(image_root.resolve() / "ok.png")}]
 
 
-def test_remote_images_are_neither_checked_nor_rewritten(image_root):
-    urls = ["https://example.com/x.png", "http://example.com/y.png", "data:image/png;base64,AAAA"]
-    rows = [_with_image(u, line=i) for i, u in enumerate(urls, 1)]
+def test_urls_are_neither_checked_nor_rewritten(image_root):
+    """A server may fetch them (specforge bench); where they would be opened here they are refused
+    (tests/test_embedded_images.py), as are data: URIs that are not images."""
+    urls = ["https://example.com/x.png", "http://example.com/y.png"]
+    rows = [_with_image(u, line=i) for i, u in enumerate(urls + ["data:image/png;base64,AAAA"], 1)]
     result = fix_dataset(rows, FixConfig(), image_root=str(image_root))
     assert [k["messages"][0]["content"][1]["image"] for k in result.kept] == urls
+    assert [q["reason"].split(": ")[0] for q in result.quarantined] == ["image_unreadable"]
 
 
 def test_fixed_rows_fixed_again_are_unchanged(image_root):

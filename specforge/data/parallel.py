@@ -38,11 +38,12 @@ CODE = [Path(__file__).parent / n for n in ("formats.py", "sources.py", "rows.py
 CODE.append(Path(__file__).parents[1] / "targets" / "vl.py")
 
 
-def normalise_split(cfg, files: list[str], max_chars: int, tokenizer=None,
-                    vl=None) -> tuple[int, list[dict], list[dict], list | None]:
+def normalise_split(cfg, files: list[str], max_chars: int, tokenizer=None, vl=None,
+                    embedded_dir: Path | None = None) -> tuple[int, list[dict], list[dict], list | None]:
     """(input rows, conversations, quarantine entries, renders) of `files`: the conversations
     and quarantine of the loop's read + fix step; with a `tokenizer`, also each conversation's
-    RowRender from the same pass (else None: render with `render_split` later)."""
+    RowRender from the same pass (else None: render with `render_split` later). `embedded_dir`:
+    where the workers write images embedded as data URIs (ImageChecker)."""
     fix_cfg = _plain_config(cfg.data.fix)
     if fix_cfg.enabled:
         check_config(fix_cfg)
@@ -50,7 +51,7 @@ def normalise_split(cfg, files: list[str], max_chars: int, tokenizer=None,
     rows, rows_key = _rows_dataset(files, cache)
     render = (_Render(tokenizer, vl, cfg.data.max_length, cfg.data.overlength, cfg.data.special_token_text)
               if tokenizer is not None else None)
-    step = _Normalise(fix_cfg, cfg.data.format, cfg.data.image_root, max_chars, render)
+    step = _Normalise(fix_cfg, cfg.data.format, cfg.data.image_root, max_chars, render, embedded_dir)
     if len(rows) == 0:
         return 0, [], [], [] if render else None
     key = fingerprint(rows_key, step.key(), _code_key())
@@ -138,14 +139,19 @@ class _Render:
 class _Normalise:
     """The map function of the fix step: parse, normalise_row, dedupe key (+ render when fused)."""
 
-    def __init__(self, fix_cfg, fmt: str, image_root: str | None, max_chars: int, render: _Render | None) -> None:
+    def __init__(self, fix_cfg, fmt: str, image_root: str | None, max_chars: int, render: _Render | None,
+                 embedded_dir: Path | None = None) -> None:
         self.fix, self.fmt, self.image_root, self.max_chars, self.render = fix_cfg, fmt, image_root, max_chars, render
-        self.images = ImageChecker(image_root)
+        self.embedded_dir = embedded_dir
+        self.images = ImageChecker(image_root, embedded_dir)
         self.dedupe = fix_cfg.enabled and fix_cfg.dedupe
 
     def key(self) -> dict:
+        # the embedded images' folder: the conversations name files there
+        embedded = str(Path(self.embedded_dir).resolve()) if self.embedded_dir else None
         return {"fix": asdict(self.fix), "format": self.fmt, "image_root": self.image_root, "cwd": os.getcwd(),
-                "max_chars": self.max_chars, "render": self.render.key() if self.render else None}
+                "max_chars": self.max_chars, "render": self.render.key() if self.render else None,
+                "embedded_dir": embedded}
 
     def features(self):
         from datasets import Features, List, Value

@@ -11,9 +11,10 @@ Spellings (`data.train_files` / `data.eval_files` entries):
 A row's `line` is its 1-based row index (in the whole folder / hub split). Arrow gives every
 row every struct field, None where the row had none: None-valued keys are dropped at every
 level, so a table row normalises exactly like the JSON row without those keys (in a table, a
-null field and a missing one are the same thing). A value JSON cannot hold (binary: e.g.
-embedded image bytes) makes the row an error row naming the field, quarantined as invalid_json;
-dates and times become ISO strings.
+null field and a missing one are the same thing). An image column of `datasets` (an Image feature,
+{bytes, path} in Arrow) becomes a base64 data URI, which the data stage writes to a file of the
+run (specforge/data/fix/conversations.py: ImageChecker); other binary values make the row an error
+row naming the field, quarantined as invalid_json; dates and times become ISO strings.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from typing import Any, Iterator
 
 from specforge.data.formats import DataFileError, RawRow
 from specforge.errors import InvalidInput, MissingInput
+from specforge.utils.images import to_data_uri
 from specforge.utils.io import file_fingerprint, fingerprint
 
 HUB_PREFIX = "hub:"
@@ -159,8 +161,11 @@ class _NotJSON(ValueError):
 
 
 def _plain(value: Any, where: str) -> Any:
-    """`value` as JSON types: None-valued keys dropped, dates as ISO strings; _NotJSON naming the
-    field for anything else (bytes)."""
+    """`value` as JSON types: None-valued keys dropped, dates as ISO strings, an image of a
+    `datasets` Image column as a data URI (or its path, where it holds no bytes); _NotJSON naming
+    the field for anything else (other bytes)."""
+    if isinstance(value, dict) and _is_image_struct(value):
+        return to_data_uri(value["bytes"]) if value["bytes"] is not None else value.get("path")
     if isinstance(value, dict):
         return {k: _plain(v, f"{where}.{k}" if where else str(k)) for k, v in value.items() if v is not None}
     if isinstance(value, (list, tuple)):
@@ -171,5 +176,11 @@ def _plain(value: Any, where: str) -> Any:
         return value.isoformat()
     if isinstance(value, (dt.timedelta, decimal.Decimal)):
         return str(value)
-    raise _NotJSON(f"{where or 'row'} holds {type(value).__name__} data (embedded images are not supported: "
-                   "give image paths)")
+    raise _NotJSON(f"{where or 'row'} holds {type(value).__name__} data (binary data is read only as an image, "
+                   "in a datasets Image column's {bytes, path} layout)")
+
+
+def _is_image_struct(value: dict) -> bool:
+    """How `datasets` stores an Image feature in Arrow: {"bytes": binary or null, "path": string or null}."""
+    return (set(value) == {"bytes", "path"} and isinstance(value["bytes"], (bytes, type(None)))
+            and isinstance(value["path"], (str, type(None))))

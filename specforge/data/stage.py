@@ -50,6 +50,8 @@ SHARE_HINTS = {
     "toon_not_a_document": "the answers are prose: set data.fix.toon=false, or data.fix.toon_prose=keep",
     "image_missing": "check data.image_root (now {image_root}; default: the data file's folder)",
     "image_outside_root": "check data.image_root (now {image_root})",
+    "image_remote": "the images are URLs, and nothing here fetches them: download them and name the files "
+                    "(or embed them: base64 data: URIs, or a Parquet / datasets Image column)",
     "special_token_text": "the texts spell the tokenizer's special tokens (a chat log saved with its template "
                           "applied?); data.special_token_text=keep tokenizes them as control tokens",
     "in_train": "the eval files repeat the training prompts: hold out other conversations, or set "
@@ -213,10 +215,10 @@ def _bytes_hash(path: Path) -> str:
 
 
 def _parse_only(rows: list[RawRow], fmt: str, image_root: str | None = None,
-                max_chars: int | None = None) -> tuple[list[dict], list[dict]]:
+                max_chars: int | None = None, embedded_dir: Path | None = None) -> tuple[list[dict], list[dict]]:
     """Without the fix step: parse each row, quarantine what does not parse, is too long or names
     a bad image (same reason codes); image paths are resolved as the fix step resolves them."""
-    images, off = ImageChecker(image_root), FixConfig(enabled=False)
+    images, off = ImageChecker(image_root, embedded_dir), FixConfig(enabled=False)
     kept, quarantined = [], []
     for raw in rows:
         try:
@@ -228,12 +230,13 @@ def _parse_only(rows: list[RawRow], fmt: str, image_root: str | None = None,
     return kept, quarantined
 
 
-def _normalise(cfg, rows: list[RawRow]) -> tuple[list[dict], list[dict]]:
+def _normalise(cfg, rows: list[RawRow], embedded_dir: Path | None) -> tuple[list[dict], list[dict]]:
     """(conversations {"id", "messages", "fixes", "file", "line"}, quarantine entries)."""
     max_chars = max_chars_per_row(cfg.data)
     if not cfg.data.fix.enabled:
-        return _parse_only(rows, cfg.data.format, cfg.data.image_root, max_chars)
-    result = fix_dataset(rows, cfg.data.fix, cfg.data.format, cfg.data.image_root, max_chars)
+        return _parse_only(rows, cfg.data.format, cfg.data.image_root, max_chars, embedded_dir)
+    result = fix_dataset(rows, cfg.data.fix, cfg.data.format, cfg.data.image_root, max_chars,
+                         embedded_dir=embedded_dir)
     if len(result.kept) + len(result.quarantined) != len(rows):
         raise RuntimeError(
             f"data.fix: {len(rows)} input rows but {len(result.kept)} kept + {len(result.quarantined)} "
@@ -258,17 +261,18 @@ def process_split(cfg, split: str, files: list[str], tokenizer, progress=None, r
         _check_exists(f)
     mapped = cfg.data.num_proc > 0
     renders = None  # one RowRender per conversation once rendered
+    embedded = RunLayout(run_dir).embedded_images if run_dir is not None else None  # else data URIs stay URIs
     if mapped:
         from specforge.data import parallel
 
         # Rendered in the same pass as the fix unless regeneration or max_samples come between.
         fused = not cfg.data.regenerate.enabled and cfg.data.max_samples is None
         n_rows, convs, quarantine, renders = parallel.normalise_split(
-            cfg, files, max_chars_per_row(cfg.data), tokenizer if fused else None, vl)
+            cfg, files, max_chars_per_row(cfg.data), tokenizer if fused else None, vl, embedded)
     else:
         rows = _read_split(files)
         n_rows = len(rows)
-        convs, quarantine = _normalise(cfg, rows)
+        convs, quarantine = _normalise(cfg, rows, embedded)
         del rows
     quarantine = [{"split": split, **q} for q in quarantine]
     in_train = None

@@ -11,6 +11,7 @@ from __future__ import annotations
 from specforge.data.formats import DataError
 from specforge.data.template import OVERLENGTH, Rendered, render
 from specforge.targets.vl import expand_image_tokens, image_inputs, image_token_counts, open_images
+from specforge.utils.images import RemoteImage
 
 
 def image_paths(messages: list[dict]) -> list[str]:
@@ -46,6 +47,8 @@ def render_vl(tokenizer, messages: list[dict], image_processor, info, max_length
     paths = image_paths(messages)
     try:
         images = image_inputs(open_images(paths), image_processor) if paths else None
+    except RemoteImage as e:
+        raise DataError(f"image_remote: {e}") from None
     except (OSError, ValueError) as e:
         raise DataError(f"image_unreadable: {e}") from None
     grids = images["image_grid_thw"].tolist() if images else []

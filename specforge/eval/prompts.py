@@ -74,6 +74,15 @@ def render_prompt(head: list[dict], tokenizer, vl=None, tools: list[dict] | None
     return prompt
 
 
+def _file_prompt(entry: str, row: dict, tokenizer, vl, template_kwargs: dict) -> dict:
+    """A suite file's row rendered as a prompt; an image that cannot be opened here (missing since the
+    file was checked, a URL) is refused naming the suite and the prompt."""
+    try:
+        return {"id": row["id"], **render_prompt(row["messages"], tokenizer, vl, row.get("tools"), template_kwargs)}
+    except (OSError, ValueError) as e:  # open_images: FileNotFoundError, RemoteImage, an undecodable image
+        raise InvalidInput(f"eval.suites: {entry}: prompt {row['id']!r}: {e}") from None
+
+
 def heldout_prompts(conversations_file: str | Path, tokenizer, limit: int, vl=None,
                     template_kwargs: dict | None = None) -> list[dict]:
     """[{"id", "input_ids", "messages", "template_kwargs"}] for up to `limit` conversations that
@@ -213,8 +222,7 @@ def load_suites(run_cfg, eval_cfg, tokenizer, vl=None, positions: int | None = N
                 if with_images is not None:
                     raise InvalidInput(f"eval.suites: {entry}: prompt {with_images['id']!r} has images but the "
                                        f"target ({run_cfg.target.kind}) is not a vision-language model")
-            prompts = [{"id": r["id"], **render_prompt(r["messages"], tokenizer, vl, r.get("tools"), template_kwargs)}
-                       for r in rows[:limit]]
+            prompts = [_file_prompt(entry, r, tokenizer, vl, template_kwargs) for r in rows[:limit]]
         new = int(eval_cfg.max_new_tokens)
         if positions and (long := next((p for p in prompts if len(p["input_ids"]) + new > positions), None)):
             raise InvalidInput(f"eval.suites: {entry}: prompt {long['id']!r} is {len(long['input_ids'])} tokens: with "

@@ -5,18 +5,10 @@ server tells a client nothing about files it may not read.
 """
 from __future__ import annotations
 
-import base64
-import binascii
-import io
-import re
 from pathlib import Path
 
 from specforge.serving.policy import RequestError, ServePolicy
-
-# The decoders a client can reach: the common photo formats, none of PIL's rarer or
-# externally delegated ones (EPS runs Ghostscript).
-IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
-_DATA_URI = re.compile(r"data:(image/[A-Za-z0-9.+-]+)?;base64,(.*)", re.DOTALL)
+from specforge.utils import images
 
 
 def load_image_data(image_data, policy: ServePolicy) -> list:
@@ -29,10 +21,10 @@ def load_image_data(image_data, policy: ServePolicy) -> list:
 
 def _load_one(ref: str, index: int, policy: ServePolicy):
     where = f"image_data[{index}]"
-    if ref.startswith(("http://", "https://")):
+    if images.is_remote(ref):
         raise RequestError(f"{where}: the embedded server takes local image files only (under --image-root) "
                            "or base64 data: URIs; it does not fetch URLs")
-    if ref.startswith("data:"):
+    if images.is_data_uri(ref):
         return decode_image(_data_uri_bytes(ref, where, policy.max_image_bytes), where)
     path = resolve_image_path(ref, policy.image_roots, where)
     try:  # inside a root: what goes wrong may be told
@@ -63,30 +55,19 @@ def resolve_image_path(ref: str, roots, where: str) -> Path:
 
 def _data_uri_bytes(uri: str, where: str, max_bytes: int) -> bytes:
     """The bytes of `data:[image/...];base64,...`, refused before decoding when too large."""
-    match = _DATA_URI.fullmatch(uri)
-    if match is None:
-        raise RequestError(f"{where}: a data URI must read data:image/<type>;base64,<data>")
-    payload = match.group(2)
-    if len(payload) // 4 * 3 > max_bytes:
-        raise RequestError(f"{where}: the data URI holds about {len(payload) // 4 * 3} bytes, "
-                           f"more than --max-image-bytes ({max_bytes})")
     try:
-        return base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError) as e:
-        raise RequestError(f"{where}: the data URI is not valid base64 ({e})") from None
+        payload = images.data_uri_payload(uri)
+        if len(payload) // 4 * 3 > max_bytes:
+            raise ValueError(f"the data URI holds about {len(payload) // 4 * 3} bytes, "
+                             f"more than --max-image-bytes ({max_bytes})")
+        return images.b64_bytes(payload)
+    except ValueError as e:
+        raise RequestError(f"{where}: {e}") from None
 
 
 def decode_image(data: bytes, where: str):
     """An RGB PIL image from encoded bytes; a bad or oversized image is the client's error (400)."""
-    from PIL import Image
-
     try:
-        with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as im:
-            if im.width * im.height > Image.MAX_IMAGE_PIXELS:
-                raise RequestError(f"{where}: {im.width}x{im.height} pixels, more than {Image.MAX_IMAGE_PIXELS}")
-            return im.convert("RGB")
-    except RequestError:
-        raise
-    except Exception as e:  # PIL's decoders raise many types (OSError, ValueError, SyntaxError, ...)
-        raise RequestError(f"{where}: cannot be read as an image ({', '.join(IMAGE_FORMATS)}): "
-                           f"{type(e).__name__}: {e}") from None
+        return images.decode_image(data)
+    except ValueError as e:
+        raise RequestError(f"{where}: {e}") from None

@@ -28,6 +28,7 @@ import torch
 
 from specforge.targets.layers import check_aux_layer_ids
 from specforge.targets.loader import deepstack_layers, hidden_states_request, untied_last_hidden_state
+from specforge.utils.images import RemoteImage, data_uri_bytes, decode_image, describe, is_data_uri, is_remote
 
 VL_KINDS = ("qwen3_vl", "qwen2_5_vl")
 
@@ -162,21 +163,32 @@ def load_image_processor(target_path, min_pixels: int | None = None, max_pixels:
     return processor
 
 
-def open_images(paths: Sequence[str | Path]) -> list:
-    """Open image files as RGB PIL images (decoded now, so a broken file fails here, by name)."""
+def open_images(refs: Sequence[str | Path]) -> list:
+    """Open images as RGB PIL images, decoded now so that a broken one fails here, by name: files, or
+    base64 `data:` URIs (what an eval prompt file may embed). A URL raises RemoteImage: nothing here
+    fetches from the network."""
     from PIL import Image, UnidentifiedImageError
 
-    images = []
-    for p in paths:
-        p = Path(p)
+    out = []
+    for ref in map(str, refs):
+        if is_data_uri(ref):
+            try:
+                out.append(decode_image(data_uri_bytes(ref)))
+            except ValueError as e:
+                raise ValueError(f"image {describe(ref)}: {e}") from None
+            continue
+        if is_remote(ref):
+            raise RemoteImage(f"{ref}: a URL; images are read from files or data: URIs here, never fetched: "
+                              "download them and name the files")
+        p = Path(ref)
         if not p.is_file():
             raise FileNotFoundError(f"image {p}: file not found")
         try:
             with Image.open(p) as im:
-                images.append(im.convert("RGB"))
+                out.append(im.convert("RGB"))
         except (UnidentifiedImageError, OSError, ValueError) as e:
             raise ValueError(f"image {p}: cannot be read as an image ({e})") from e
-    return images
+    return out
 
 
 def image_inputs(images: Sequence, image_processor) -> dict:

@@ -18,7 +18,8 @@ valid unless `toon_unrepairable="keep"`: either is then left as written, and the
 Images: every image part is checked once (missing, unreadable or outside `image_root` ->
 quarantined with the path in the reason) and a local one is rewritten to its resolved absolute
 path, so later stages (and a fixed file written elsewhere) can open it without knowing the data
-file; remote URLs are kept as written and not checked. That rewrite is not a repair and is not
+file; an image embedded as a data URI is decoded and, given `embedded_dir`, becomes a file there;
+URLs are kept as written and not checked. That rewrite is not a repair and is not
 counted in `fixes`. Duplicates compare the resolved paths (see `dedupe_key`).
 
 A row records each fix name at most once, so `by_fix[name]` counts ROWS with that fix.
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Iterable
 
 from specforge.config import FixConfig
@@ -92,12 +94,14 @@ def top_reasons(counts: dict, n: int = 3) -> str:
 def fix_dataset(
     rows: Iterable[RawRow], cfg: FixConfig, fmt: str = "auto", image_root: str | None = None,
     max_chars: int | None = None, place: Callable[[RawRow], str] | None = None,
+    embedded_dir: str | Path | None = None,
 ) -> FixResult:
     """Parse, repair and account for every row, in input order. `max_chars`: rows whose messages
     hold more characters are quarantined as row_too_long (None: no limit). `place`: how a row is
-    named where a duplicate points to it (default "file:line")."""
+    named where a duplicate points to it (default "file:line"). `embedded_dir`: where images embedded
+    as data URIs are written as files (None: they stay URIs; ImageChecker)."""
     check_config(cfg)
-    images = ImageChecker(image_root)
+    images = ImageChecker(image_root, embedded_dir)
     first_seen: dict[str, str] = {}  # dedupe key -> "file:line" of its first kept occurrence
     result = FixResult()
     n = 0

@@ -14,11 +14,12 @@ from pathlib import Path
 from PIL import Image, UnidentifiedImageError
 
 from specforge.data.formats import detect_format, is_tool_turn, read_turns, turns_field
+from specforge.utils.images import data_uri_bytes, decode_image, describe, image_format, is_data_uri, is_remote
+from specforge.utils.io import atomic_path
 
 CANONICAL_ROLES = ("system", "user", "assistant", "tool")
 # ShareGPT's own spellings are its format, not a defect; anything else that was mapped is a fix.
 NATIVE_ROLES = {"sharegpt": ("system", "human", "gpt", "function_call", "observation")}
-REMOTE_PREFIXES = ("http://", "https://", "data:")
 
 
 class Quarantine(Exception):
@@ -116,8 +117,9 @@ def dedupe_key(messages: list[dict], tools: list[dict] | None = None) -> str:
     Image parts are compared by the absolute path the fix step resolved them to (remote URLs as
     written), not by how the row spelled them: "a.png" and "./a.png" beside the same data file
     are one image, so two rows that differ only in that spelling are duplicates, while the same
-    relative spelling in two folders (two different files) is not. The image bytes are not
-    compared: two copies of one picture under different paths are different images here. A row's
+    relative spelling in two folders (two different files) is not. The bytes of image files are not
+    compared: two copies of one picture under different paths are different images here (embedded
+    images are named by their bytes, so there one picture is one image). A row's
     tool definitions count too: the same turns offered other tools are another sample."""
     text = json.dumps(messages if not tools else [messages, tools], sort_keys=True, ensure_ascii=False)
     return hashlib.sha256(text.encode()).hexdigest()
@@ -142,16 +144,22 @@ def prompt_key(messages: list[dict]) -> str | None:
 
 
 class ImageChecker:
-    """Checks local image references and resolves them to absolute paths.
+    """Checks image references and resolves them to what later stages open without the data file.
 
     A relative path resolves against `image_root`, or without one against the folder of the data
     file that names it; an absolute path stays as it is (but must lie under `image_root` when
     one is set). Each resolved path is opened once however many rows name it (datasets reuse
-    images). Remote references (http(s)://, data:) are left alone: no network in the data stage."""
+    images). An image embedded as a base64 `data:` URI (as chat logs and table image columns
+    carry them: specforge/data/sources.py) is decoded and, with `embedded_dir`, written there once
+    as a file named by its content, which then stands for it (the run's samples keep paths, not
+    megabytes of base64); without one it stays the URI. URLs are left alone: no network here (a
+    server that fetches them may still be sent them; the data stage refuses them when it renders)."""
 
-    def __init__(self, image_root: str | None) -> None:
+    def __init__(self, image_root: str | None, embedded_dir: str | Path | None = None) -> None:
         self.root = Path(image_root).resolve() if image_root else None
+        self.embedded_dir = Path(embedded_dir) if embedded_dir else None
         self._seen: dict[Path, str | None] = {}
+        self._embedded: dict[str, tuple] = {}  # sha256 of a data URI -> (what stands for it, None) or (None, why not)
 
     def resolve(self, ref: str, data_file: str) -> Path:
         """The absolute path a local reference names (not checked)."""
@@ -168,13 +176,15 @@ class ImageChecker:
                 out.append(m)
                 continue
             parts = [{**p, "image": self._checked(p["image"], data_file)}
-                     if p.get("type") == "image" and not p["image"].startswith(REMOTE_PREFIXES) else p
+                     if p.get("type") == "image" and not is_remote(p["image"]) else p
                      for p in m["content"]]
             out.append({**m, "content": parts})
         return out
 
     def _checked(self, ref: str, data_file: str) -> str:
         """The resolved path of a good local image, or Quarantine("<code>: <ref> (<details>)")."""
+        if is_data_uri(ref):
+            return self._embedded_image(ref)
         path = self.resolve(ref, data_file)
         details = [] if ref == str(path) else [f"resolved to {path}"]
         if self.root is not None and not path.is_relative_to(self.root):
@@ -187,6 +197,30 @@ class ImageChecker:
         if problem:
             raise Quarantine(f"{problem}: {ref}" + (f" ({', '.join(details)})" if details else ""))
         return str(path)
+
+    def _embedded_image(self, uri: str) -> str:
+        """The file (or, without embedded_dir, the URI) that stands for a good embedded image."""
+        key = hashlib.sha256(uri.encode()).hexdigest()
+        if key not in self._embedded:
+            try:
+                data = data_uri_bytes(uri)
+                decode_image(data)
+                self._embedded[key] = (self._write_embedded(data) if self.embedded_dir else uri, None)
+            except ValueError as e:
+                self._embedded[key] = (None, f"image_unreadable: {describe(uri)}: {e}")
+        stands_for, problem = self._embedded[key]
+        if problem:
+            raise Quarantine(problem)
+        return stands_for
+
+    def _write_embedded(self, data: bytes) -> str:
+        """`data` as `<embedded_dir>/<sha256 of the bytes>.<format>`, written once (atomically: workers
+        of data.num_proc may write the same image at once)."""
+        path = self.embedded_dir / f"{hashlib.sha256(data).hexdigest()[:32]}.{image_format(data).lower()}"
+        if not path.is_file():
+            with atomic_path(path) as tmp:
+                tmp.write_bytes(data)
+        return str(path.resolve())
 
 
 def _open_problem(path: Path) -> str | None:

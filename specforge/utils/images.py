@@ -1,0 +1,88 @@
+"""Images that travel as bytes instead of files: base64 `data:` URIs (OpenAI-style chat logs, requests
+to a server) and the image columns of Parquet / Arrow tables. One decoder for the data stage, the
+targets' image inputs and the server, limited to the common photo formats (none of PIL's rarer or
+externally delegated decoders: EPS runs Ghostscript).
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import re
+
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+REMOTE_PREFIXES = ("http://", "https://")
+_DATA_URI = re.compile(r"data:(image/[A-Za-z0-9.+-]+)?;base64,(.*)", re.DOTALL)
+
+
+class RemoteImage(ValueError):
+    """An image named by URL where it must be read here: nothing of ours fetches from the network."""
+
+
+def is_data_uri(ref: str) -> bool:
+    return ref.startswith("data:")
+
+
+def is_remote(ref: str) -> bool:
+    return ref.startswith(REMOTE_PREFIXES)
+
+
+def describe(ref: str) -> str:
+    """`ref` as a message may quote it: a data URI by its head and size, not its thousands of characters."""
+    if not is_data_uri(ref):
+        return ref
+    head, _, payload = ref.partition(",")
+    size = len(payload) * 3 // 4 - payload[-2:].count("=")
+    return f"{head} ({size:,} bytes)" if len(ref) > 80 else ref
+
+
+def data_uri_payload(uri: str) -> str:
+    """The base64 text of `data:[image/<type>];base64,<data>`; ValueError for any other spelling."""
+    match = _DATA_URI.fullmatch(uri)
+    if match is None:
+        raise ValueError("a data URI must read data:image/<type>;base64,<data>")
+    return match.group(2)
+
+
+def b64_bytes(payload: str) -> bytes:
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise ValueError(f"the data URI is not valid base64 ({e})") from None
+
+
+def data_uri_bytes(uri: str) -> bytes:
+    return b64_bytes(data_uri_payload(uri))
+
+
+def to_data_uri(data: bytes) -> str:
+    """`data` as a data URI, its type named where PIL recognises the bytes (left out otherwise: the
+    decoder, not the label, decides whether they are an image)."""
+    fmt = image_format(data)
+    kind = f"image/{fmt.lower()}" if fmt else ""
+    return f"data:{kind};base64,{base64.b64encode(data).decode('ascii')}"
+
+
+def image_format(data: bytes) -> str | None:
+    """"PNG", "JPEG", ... for bytes of one of IMAGE_FORMATS (read from the header), else None."""
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as im:
+            return im.format
+    except Exception:  # PIL's openers raise many types for bytes that are not theirs
+        return None
+
+
+def decode_image(data: bytes):
+    """An RGB PIL image from encoded bytes; ValueError saying why not (a broken or oversized image)."""
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as im:
+            width, height = im.width, im.height
+            if width * height <= Image.MAX_IMAGE_PIXELS:
+                return im.convert("RGB")
+    except Exception as e:  # PIL's decoders raise many types (OSError, ValueError, SyntaxError, ...)
+        raise ValueError(f"cannot be read as an image ({', '.join(IMAGE_FORMATS)}): {type(e).__name__}: {e}") from None
+    raise ValueError(f"{width}x{height} pixels, more than {Image.MAX_IMAGE_PIXELS}")
