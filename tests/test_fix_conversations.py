@@ -142,6 +142,30 @@ def test_bad_image_references_are_quarantined(image_root, path, reason):
     assert result.counts["by_reason"] == {reason.split(":")[0]: 1}
 
 
+def test_images_past_the_decompression_bomb_limit_are_quarantined_not_a_crash(image_root, monkeypatch):
+    """PIL warns past MAX_IMAGE_PIXELS and raises past twice that, which stopped the whole data stage
+    on one such file; files and embedded images alike are refused as the server refuses them."""
+    import base64
+    import warnings
+
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # the real limit, 89M pixels, at a test's size
+    Image.new("1", (40, 40)).save(image_root / "warned.png")  # 1,600 pixels: PIL only warns
+    Image.new("1", (50, 50)).save(image_root / "refused.png")  # 2,500: PIL raises DecompressionBombError
+    embedded = "data:image/png;base64," + base64.b64encode((image_root / "warned.png").read_bytes()).decode()
+    rows = [_with_image(ref, line=i) for i, ref in enumerate(["warned.png", "refused.png", embedded, "ok.png"], 1)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Image.DecompressionBombWarning)  # nothing of it printed
+        result = fix_dataset(rows, FixConfig(), image_root=str(image_root))
+    reasons = [q["reason"] for q in result.quarantined]
+    root = image_root.resolve()
+    assert reasons == [
+        f"image_too_large: warned.png (40x40 pixels, more than 1,000, resolved to {root}/warned.png)",
+        f"image_too_large: refused.png (Image size (2500 pixels) exceeds limit of 2000 pixels, could be decompression "
+        f"bomb DOS attack., resolved to {root}/refused.png)",
+        "image_too_large: data:image/png;base64 (69 bytes): 40x40 pixels, more than 1,000"]
+    assert len(result.kept) == 1
+
+
 def test_absolute_image_path_is_reported_as_written(image_root):
     gone = str(image_root.resolve() / "gone.png")
     result = fix_dataset([_with_image(gone)], FixConfig(), image_root=str(image_root))

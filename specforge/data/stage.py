@@ -50,6 +50,8 @@ SHARE_HINTS = {
     "toon_not_a_document": "the answers are prose: set data.fix.toon=false, or data.fix.toon_prose=keep",
     "image_missing": "check data.image_root (now {image_root}; default: the data file's folder)",
     "image_outside_root": "check data.image_root (now {image_root})",
+    "image_too_large": "the images have more pixels than PIL decodes without calling them a decompression bomb; "
+                       "downscale them (the target's processor resizes them to data.image_max_pixels anyway)",
     "image_remote": "the images are URLs, and nothing here fetches them: download them and name the files "
                     "(or embed them: base64 data: URIs, or a Parquet / datasets Image column)",
     "special_token_text": "the texts spell the tokenizer's special tokens (a chat log saved with its template "

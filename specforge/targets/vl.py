@@ -186,7 +186,7 @@ def open_images(refs: Sequence[str | Path]) -> list:
         try:
             with Image.open(p) as im:
                 out.append(im.convert("RGB"))
-        except (UnidentifiedImageError, OSError, ValueError) as e:
+        except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
             raise ValueError(f"image {p}: cannot be read as an image ({e})") from e
     return out
 

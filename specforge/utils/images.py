@@ -9,10 +9,15 @@ import base64
 import binascii
 import io
 import re
+import warnings
 
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 REMOTE_PREFIXES = ("http://", "https://")
 _DATA_URI = re.compile(r"data:(image/[A-Za-z0-9.+-]+)?;base64,(.*)", re.DOTALL)
+
+
+class ImageTooLarge(ValueError):
+    """More pixels than PIL decodes without calling it a decompression bomb (Image.MAX_IMAGE_PIXELS)."""
 
 
 class RemoteImage(ValueError):
@@ -75,14 +80,20 @@ def image_format(data: bytes) -> str | None:
 
 
 def decode_image(data: bytes):
-    """An RGB PIL image from encoded bytes; ValueError saying why not (a broken or oversized image)."""
+    """An RGB PIL image from encoded bytes; ValueError saying why not (ImageTooLarge past PIL's
+    decompression-bomb limit, which a few KB of PNG can claim)."""
     from PIL import Image
 
     try:
-        with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as im:
-            width, height = im.width, im.height
-            if width * height <= Image.MAX_IMAGE_PIXELS:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # refused below, not warned about
+            with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as im:
+                if im.width * im.height > Image.MAX_IMAGE_PIXELS:
+                    raise ImageTooLarge(f"{im.width}x{im.height} pixels, more than {Image.MAX_IMAGE_PIXELS:,}")
                 return im.convert("RGB")
+    except ImageTooLarge:
+        raise
+    except Image.DecompressionBombError as e:
+        raise ImageTooLarge(str(e)) from None
     except Exception as e:  # PIL's decoders raise many types (OSError, ValueError, SyntaxError, ...)
         raise ValueError(f"cannot be read as an image ({', '.join(IMAGE_FORMATS)}): {type(e).__name__}: {e}") from None
-    raise ValueError(f"{width}x{height} pixels, more than {Image.MAX_IMAGE_PIXELS}")

@@ -9,12 +9,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import warnings
 from pathlib import Path
 
 from PIL import Image, UnidentifiedImageError
 
 from specforge.data.formats import detect_format, is_tool_turn, read_turns, turns_field
-from specforge.utils.images import data_uri_bytes, decode_image, describe, image_format, is_data_uri, is_remote
+from specforge.utils.images import (ImageTooLarge, data_uri_bytes, decode_image, describe, image_format, is_data_uri,
+                                    is_remote)
 from specforge.utils.io import atomic_path
 
 CANONICAL_ROLES = ("system", "user", "assistant", "tool")
@@ -193,7 +195,9 @@ class ImageChecker:
         else:
             if path not in self._seen:
                 self._seen[path] = _open_problem(path)
-            problem = self._seen[path]
+            problem, _, detail = (self._seen[path] or "").partition(": ")
+            if detail:
+                details.insert(0, detail)
         if problem:
             raise Quarantine(f"{problem}: {ref}" + (f" ({', '.join(details)})" if details else ""))
         return str(path)
@@ -206,6 +210,8 @@ class ImageChecker:
                 data = data_uri_bytes(uri)
                 decode_image(data)
                 self._embedded[key] = (self._write_embedded(data) if self.embedded_dir else uri, None)
+            except ImageTooLarge as e:
+                self._embedded[key] = (None, f"image_too_large: {describe(uri)}: {e}")
             except ValueError as e:
                 self._embedded[key] = (None, f"image_unreadable: {describe(uri)}: {e}")
         stands_for, problem = self._embedded[key]
@@ -224,13 +230,22 @@ class ImageChecker:
 
 
 def _open_problem(path: Path) -> str | None:
+    """Why the image file cannot be trained on ("<code>" or "<code>: <details>"), or None. Past PIL's
+    decompression-bomb limit it is refused as the server and embedded images refuse it (one such
+    file would decode to gigabytes, or stop the whole stage with PIL's error)."""
     if not path.is_file():
         return "image_missing"
     if not os.access(path, os.R_OK):
         return "image_unreadable"
     try:
-        with Image.open(path) as img:
-            img.verify()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # refused below, not warned about
+            with Image.open(path) as img:
+                if img.width * img.height > Image.MAX_IMAGE_PIXELS:
+                    return f"image_too_large: {img.width}x{img.height} pixels, more than {Image.MAX_IMAGE_PIXELS:,}"
+                img.verify()
+    except Image.DecompressionBombError as e:
+        return f"image_too_large: {e}"
     except (OSError, UnidentifiedImageError, SyntaxError, ValueError):
         return "image_unreadable"
     return None
