@@ -427,3 +427,26 @@ def test_text_that_spells_a_special_token_is_quarantined(tmp_path, tiny_target_d
             "token, not as text")]
     keep = make_cfg(tmp_path, tiny_target_dir, train, None, num_proc=num_proc, special_token_text="keep")
     assert stage.run(keep, tmp_path / "out" / "keep")["train"]["samples"] == 4
+
+
+@pytest.mark.parametrize("num_proc", [0, 2])
+def test_ids_repeated_across_files_are_made_unique_as_a_fix(tmp_path, tiny_target_dir, num_proc):
+    """Files merged with ids counted from 0 each: the extraction refused the second "0" after the
+    data stage (and a regeneration) had run. Later repeats are renamed to where they come from."""
+    from specforge.extract.stage import load_rows
+
+    rows = generate(5, seed=2, split="train")
+    first, second = tmp_path / "a" / "chats.jsonl", tmp_path / "b" / "chats.jsonl"
+    write_jsonl(first, [{**rows[0], "id": "0"}, {**rows[1], "id": "0@chats.jsonl:1"}])
+    write_jsonl(second, [{**r, "id": str(i)} for i, r in enumerate(rows[2:])])
+    cfg = make_cfg(tmp_path, tiny_target_dir, first, None, num_proc=num_proc)
+    cfg.data.train_files = [str(first), str(second)]
+    summary = stage.run(cfg, tmp_path / "run")
+
+    data = tmp_path / "run" / "data"
+    assert [s["id"] for s in load_rows(data / "train.jsonl")] == \
+           ["0", "0@chats.jsonl:1", "0@chats.jsonl:1~1", "1", "2"]  # what the extraction reads, unrefused
+    assert [c["id"] for c in read_jsonl(data / "train.conversations.jsonl")] == \
+           ["0", "0@chats.jsonl:1", "0@chats.jsonl:1~1", "1", "2"]
+    assert summary["train"]["by_fix"] == {"renamed_duplicate_id": 1} and summary["train"]["fixed"] == 1
+    assert "| renamed_duplicate_id | 1 |" in (data / "report.md").read_text()

@@ -358,10 +358,14 @@ def _collect(split: str, convs: list[dict], renders: list, quarantine: list[dict
     fixes: Counter = Counter()
     as_written: Counter = Counter()  # rows with an answer that went through although no valid TOON
     kept = fixed = truncated = tool_rows = tool_calls = 0
+    ids: set[str] = set()
     for conv, r in zip(convs, renders, strict=True):
         if r.reason is not None:
             quarantine.append(_quarantined(split, conv, r.reason))
             continue
+        if conv["id"] in ids:  # files merged with ids counted from 0 each: the store keys samples by id
+            conv = {**conv, "id": _unused_id(conv, ids), "fixes": [*conv.get("fixes", ()), "renamed_duplicate_id"]}
+        ids.add(conv["id"])
         truncated += r.truncated
         tool_rows += uses_tools(conv["messages"], conv.get("tools"))
         tool_calls += sum(len(m.get("tool_calls") or ()) for m in conv["messages"])
@@ -403,6 +407,16 @@ def _collect(split: str, convs: list[dict], renders: list, quarantine: list[dict
         )
     return {"samples": samples, "conversations": conversations, "quarantine": quarantine, "counts": counts,
             "prompts": prompts}
+
+
+def _unused_id(conv: dict, ids: set[str]) -> str:
+    """A new id for a sample whose id an earlier one has: "<id>@<file name>:<line>" (its provenance),
+    with "~k" added should even that be taken."""
+    base = f"{conv['id']}@{Path(str(conv.get('file'))).name}:{conv.get('line')}"
+    new, k = base, 1
+    while new in ids:
+        new, k = f"{base}~{k}", k + 1
+    return new
 
 
 def _coverage(samples: list[dict], t2d) -> float:
