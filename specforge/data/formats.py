@@ -28,7 +28,7 @@ from specforge.config import DATA_FORMATS
 from specforge.errors import InvalidInput
 from specforge.utils.io import fingerprint
 
-FORMATS = DATA_FORMATS  # auto, sharegpt, messages, conversations, alpaca, prompt_completion
+FORMATS = DATA_FORMATS  # auto, sharegpt, messages, conversations, alpaca, prompt_completion, text
 ALPACA_KEYS = ("instruction", "input", "output", "history", "context", "response")  # and "system", as the others
 _ALPACA_SPELLINGS = {"input": "context", "output": "response"}  # Dolly's names for Alpaca's fields
 
@@ -323,8 +323,10 @@ def detect_format(data: dict) -> str:
     if turns is None and "prompt" in data and "completion" in data:
         return "prompt_completion"
     if turns is None:
+        hint = "; a conversation already rendered with the chat template is read with data.format=text" \
+            if isinstance(data.get("text"), str) else ""
         raise DataError(f"row: no 'messages' or 'conversations' field, nor Alpaca's 'instruction' and 'output', "
-                        f"nor 'prompt' and 'completion' (keys: {sorted(data)[:8]})")
+                        f"nor 'prompt' and 'completion' (keys: {sorted(data)[:8]}){hint}")
     if isinstance(turns, list) and turns and isinstance(turns[0], dict) and "from" in turns[0]:
         return "sharegpt"
     return "conversations"
@@ -383,6 +385,8 @@ def to_conversation(data: dict, fmt: str = "auto") -> dict:
         return to_conversation(alpaca_as_messages(data), "messages")
     if fmt == "prompt_completion":
         return to_conversation(prompt_completion_as_messages(data), "messages")
+    if fmt == "text":
+        return text_conversation(data)
     field = turns_field(data, fmt)
     role_key, content_key = ("from", "value") if fmt == "sharegpt" else ("role", "content")
     turns = read_turns(data, field)
@@ -465,6 +469,17 @@ def alpaca_as_messages(data: dict) -> dict:
     return {**{k: v for k, v in data.items() if k not in ALPACA_KEYS}, "messages": messages}
 
 
+def text_conversation(data: dict) -> dict:
+    """`{"id", "text"}` of a preformatted row (data.format=text, SpecForge's `is_preformatted`): `text` is
+    the conversation already rendered with the target's chat template, e.g. what a server was sent
+    and answered, trained as written (specforge/data/template.py: render_text)."""
+    text = data.get("text")
+    if not isinstance(text, str) or not text.strip():
+        raise DataError(f"text: expected the conversation rendered with the chat template, a non-empty string "
+                        f"(data.format=text), got {type(text).__name__ if not isinstance(text, str) else 'blank text'}")
+    return {"id": _row_id(data, text), "text": text}
+
+
 def prompt_completion_as_messages(data: dict) -> dict:
     """A prompt-completion row (OpenAI's legacy fine-tuning files, TRL's prompt-completion datasets)
     as an OpenAI-messages row: a text prompt is the user turn and a text completion the answer; TRL's
@@ -518,6 +533,14 @@ def tools_entry(tools: list[dict] | None) -> dict:
     """{"tools": tools} when a row has tool definitions, else {}: the key a conversation (and a
     chat template call) carries only for such rows."""
     return {"tools": tools} if tools else {}
+
+
+def turns_entry(conv: dict) -> dict:
+    """What a conversation of the data stage is, as its files store it: {"id", "messages"(, "tools")},
+    or {"id", "text"} where it came preformatted (data.format=text)."""
+    if "text" in conv:
+        return {"id": conv["id"], "text": conv["text"]}
+    return {"id": conv["id"], "messages": conv["messages"], **tools_entry(conv.get("tools"))}
 
 
 def is_tool_turn(message: dict) -> bool:
@@ -702,7 +725,7 @@ def _collapse(parts: list[dict]) -> str | list[dict]:
     return parts
 
 
-def _row_id(data: dict, messages: list[dict]) -> str:
+def _row_id(data: dict, messages: list[dict] | str) -> str:
     for key in ("id", "uuid", "conversation_id"):  # the last: LMSYS-Chat-1M's
         value = data.get(key)
         if isinstance(value, (str, int)) and not isinstance(value, bool) and str(value) != "":

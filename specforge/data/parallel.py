@@ -1,7 +1,7 @@
 """data.num_proc >= 1: the data stage's per-row work in `datasets.Dataset.map` worker processes.
 
 Workers run only per-row steps, through the functions the in-process loop calls
-(`parse_raw_text`, `normalise_row`, `render_row`, `dedupe_key`), so both paths give the same
+(`parse_raw_text`, `normalise_row`, `render_conversation`, `conversation_key`), so both paths give the same
 samples, reasons and counts. What needs the whole split stays in this process, in input order:
 duplicates (`check_duplicate`: the first kept occurrence wins, as in `fix_dataset`),
 max_samples and regeneration (which then comes before rendering: a second map).
@@ -25,9 +25,9 @@ from dataclasses import asdict, is_dataclass
 from pathlib import Path
 
 from specforge.data.fix import Quarantine, check_config, check_duplicate, quarantine_entry
-from specforge.data.fix.conversations import ImageChecker, dedupe_key
-from specforge.data.formats import parse_raw_text, read_raw_texts, tools_entry
-from specforge.data.rows import RowRender, normalise_row, render_row
+from specforge.data.fix.conversations import ImageChecker, conversation_key
+from specforge.data.formats import parse_raw_text, read_raw_texts, turns_entry
+from specforge.data.rows import RowRender, normalise_row, render_conversation
 from specforge.utils.io import file_fingerprint, fingerprint
 
 MAP_BATCH = 64  # rows per call of the map function (a row costs ~1-3 ms of chat template)
@@ -73,9 +73,8 @@ def normalise_split(cfg, files: list[str], max_chars: int, tokenizer=None, vl=No
                 quarantine.append(quarantine_entry(raw, reason))
                 continue
             conv = json.loads(rec["conv"])
-            convs.append({"id": conv["id"], "messages": conv["messages"], "fixes": rec["fixes"],
-                          "kept_as_written": conv["kept_as_written"], "file": rec["file"], "line": rec["line"],
-                          **tools_entry(conv.get("tools"))})
+            convs.append({**turns_entry(conv), "fixes": rec["fixes"], "kept_as_written": conv["kept_as_written"],
+                          "file": rec["file"], "line": rec["line"]})
             if render:
                 renders.append(_row_render(rec))
     return len(rows), convs, quarantine, renders if render else None
@@ -88,8 +87,7 @@ def render_split(cfg, convs: list[dict], tokenizer, vl=None) -> list[RowRender]:
     import pyarrow as pa
 
     cache = Path(cfg.cache_dir) / "datasets"
-    rendered = pa.array([json.dumps({"messages": c["messages"], "tools": c.get("tools")}) for c in convs],
-                        pa.large_string())
+    rendered = pa.array([json.dumps(turns_entry(c)) for c in convs], pa.large_string())
     batch = pa.record_batch([rendered], names=["conv"])
     rows, rows_key = _write_rows(cache, [batch])
     step = _Render(tokenizer, vl, cfg.data.max_length, cfg.data.overlength, cfg.data.special_token_text)
@@ -119,12 +117,11 @@ class _Render:
                 "rreason": Value("string"), "images": Value("string")}
 
     def columns(self, convs: list[dict | None]) -> dict[str, list]:
-        """Output columns for these conversations ({"messages", "tools"}; None: quarantined before rendering)."""
+        """Output columns for these conversations (formats.turns_entry; None: quarantined before rendering)."""
         out: dict[str, list] = {k: [] for k in ("ids", "mask", "truncated", "rreason", "images")}
         for c in convs:
-            r = RowRender() if c is None else render_row(self.tokenizer, c["messages"], self.max_length,
-                                                         self.overlength, self.vl, self.special_token_text,
-                                                         c.get("tools"))
+            r = RowRender() if c is None else render_conversation(self.tokenizer, c, self.max_length, self.overlength,
+                                                                  self.vl, self.special_token_text)
             out["ids"].append(r.input_ids)
             out["mask"].append(r.loss_mask)
             out["truncated"].append(r.truncated)
@@ -175,8 +172,7 @@ class _Normalise:
             out["conv"].append(None if conv is None else json.dumps(conv))
             out["fixes"].append(fixes)
             out["reason"].append(reason)
-            out["key"].append(dedupe_key(conv["messages"], conv.get("tools")) if conv is not None and self.dedupe
-                              else None)
+            out["key"].append(conversation_key(conv) if conv is not None and self.dedupe else None)
             convs.append(conv)
         if self.render:
             out.update(self.render.columns(convs))

@@ -11,16 +11,17 @@ from dataclasses import dataclass, field
 from specforge.data.fix import Quarantine, fix_row
 from specforge.data.fix.conversations import ImageChecker, prompt_turns
 from specforge.data.formats import DataError, RawRow
-from specforge.data.template import render, template_length
+from specforge.data.template import assistant_markers, render, render_text, template_length
 from specforge.data.vl_render import render_vl
 
 
 def normalise_row(raw: RawRow, fix_cfg, fmt: str, images: ImageChecker,
                   max_chars: int | None) -> tuple[dict, list[str]]:
-    """(conversation {"id", "messages"}, fixes) or Quarantine. With data.fix.enabled=false the row
-    is only parsed and length-checked, but its images are still checked and resolved."""
+    """(conversation {"id", "messages"} or {"id", "text"}, fixes) or Quarantine. With
+    data.fix.enabled=false the row is only parsed and length-checked, but its images are still
+    checked and resolved."""
     conv, fixes = fix_row(raw, fix_cfg, fmt, images, max_chars)
-    if not fix_cfg.enabled:
+    if not fix_cfg.enabled and "messages" in conv:
         conv["messages"] = images.resolve_images(conv["messages"], raw.file)
     return conv, fixes
 
@@ -34,6 +35,26 @@ class RowRender:
     truncated: bool = False
     reason: str | None = None
     images: dict = field(default_factory=dict)  # {"images", "image_grid_thw"} of a VL sample with images
+
+
+def render_conversation(tokenizer, conv: dict, max_length: int, overlength: str, vl=None,
+                        special_token_text: str = "quarantine") -> RowRender:
+    """A conversation of the data stage as a sample: its turns through the chat template
+    (`render_row`), or preformatted text (data.format=text) tokenized as written."""
+    if "text" not in conv:
+        return render_row(tokenizer, conv["messages"], max_length, overlength, vl, special_token_text,
+                          conv.get("tools"))
+    try:
+        r = render_text(tokenizer, conv["text"], max_length, overlength)
+    except DataError as e:
+        return RowRender(reason=f"template_error: {e}")
+    if r.drop_reason is not None:
+        return RowRender(reason=f"{r.drop_reason}: {r.full_length} tokens > max_length {max_length}")
+    if not r.turns:
+        header, _ = assistant_markers(tokenizer)
+        return RowRender(reason=f"no_assistant_turn: the text opens no assistant turn ({header!r}, the chat "
+                                "template's generation prompt): nothing to learn")
+    return RowRender(r.input_ids, r.loss_mask, r.truncated)
 
 
 def render_row(tokenizer, messages: list[dict], max_length: int, overlength: str, vl=None,
@@ -106,4 +127,5 @@ def special_token_in_text(tokenizer, messages: list[dict]) -> str | None:
     return None
 
 
-__all__ = ["Quarantine", "RowRender", "normalise_row", "prompt_overlength", "render_row", "special_token_in_text"]
+__all__ = ["Quarantine", "RowRender", "normalise_row", "prompt_overlength", "render_conversation", "render_row",
+           "special_token_in_text"]

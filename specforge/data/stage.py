@@ -14,10 +14,11 @@ from pathlib import Path
 
 from specforge.config import FixConfig, check_ranges
 from specforge.data.fix import fix_dataset, quarantine_entry, ranked_reasons, reason_code, top_reasons
-from specforge.data.fix.conversations import ImageChecker, Quarantine, prompt_key
-from specforge.data.formats import RawRow, read_raw_rows, tools_entry, uses_tools
-from specforge.data.rows import normalise_row, prompt_overlength, render_row
+from specforge.data.fix.conversations import ImageChecker, Quarantine, dedupe_key, prompt_key
+from specforge.data.formats import RawRow, read_raw_rows, turns_entry, uses_tools
+from specforge.data.rows import normalise_row, prompt_overlength, render_conversation
 from specforge.data.sources import check_source, hub_name_split, is_hub, source_fingerprint
+from specforge.data.template import TemplateError, assistant_markers, text_prompt
 from specforge.data.vocab import cached_vocab_mapping, save_vocab, vocab_cache_key
 from specforge.errors import InvalidInput, MissingInput
 from specforge.run_layout import RunLayout
@@ -147,6 +148,8 @@ def check(cfg) -> None:
     if cfg.target.chat_template:
         read_chat_template(cfg.target.chat_template, "target.chat_template")
     check_fix(cfg.data.fix)
+    if cfg.data.format == "text":
+        check_preformatted(cfg)
     if cfg.data.regenerate.enabled:
         check_regen(cfg.data.regenerate)
     if (target_config := local_target_config(cfg.target)) is not None:  # else once it is fetched (run)
@@ -169,6 +172,19 @@ def check(cfg) -> None:
                 raise InvalidInput(f"data.eval_files: {e} is also a training file ({train[ids[e]]}): no held-out row "
                                    "would be left; name another file, or set data.eval_in_train=keep to evaluate on "
                                    "training prompts")
+
+
+def check_preformatted(cfg) -> None:
+    """data.format=text trains the text as written: what needs turns cannot apply to it."""
+    from specforge.targets.vl import is_vl
+
+    needs_turns = [name for name, on in (("data.regenerate.enabled", cfg.data.regenerate.enabled),
+                                         ("data.fix.toon", cfg.data.fix.enabled and cfg.data.fix.toon),
+                                         (f"target.kind={cfg.target.kind}", is_vl(cfg.target.kind))) if on]
+    if needs_turns:
+        raise InvalidInput(f"data.format=text: preformatted text is trained as written: it has no turns to "
+                           f"regenerate, repair or attach images to, so {', '.join(needs_turns)} cannot apply; turn "
+                           "that off, or give the conversations as turns (messages, conversations, ...)")
 
 
 def check_max_length(cfg, target_config, where) -> None:
@@ -280,7 +296,7 @@ def process_split(cfg, split: str, files: list[str], tokenizer, progress=None, r
     in_train = None
     if train_prompts is not None:
         seen = {i: where for i, c in enumerate(convs)
-                if (key := prompt_key(c["messages"])) and (where := train_prompts.get(key))}
+                if (key := conversation_prompt_key(tokenizer, c)) and (where := train_prompts.get(key))}
         in_train = len(seen)
         if cfg.data.eval_in_train == "quarantine" and seen:
             quarantine += [_quarantined(split, convs[i], f"in_train: opens with the prompt of the train sample "
@@ -317,13 +333,13 @@ def process_split(cfg, split: str, files: list[str], tokenizer, progress=None, r
     if renders is None:
         renders = []
         for conv in convs:
-            renders.append(render_row(tokenizer, conv["messages"], cfg.data.max_length, cfg.data.overlength, vl,
-                                      cfg.data.special_token_text, conv.get("tools")))
+            renders.append(render_conversation(tokenizer, conv, cfg.data.max_length, cfg.data.overlength, vl,
+                                               cfg.data.special_token_text))
             if task is not None:
                 progress.advance(task)
     elif task is not None:
         progress.update(task, completed=len(convs))
-    result = _collect(split, convs, renders, quarantine, n_rows, skipped)
+    result = _collect(split, convs, renders, quarantine, n_rows, skipped, tokenizer)
     if in_train is not None:
         result["counts"]["in_train"] = in_train
     if regenerated is not None:
@@ -331,10 +347,19 @@ def process_split(cfg, split: str, files: list[str], tokenizer, progress=None, r
     return result
 
 
+def conversation_prompt_key(tokenizer, conv: dict) -> str | None:
+    """`prompt_key` of a conversation; of preformatted text (data.format=text), its text up to the first
+    assistant turn (eval rows are held out against train samples by it)."""
+    if "text" not in conv:
+        return prompt_key(conv["messages"])
+    prompt = text_prompt(tokenizer, conv["text"])
+    return dedupe_key(prompt) if prompt else None
+
+
 def _quarantined(split: str, conv: dict, reason: str) -> dict:
     """The quarantine entry of a parsed conversation (data/quarantine.jsonl)."""
     return {"split": split, "file": conv.get("file"), "line": conv.get("line"), "reason": reason,
-            "row": {"id": conv["id"], "messages": conv["messages"]}}
+            "row": turns_entry(conv)}
 
 
 def _prompt_overlength(split: str, convs: list[dict], tokenizer, max_length: int) -> tuple[list[dict], list[dict]]:
@@ -349,7 +374,8 @@ def _prompt_overlength(split: str, convs: list[dict], tokenizer, max_length: int
     return keep, out
 
 
-def _collect(split: str, convs: list[dict], renders: list, quarantine: list[dict], n_rows: int, skipped: int) -> dict:
+def _collect(split: str, convs: list[dict], renders: list, quarantine: list[dict], n_rows: int, skipped: int,
+             tokenizer) -> dict:
     """The split's result from its rendered conversations (one RowRender each, in order): samples,
     clean conversations, the quarantine (rows that rendered to a reason join it, in order) and
     the counts, which must reconcile with the `n_rows` input rows."""
@@ -367,8 +393,8 @@ def _collect(split: str, convs: list[dict], renders: list, quarantine: list[dict
             conv = {**conv, "id": _unused_id(conv, ids), "fixes": [*conv.get("fixes", ()), "renamed_duplicate_id"]}
         ids.add(conv["id"])
         truncated += r.truncated
-        tool_rows += uses_tools(conv["messages"], conv.get("tools"))
-        tool_calls += sum(len(m.get("tool_calls") or ()) for m in conv["messages"])
+        tool_rows += uses_tools(conv.get("messages", []), conv.get("tools"))
+        tool_calls += sum(len(m.get("tool_calls") or ()) for m in conv.get("messages", ()))
         as_written.update(conv.get("kept_as_written") or ())
         if conv.get("fixes"):
             fixed += 1
@@ -376,9 +402,8 @@ def _collect(split: str, convs: list[dict], renders: list, quarantine: list[dict
         else:
             kept += 1
         samples.append({"id": conv["id"], "input_ids": r.input_ids, "loss_mask": r.loss_mask, **r.images})
-        conversations.append({"id": conv["id"], "messages": conv["messages"],
-                              **tools_entry(conv.get("tools"))})
-        if key := prompt_key(conv["messages"]):
+        conversations.append(turns_entry(conv))
+        if key := conversation_prompt_key(tokenizer, conv):
             prompts.setdefault(key, f"{conv.get('file')} line {conv.get('line')}")
     lengths = [len(s["input_ids"]) for s in samples]
     counts = {
@@ -450,6 +475,11 @@ def run(cfg, run_dir, fingerprint: str | None = None) -> dict:
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidInput(f"target tokenizer at {target_path} has no chat template; the data stage needs one: give "
                            "it with target.chat_template=FILE (a Jinja template, as the servers' --chat-template)")
+    if cfg.data.format == "text":  # before any row: every one would be a template_error
+        try:
+            assistant_markers(tokenizer)
+        except TemplateError as e:
+            raise InvalidInput(f"data.format=text with the chat template of {target_path}: {e}") from None
 
     vl = None
     if is_vl(cfg.target.kind):

@@ -7,6 +7,7 @@ text (default system prompts, BOS, ...) are handled without knowing them.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -179,13 +180,82 @@ def render(tokenizer, messages: list[dict], max_length: int | None = None, overl
                 break
             loss_mask[t] = 1
 
-    n = len(input_ids)
-    result = Rendered(input_ids, loss_mask, full_length=n, turns=len(spans))
-    if max_length is not None and n > max_length:
-        if overlength == "drop":
-            return Rendered([], [], full_length=n, drop_reason="overlength", turns=len(spans))
-        result.input_ids, result.loss_mask, result.truncated = input_ids[:max_length], loss_mask[:max_length], True
-        if any(loss_mask) and not any(result.loss_mask):
-            return Rendered([], [], full_length=n, truncated=True,
-                            drop_reason="no_loss_tokens_after_truncation", turns=len(spans))
+    return _limited(Rendered(input_ids, loss_mask, full_length=len(input_ids), turns=len(spans)),
+                    max_length, overlength)
+
+
+def _limited(result: Rendered, max_length: int | None, overlength: str) -> Rendered:
+    """`result` cut to max_length (overlength="truncate"), or dropped with its reason."""
+    n, turns = result.full_length, result.turns
+    if max_length is None or n <= max_length:
+        return result
+    if overlength == "drop":
+        return Rendered([], [], full_length=n, drop_reason="overlength", turns=turns)
+    loss_mask = result.loss_mask
+    result.input_ids, result.loss_mask, result.truncated = result.input_ids[:max_length], loss_mask[:max_length], True
+    if any(loss_mask) and not any(result.loss_mask):
+        return Rendered([], [], full_length=n, truncated=True, drop_reason="no_loss_tokens_after_truncation",
+                        turns=turns)
     return result
+
+
+# ---- preformatted text (data.format=text) ------------------------------------------------------------
+
+_MARKERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> (header, end-of-turn id)
+
+
+def assistant_markers(tokenizer) -> tuple[str, int]:
+    """(the text that opens an assistant turn, the id of the token that ends it), read off the chat
+    template: its generation prompt after a user turn, and the first special token after an answer.
+    A template whose generation prompt is empty (Mistral's [INST] ... [/INST]) cannot mark turns in
+    text: TemplateError."""
+    if tokenizer not in _MARKERS:
+        user = [{"role": "user", "content": "Q"}]
+        bare, prompt = (_template_text(tokenizer, user, add_generation_prompt=g) for g in (False, True))
+        header = prompt[len(bare):] if prompt.startswith(bare) else ""
+        if not header.strip():
+            raise TemplateError("the chat template opens no assistant turn with a generation prompt, so preformatted "
+                                "text (data.format=text) cannot be split into turns; give the conversations as turns")
+        probe = "Sunny, 21 degrees."
+        answered = _template_text(tokenizer, [*user, {"role": "assistant", "content": probe}], add_generation_prompt=False)
+        enc = tokenizer(answered, add_special_tokens=False, return_offsets_mapping=True)
+        after = answered.find(probe) + len(probe)
+        specials = _special_ids(tokenizer)
+        ends = [t for t, (a, _) in zip(enc["input_ids"], enc["offset_mapping"]) if a >= after and t in specials]
+        if not ends:
+            raise TemplateError("the chat template ends an assistant turn with no special token, so preformatted "
+                                "text (data.format=text) cannot be split into turns; give the conversations as turns")
+        _MARKERS[tokenizer] = (header, ends[0])
+    return _MARKERS[tokenizer]
+
+
+def text_prompt(tokenizer, text: str) -> str | None:
+    """Preformatted text up to its first assistant turn's header (what the target is asked to
+    continue), or None without one."""
+    header, _ = assistant_markers(tokenizer)
+    at = text.find(header)
+    return None if at < 0 else text[: at + len(header)]
+
+
+def render_text(tokenizer, text: str, max_length: int | None = None, overlength: str = "truncate") -> Rendered:
+    """Preformatted text (a conversation already rendered with the chat template: data.format=text),
+    tokenized as written; loss, as `render` puts it, on what each assistant turn generates: from
+    its header (`assistant_markers`) up to and including its end-of-turn token, or to the end of the
+    text where a turn is cut off."""
+    header, end_id = assistant_markers(tokenizer)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    input_ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
+    loss_mask = [0] * len(input_ids)
+    t, turns, at = 0, 0, text.find(header)
+    while at >= 0:
+        start = at + len(header)
+        while t < len(input_ids) and offsets[t][1] <= start:  # a token straddling the header counts as generated
+            t += 1
+        while t < len(input_ids):
+            loss_mask[t] = 1
+            t += 1
+            if input_ids[t - 1] == end_id:
+                break
+        turns += 1
+        at = text.find(header, offsets[t - 1][1] if t else start)
+    return _limited(Rendered(input_ids, loss_mask, full_length=len(input_ids), turns=turns), max_length, overlength)

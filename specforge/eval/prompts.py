@@ -25,7 +25,7 @@ from pathlib import Path
 from specforge.data.fix.conversations import prompt_turns
 from specforge.data.formats import THINK_START, DataError, read_raw_rows, to_conversation, tools_entry
 from specforge.data.sources import check_source, is_hub, is_table_source
-from specforge.data.template import THINKING_SWITCH, has_thinking_switch
+from specforge.data.template import THINKING_SWITCH, has_thinking_switch, text_prompt
 from specforge.data.vl_render import image_paths, prompt_with_images
 from specforge.errors import InvalidInput, MissingInput, SpecForgeWarning
 from specforge.utils.io import read_jsonl
@@ -47,7 +47,7 @@ def thinking_kwargs(tokenizer, thinking: bool | None, conversations_file: str | 
         return {}
     if thinking is None:
         path = Path(conversations_file) if conversations_file is not None else None
-        answers = [next((m["content"] for m in row["messages"] if m["role"] == "assistant"), None)
+        answers = [next((m["content"] for m in row.get("messages", ()) if m["role"] == "assistant"), None)
                    for row in (read_jsonl(path) if path is not None and path.exists() else ())]
         answers = [a for a in answers if isinstance(a, str)]
         if not answers:
@@ -87,7 +87,8 @@ def heldout_prompts(conversations_file: str | Path, tokenizer, limit: int, vl=No
                     template_kwargs: dict | None = None) -> list[dict]:
     """[{"id", "input_ids", "messages", "template_kwargs"}] for up to `limit` conversations that
     have a user turn (the data stage's clean conversations: one without a user turn is valid
-    training data, skipped). `template_kwargs` None: thinking_kwargs as the answers were written."""
+    training data, skipped); preformatted text (data.format=text) up to its first assistant turn,
+    as written. `template_kwargs` None: thinking_kwargs as the answers were written."""
     path = Path(conversations_file)
     if not path.exists():
         raise MissingInput(f"{path}: no held-out conversations; the data stage writes it when "
@@ -96,10 +97,16 @@ def heldout_prompts(conversations_file: str | Path, tokenizer, limit: int, vl=No
         template_kwargs = thinking_kwargs(tokenizer, None, path)
     prompts = []
     for row in read_jsonl(path):
-        head = prompt_turns(row["messages"])
-        if not any(m["role"] == "user" for m in head):
-            continue
-        prompts.append({"id": row["id"], **render_prompt(head, tokenizer, vl, row.get("tools"), template_kwargs)})
+        if "text" in row:  # preformatted (data.format=text): its text up to the first assistant turn, as written
+            text = text_prompt(tokenizer, row["text"])
+            prompt = None if text is None else {"input_ids": list(tokenizer(text, add_special_tokens=False)["input_ids"]),
+                                                "messages": [], "template_kwargs": {}}
+        else:
+            head = prompt_turns(row["messages"])
+            prompt = (render_prompt(head, tokenizer, vl, row.get("tools"), template_kwargs)
+                      if any(m["role"] == "user" for m in head) else None)
+        if prompt is not None:
+            prompts.append({"id": row["id"], **prompt})
         if len(prompts) >= limit:
             break
     if not prompts:

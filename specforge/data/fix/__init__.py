@@ -37,14 +37,14 @@ from specforge.data.fix.conversations import (
     ImageChecker,
     Quarantine,
     check_row_length,
-    dedupe_key,
+    conversation_key,
     drop_empty_turns,
     merge_consecutive,
     require_assistant,
     role_name_fixes,
 )
 from specforge.data.fix.toon import PROSE_POLICIES, ToonNotADocument, ToonUnrepairable, repair_answers, repair_toon
-from specforge.data.formats import DataError, RawRow, to_conversation, tools_entry, with_turns_parsed
+from specforge.data.formats import DataError, RawRow, to_conversation, tools_entry, turns_entry, with_turns_parsed
 from specforge.errors import InvalidInput
 
 __all__ = ["FixResult", "Quarantine", "check_duplicate", "fix_dataset", "fix_row", "quarantine_entry", "ranked_reasons",
@@ -110,14 +110,12 @@ def fix_dataset(
         try:
             conv, fixes = fix_row(raw, cfg, fmt, images, max_chars)
             if cfg.enabled and cfg.dedupe:
-                check_duplicate(dedupe_key(conv["messages"], conv.get("tools")),
-                                place(raw) if place else f"{raw.file}:{raw.line}", first_seen)
+                check_duplicate(conversation_key(conv), place(raw) if place else f"{raw.file}:{raw.line}", first_seen)
         except Quarantine as q:
             result.quarantined.append(quarantine_entry(raw, q.reason))
             continue
-        result.kept.append({"id": conv["id"], "messages": conv["messages"], "fixes": fixes,
-                            "kept_as_written": conv["kept_as_written"], "file": raw.file, "line": raw.line,
-                            **tools_entry(conv.get("tools"))})
+        result.kept.append({**turns_entry(conv), "fixes": fixes, "kept_as_written": conv["kept_as_written"],
+                            "file": raw.file, "line": raw.line})
     result.counts = _counts(n, result)
     return result
 
@@ -136,6 +134,9 @@ def fix_row(
         conv = to_conversation(data, fmt)
     except DataError as e:
         raise Quarantine(f"invalid_row: {e}") from None
+    if "text" in conv:  # preformatted (data.format=text): no turns to repair, trained as written
+        check_row_length(conv["text"], max_chars)
+        return {"id": conv["id"], "text": conv["text"], "kept_as_written": []}, []
     check_row_length(conv["messages"], max_chars)
     tools = tools_entry(conv.get("tools"))  # the row's tool definitions, for the template
     if not cfg.enabled:

@@ -52,12 +52,13 @@ def message_chars(messages: list[dict]) -> int:
                for m in messages)
 
 
-def check_row_length(messages: list[dict], max_chars: int | None) -> None:
+def check_row_length(messages: list[dict] | str, max_chars: int | None) -> None:
     """Quarantine a row too long to tokenize cheaply (one 2 MB line would double the stage's
-    memory before truncation could cut it); checked before any repair or tokenization."""
+    memory before truncation could cut it); checked before any repair or tokenization. A string:
+    preformatted text (data.format=text)."""
     if max_chars is None:
         return
-    n = message_chars(messages)
+    n = len(messages) if isinstance(messages, str) else message_chars(messages)
     if n > max_chars:
         raise Quarantine(f"row_too_long: {n} characters > data.max_chars_per_row {max_chars}")
 
@@ -113,7 +114,7 @@ def require_assistant(messages: list[dict], policy: str) -> None:
         raise Quarantine("no_assistant_turn: the conversation has no assistant turn")
 
 
-def dedupe_key(messages: list[dict], tools: list[dict] | None = None) -> str:
+def dedupe_key(messages: list[dict] | str, tools: list[dict] | None = None) -> str:
     """Duplicates are judged on the cleaned messages, not the id: copies often get new ids.
 
     Image parts are compared by the absolute path the fix step resolved them to (remote URLs as
@@ -125,6 +126,11 @@ def dedupe_key(messages: list[dict], tools: list[dict] | None = None) -> str:
     tool definitions count too: the same turns offered other tools are another sample."""
     text = json.dumps(messages if not tools else [messages, tools], sort_keys=True, ensure_ascii=False)
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def conversation_key(conv: dict) -> str:
+    """`dedupe_key` of a conversation of the data stage; a preformatted one (data.format=text) by its text."""
+    return dedupe_key(conv["text"] if "text" in conv else conv["messages"], conv.get("tools"))
 
 
 def prompt_turns(messages: list[dict]) -> list[dict]:
