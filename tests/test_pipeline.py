@@ -240,7 +240,8 @@ def test_empty_tree_list_is_refused_before_anything_runs(weather_files, tiny_tar
       "draft.min_vocab_coverage=1.5"],
      ["extract.batch_tokens: must be >= 1, got 0", "data.max_quarantined_share: must lie in [0, 1], got 2.0",
       "target.dtype: must be one of bfloat16, float16, float32, got 'fp16'",
-      "data.format: must be one of auto, sharegpt, messages, conversations, alpaca, prompt_completion, got 'vicuna'",
+      "data.format: must be one of auto, sharegpt, messages, conversations, alpaca, prompt_completion, text, "
+          "got 'vicuna'",
       "draft.min_vocab_coverage: must lie in [0, 1], got 1.5"]),
     (["eval.trees=['3_2_4','3_0_4']"], ["eval.trees: tree 3_0_4: topk must be a positive integer"]),
     (["eval.trees=['3_2_4','2_1_3','3_2_4']"], ["eval.trees: 3_2_4 listed more than once"]),
