@@ -110,7 +110,7 @@ def test_num_prompts_is_per_suite_in_the_order_given(tiny_run, tiny_tokenizer, t
 
 @pytest.mark.parametrize("rows, message", [
     ([], r"asks.jsonl is empty \(0 bytes\)"),
-    ([{"prompt": "fine"}, {"text": "no prompt here"}],
+    ([{"prompt": "fine"}, {"question": "no prompt here"}],
      r"asks.jsonl, line 2: row: no 'messages' or 'conversations' field, nor Alpaca's .*\{\"prompt\": text or messages\}"),
     ([{"prompt": "  "}], r"asks.jsonl, line 1: prompt: empty"),
     ([{"prompt": 3}], r"asks.jsonl, line 1: prompt: expected a string or a list of turns, got int"),
@@ -296,3 +296,24 @@ def test_prompts_are_rendered_in_the_thinking_mode_the_answers_were_written_in(t
     assert "Prompts rendered with the chat template's enable_thinking=false" in markdown(results)
     assert markdown(results) in (tiny_run / "eval" / "report.md").read_text()
     shutil.rmtree(tiny_run / "eval")
+
+
+def test_preformatted_rows_prompt_as_written_up_to_the_first_assistant_header(tiny_run, tiny_tokenizer, tmp_path):
+    """A server's log of rendered prompts (or whole conversations) as a suite and as bench prompts:
+    the same ids as the same turns; a text without the assistant header is refused naming the row."""
+    from specforge.eval.bench_client import file_requests
+
+    log = tmp_path / "log.jsonl"
+    write_jsonl(log, [{"id": "whole", "text": tiny_tokenizer.apply_chat_template(MULTI_TURN, tokenize=False)},
+                      {"id": "asked", "text": tiny_tokenizer.apply_chat_template(
+                          MULTI_TURN[:2], tokenize=False, add_generation_prompt=True)}])
+    run_cfg, ev = configs(tiny_run, f"suites=['{log}']")
+    whole, asked = load_suites(run_cfg, ev, tiny_tokenizer)["log"]
+    assert whole["input_ids"] == asked["input_ids"] == rendered(tiny_tokenizer, MULTI_TURN[:2])
+    assert [r.prompt for r in file_requests(str(log), tiny_tokenizer, 2, 8)] == [asked["input_ids"]] * 2
+
+    write_jsonl(log, [{"id": "asked", "text": "<|im_start|>user\nWeather?<|im_end|>\n"}])
+    with pytest.raises(ValueError, match=r"eval.suites: .*log.jsonl: prompt 'asked': the text opens no assistant turn"):
+        load_suites(run_cfg, ev, tiny_tokenizer)
+    with pytest.raises(ValueError, match=r"--prompts: .*log.jsonl: prompt 'asked': the text opens no assistant turn"):
+        file_requests(str(log), tiny_tokenizer, 1, 8)

@@ -135,13 +135,13 @@ def file_requests(path: str, tokenizer, num_prompts: int, output_len: int, with_
     the embedded evaluation renders its suites); the file checked whole first, a bad row refused
     naming `setting`, the file and the row."""
     from specforge.data.vl_render import image_paths
-    from specforge.eval.prompts import file_conversations, render_prompt, thinking_kwargs
+    from specforge.eval.prompts import file_conversations, file_prompt, thinking_kwargs
 
     rows = file_conversations(path, setting)[:num_prompts]
-    if not with_images and (pictured := next((r for r in rows if image_paths(r["messages"])), None)):
+    if not with_images and (pictured := next((r for r in rows if image_paths(r.get("messages", []))), None)):
         raise InvalidInput(f"{setting}: {path}: prompt {pictured['id']!r} has images, which a text target cannot see")
     template_kwargs = thinking_kwargs(tokenizer, thinking, conversations_file)
-    prompts = [render_prompt(r["messages"], tokenizer, None, r.get("tools"), template_kwargs) for r in rows]
+    prompts = [file_prompt(r, tokenizer, None, template_kwargs, f"{setting}: {path}") for r in rows]
     return _requests(prompts, tokenizer, num_prompts, output_len, with_images)
 
 

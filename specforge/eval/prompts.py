@@ -8,7 +8,9 @@
 - any other entry is a file (anything `data.eval_files` takes: .jsonl, .json, .parquet, .arrow, a
   save_to_disk folder, hub:OWNER/NAME[:SPLIT]; the suite is named after the file's stem) whose
   rows are conversations in any format the data stage reads (messages, ShareGPT, role/content),
-  or prompt rows `{"prompt": "text"}` (one user turn) / `{"prompt": [messages]}`; `id` optional.
+  prompt rows `{"prompt": "text"}` (one user turn) / `{"prompt": [messages]}`, or preformatted
+  `{"text": ...}` rows (a conversation or prompt the chat template already rendered, e.g. a
+  server's log: taken up to its first assistant header, as written); `id` optional.
 
 Every prompt is one conversation up to its first assistant turn, rendered with the target's chat
 template and its generation prompt, as a user request would arrive (`render_prompt`, the one
@@ -23,9 +25,9 @@ import warnings
 from pathlib import Path
 
 from specforge.data.fix.conversations import prompt_turns
-from specforge.data.formats import THINK_START, DataError, read_raw_rows, to_conversation, tools_entry
+from specforge.data.formats import THINK_START, DataError, read_raw_rows, text_conversation, to_conversation, tools_entry
 from specforge.data.sources import check_source, is_hub, is_table_source
-from specforge.data.template import THINKING_SWITCH, has_thinking_switch, text_prompt
+from specforge.data.template import THINKING_SWITCH, assistant_markers, has_thinking_switch, text_prompt
 from specforge.data.vl_render import image_paths, prompt_with_images
 from specforge.errors import InvalidInput, MissingInput, SpecForgeWarning
 from specforge.utils.io import read_jsonl
@@ -74,13 +76,33 @@ def render_prompt(head: list[dict], tokenizer, vl=None, tools: list[dict] | None
     return prompt
 
 
-def _file_prompt(entry: str, row: dict, tokenizer, vl, template_kwargs: dict) -> dict:
-    """A suite file's row rendered as a prompt; an image that cannot be opened here (missing since the
-    file was checked, a URL) is refused naming the suite and the prompt."""
+def conversation_prompt(row: dict, tokenizer, vl=None, template_kwargs: dict | None = None) -> dict | None:
+    """What the target is asked in a conversation: `render_prompt` of its turns before the first
+    answer, or preformatted text (data.format=text) up to its first assistant turn, as written;
+    None where it asks nothing (no user turn; no assistant turn in the text)."""
+    if "text" in row:
+        text = text_prompt(tokenizer, row["text"])
+        return None if text is None else {"input_ids": list(tokenizer(text, add_special_tokens=False)["input_ids"]),
+                                          "messages": [], "template_kwargs": {}}
+    head = prompt_turns(row["messages"])
+    if not any(m["role"] == "user" for m in head):
+        return None
+    return render_prompt(head, tokenizer, vl, row.get("tools"), template_kwargs)
+
+
+def file_prompt(row: dict, tokenizer, vl, template_kwargs: dict, where: str) -> dict:
+    """A prompt file's row (`file_conversations`) rendered as a prompt; what cannot be (preformatted
+    text without the template's assistant header; an image that cannot be opened here: missing
+    since the file was checked, a URL) is refused naming `where` and the prompt."""
     try:
-        return {"id": row["id"], **render_prompt(row["messages"], tokenizer, vl, row.get("tools"), template_kwargs)}
+        prompt = conversation_prompt(row, tokenizer, vl, template_kwargs)
     except (OSError, ValueError) as e:  # open_images: FileNotFoundError, RemoteImage, an undecodable image
-        raise InvalidInput(f"eval.suites: {entry}: prompt {row['id']!r}: {e}") from None
+        raise InvalidInput(f"{where}: prompt {row['id']!r}: {e}") from None
+    if prompt is None:
+        header, _ = assistant_markers(tokenizer)
+        raise InvalidInput(f"{where}: prompt {row['id']!r}: the text opens no assistant turn: a preformatted prompt "
+                           f"ends with the chat template's generation prompt ({header!r})")
+    return {"id": row["id"], **prompt}
 
 
 def heldout_prompts(conversations_file: str | Path, tokenizer, limit: int, vl=None,
@@ -97,15 +119,7 @@ def heldout_prompts(conversations_file: str | Path, tokenizer, limit: int, vl=No
         template_kwargs = thinking_kwargs(tokenizer, None, path)
     prompts = []
     for row in read_jsonl(path):
-        if "text" in row:  # preformatted (data.format=text): its text up to the first assistant turn, as written
-            text = text_prompt(tokenizer, row["text"])
-            prompt = None if text is None else {"input_ids": list(tokenizer(text, add_special_tokens=False)["input_ids"]),
-                                                "messages": [], "template_kwargs": {}}
-        else:
-            head = prompt_turns(row["messages"])
-            prompt = (render_prompt(head, tokenizer, vl, row.get("tools"), template_kwargs)
-                      if any(m["role"] == "user" for m in head) else None)
-        if prompt is not None:
+        if (prompt := conversation_prompt(row, tokenizer, vl, template_kwargs)) is not None:
             prompts.append({"id": row["id"], **prompt})
         if len(prompts) >= limit:
             break
@@ -116,8 +130,9 @@ def heldout_prompts(conversations_file: str | Path, tokenizer, limit: int, vl=No
 
 def file_conversations(path: str, setting: str = "eval.suites") -> list[dict]:
     """Every row of a prompt file as {"id", "messages"} (prompt turns only, image paths resolved
-    against the file's folder), checked whole: a bad row raises naming the `setting` it came from
-    (eval.suites, eval.prompts, bench --prompts), the file and the row."""
+    against the file's folder), or {"id", "text"} (a preformatted conversation or prompt: a row with
+    `text` alone), checked whole: a bad row raises naming the `setting` it came from (eval.suites,
+    eval.prompts, bench --prompts), the file and the row."""
     from specforge.data.fix.conversations import ImageChecker, Quarantine
 
     unit = "row" if is_table_source(path) else "line"
@@ -129,12 +144,16 @@ def file_conversations(path: str, setting: str = "eval.suites") -> list[dict]:
             raise InvalidInput(f"{where}: {raw.error}")
         data = raw.data
         try:
+            if "text" in data and not data.keys() & {"messages", "conversations", "conversation", "prompt"}:
+                rows.append(text_conversation(data))
+                continue
             if "prompt" in data:
                 data = _prompt_row(data)
             conv = to_conversation(data)
             head = images.resolve_images(prompt_turns(conv["messages"]), raw.file)
         except (DataError, Quarantine) as e:
-            raise InvalidInput(f"{where}: {e} (rows are conversations, or {{\"prompt\": text or messages}})") from None
+            raise InvalidInput(f"{where}: {e} (rows are conversations, {{\"prompt\": text or messages}}, or "
+                               f"{{\"text\": a conversation the chat template rendered}})") from None
         if not any(m["role"] == "user" for m in head):
             raise InvalidInput(f"{where}: no user turn before the first assistant turn: nothing to prompt with")
         rows.append({"id": conv["id"], "messages": head, **tools_entry(conv.get("tools"))})
@@ -225,11 +244,11 @@ def load_suites(run_cfg, eval_cfg, tokenizer, vl=None, positions: int | None = N
         else:
             rows = humaneval_conversations() if entry == HUMANEVAL else file_conversations(entry)
             if vl is None:
-                with_images = next((r for r in rows if image_paths(r["messages"])), None)
+                with_images = next((r for r in rows if image_paths(r.get("messages", []))), None)
                 if with_images is not None:
                     raise InvalidInput(f"eval.suites: {entry}: prompt {with_images['id']!r} has images but the "
                                        f"target ({run_cfg.target.kind}) is not a vision-language model")
-            prompts = [_file_prompt(entry, r, tokenizer, vl, template_kwargs) for r in rows[:limit]]
+            prompts = [file_prompt(r, tokenizer, vl, template_kwargs, f"eval.suites: {entry}") for r in rows[:limit]]
         new = int(eval_cfg.max_new_tokens)
         if positions and (long := next((p for p in prompts if len(p["input_ids"]) + new > positions), None)):
             raise InvalidInput(f"eval.suites: {entry}: prompt {long['id']!r} is {len(long['input_ids'])} tokens: with "
