@@ -190,5 +190,6 @@ def test_eval_prompts_with_embedded_images_render_as_with_files_and_urls_are_ref
     for mine, theirs in zip(uris, files):
         assert mine["images"]["pixel_values"].equal(theirs["images"]["pixel_values"])
     second = rows[1]["id"]
-    with pytest.raises(InvalidInput, match=f"eval.suites: .*urls.jsonl: prompt '{second}': https://example.com/a.png: a URL"):
+    with pytest.raises(InvalidInput, match=f"eval.suites: .*urls.jsonl, line 2: prompt '{second}': https://example.com/a.png: "
+                                           "a URL"):
         load("urls")

@@ -141,7 +141,7 @@ def file_requests(path: str, tokenizer, num_prompts: int, output_len: int, with_
     if not with_images and (pictured := next((r for r in rows if image_paths(r.get("messages", []))), None)):
         raise InvalidInput(f"{setting}: {path}: prompt {pictured['id']!r} has images, which a text target cannot see")
     template_kwargs = thinking_kwargs(tokenizer, thinking, conversations_file)
-    prompts = [file_prompt(r, tokenizer, None, template_kwargs, f"{setting}: {path}") for r in rows]
+    prompts = [file_prompt(r, tokenizer, None, template_kwargs) for r in rows]
     return _requests(prompts, tokenizer, num_prompts, output_len, with_images)
 
 

