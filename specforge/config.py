@@ -351,7 +351,8 @@ class EvaluateConfig:
 
 # The values of string settings that stages after the first act on; refused before any stage runs
 # (the modules that act on them take these tuples from here).
-DATA_FORMATS = ("auto", "sharegpt", "messages", "conversations", "alpaca", "prompt_completion", "text")  # data/formats.py
+DATA_FORMATS = ("auto", "sharegpt", "messages", "conversations", "alpaca", "prompt_completion",
+                "text")  # data/formats.py
 TARGET_KINDS = ("causal_lm", "qwen3_vl", "qwen2_5_vl")  # specforge/targets/loader.py
 TARGET_DTYPES = ("bfloat16", "float16", "float32")  # specforge/targets/loader.py (and eval.dtype)
 OVERLENGTH = ("truncate", "drop")  # specforge/data/template.py

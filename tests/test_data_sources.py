@@ -159,7 +159,8 @@ def test_binary_values_quarantine_the_row_naming_the_field(tmp_path):
     one; bytes anywhere else are not JSON."""
     path = tmp_path / "embedded.parquet"
     conversations = [{"from": "human", "value": "<image>"}, {"from": "gpt", "value": "sun"}]
-    pq.write_table(table_of([{"id": "a", "images": [{"bytes": b"\x89PNG", "path": None}], "conversations": conversations},
+    pq.write_table(table_of([{"id": "a", "images": [{"bytes": b"\x89PNG", "path": None}],
+                              "conversations": conversations},
                              {"id": "b", "blob": b"\x89PNG", "conversations": conversations}]),
                    path)
     image, other = read_raw_rows(path)

@@ -176,13 +176,15 @@ def test_eval_prompts_with_embedded_images_render_as_with_files_and_urls_are_ref
                                        for p in r["messages"][1]["content"]]
     suites = {"files": rows, "uris": _with_data_uris(rows, weather_images)}
     suites["urls"] = json.loads(json.dumps(suites["uris"]))
-    suites["urls"][1]["messages"][1]["content"][0] = {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}
+    url = {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}
+    suites["urls"][1]["messages"][1]["content"][0] = url
     for name, suite in suites.items():
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in suite))
     vl = (load_image_processor(tiny_vl_dir, 4096, 16384), vl_info(AutoConfig.from_pretrained(tiny_vl_dir)))
 
     def load(*names):
-        cfg = compose_cfg(tmp_path, tiny_vl_dir, f"eval.suites=[{','.join(str(tmp_path / f'{n}.jsonl') for n in names)}]")
+        files = ",".join(str(tmp_path / f"{n}.jsonl") for n in names)
+        cfg = compose_cfg(tmp_path, tiny_vl_dir, f"eval.suites=[{files}]")
         return load_suites(cfg, cfg.eval, load_tokenizer(cfg.target), vl)
 
     files, uris = load("files", "uris").values()
@@ -190,6 +192,6 @@ def test_eval_prompts_with_embedded_images_render_as_with_files_and_urls_are_ref
     for mine, theirs in zip(uris, files):
         assert mine["images"]["pixel_values"].equal(theirs["images"]["pixel_values"])
     second = rows[1]["id"]
-    with pytest.raises(InvalidInput, match=f"eval.suites: .*urls.jsonl, line 2: prompt '{second}': https://example.com/a.png: "
-                                           "a URL"):
+    refusal = f"eval.suites: .*urls.jsonl, line 2: prompt '{second}': https://example.com/a.png: a URL"
+    with pytest.raises(InvalidInput, match=refusal):
         load("urls")

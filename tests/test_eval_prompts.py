@@ -313,7 +313,8 @@ def test_preformatted_rows_prompt_as_written_up_to_the_first_assistant_header(ti
     assert [r.prompt for r in file_requests(str(log), tiny_tokenizer, 2, 8)] == [asked["input_ids"]] * 2
 
     write_jsonl(log, [{"id": "asked", "text": "<|im_start|>user\nWeather?<|im_end|>\n"}])
-    with pytest.raises(ValueError, match=r"eval.suites: .*log.jsonl, line 1: prompt 'asked': the text opens no assistant "):
+    refusal = r".*log.jsonl, line 1: prompt 'asked': the text opens no assistant turn"
+    with pytest.raises(ValueError, match="eval.suites: " + refusal):
         load_suites(run_cfg, ev, tiny_tokenizer)
-    with pytest.raises(ValueError, match=r"--prompts: .*log.jsonl, line 1: prompt 'asked': the text opens no assistant "):
+    with pytest.raises(ValueError, match="--prompts: " + refusal):
         file_requests(str(log), tiny_tokenizer, 1, 8)

@@ -116,7 +116,8 @@ def test_the_data_stage_gives_the_samples_and_prompts_of_the_same_turns(tmp_path
     assert text["eval"]["by_reason"] == turns["eval"]["by_reason"] == {"in_train": 1}
     assert {c["id"]: c["text"] for c in read_jsonl(text_dir / "train.conversations.jsonl")} == \
            {r["id"]: r["text"] for r in _texts(tiny_tokenizer, train[:10])}
-    prompts = {kind: heldout_prompts(d / "eval.conversations.jsonl", tiny_tokenizer, 8) for kind, (_, d) in results.items()}
+    prompts = {kind: heldout_prompts(data / "eval.conversations.jsonl", tiny_tokenizer, 8)
+               for kind, (_, data) in results.items()}
     assert [p["input_ids"] for p in prompts["text"]] == [p["input_ids"] for p in prompts["turns"]]
     assert len(prompts["text"]) == 4
 

