@@ -4,6 +4,7 @@ failures, retries and concurrency. No mocks: the target is the tiny Llama, taugh
 seconds to answer weather questions in prose so that answers end and depend on the prompt."""
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
@@ -722,6 +723,9 @@ def test_prompts_with_images_are_checked_by_their_text_alone(fresh, target, tmp_
     rows, report = regenerate_conversations(convs, c, templated, tmp_path / "same", "train")
     assert report["regenerated"] == 4 and report["failed"] == 0
     assert [r["max_tokens"] for r in fresh.requests] == [24, 1, 24, 24, 24, 24]  # 5 turns, one probe after the first
+    sent = {p["image_url"]["url"] for r in fresh.requests for m in r["messages"] if isinstance(m["content"], list)
+            for p in m["content"] if p["type"] == "image_url"}  # vLLM takes no bare path; a remote server has no file
+    assert sent == {"data:image/png;base64," + base64.b64encode((tmp_path / "sky.png").read_bytes()).decode()}
 
     fresh.requests.clear()
     fresh.chat_template, fresh.refuse_one_token = None, True  # a server that does not answer the probe

@@ -68,6 +68,17 @@ def to_data_uri(data: bytes) -> str:
     return f"data:{kind};base64,{base64.b64encode(data).decode('ascii')}"
 
 
+def as_data_uri(ref: str) -> str:
+    """An image reference as a client sends it to a server: a local file as a base64 data URI, which
+    every server takes (vLLM refuses a bare path, and reads file:// URLs only under
+    --allowed-local-media-path; a server on another machine has not the file); a data URI or a URL
+    as it is."""
+    if is_data_uri(ref) or is_remote(ref):
+        return ref
+    with open(ref, "rb") as f:
+        return to_data_uri(f.read())
+
+
 def image_format(data: bytes) -> str | None:
     """"PNG", "JPEG", ... for bytes of one of IMAGE_FORMATS (read from the header), else None."""
     from PIL import Image

@@ -32,6 +32,7 @@ from specforge.data.regen.replay import Answer, RegenFailure, Replay
 from specforge.data.template import THINKING_SWITCH
 from specforge.errors import InvalidInput, SpecForgeWarning
 from specforge.launch.process import api_key_from_env, auth_headers
+from specforge.utils.images import as_data_uri
 from specforge.utils.io import fingerprint
 
 RETRIES = 3  # after the first attempt; backoff 0.5 s, 1 s, 2 s
@@ -285,10 +286,11 @@ def _openai_messages(messages: list[dict]) -> list[dict]:
 
 
 def _openai_content(content: str | list) -> str | list:
-    """Our parts ({"type": "text"|"image"}) in the OpenAI spelling; image paths/URLs as given."""
+    """Our parts ({"type": "text"|"image"}) in the OpenAI spelling; an image file as a data URI (a URL
+    as given)."""
     if isinstance(content, str):
         return content
-    return [p if p.get("type") == "text" else {"type": "image_url", "image_url": {"url": p["image"]}}
+    return [p if p.get("type") == "text" else {"type": "image_url", "image_url": {"url": as_data_uri(p["image"])}}
             for p in content]
 
 
