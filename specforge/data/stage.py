@@ -56,7 +56,8 @@ SHARE_HINTS = {
     "image_remote": "the images are URLs, and nothing here fetches them: download them and name the files "
                     "(or embed them: base64 data: URIs, or a Parquet / datasets Image column)",
     "special_token_text": "the texts spell the tokenizer's special tokens (a chat log saved with its template "
-                          "applied?); data.special_token_text=keep tokenizes them as control tokens",
+                          "applied?); data.special_token_text=keep tokenizes them as control tokens, and "
+                          "{{\"id\", \"text\"}} rows of whole rendered conversations are read with data.format=text",
     "in_train": "the eval files repeat the training prompts: hold out other conversations, or set "
                 "data.eval_in_train=keep to evaluate on training prompts",
 }
