@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import json
+import shutil
 from pathlib import Path
 
 import datasets
@@ -195,3 +196,18 @@ def test_eval_prompts_with_embedded_images_render_as_with_files_and_urls_are_ref
     refusal = f"eval.suites: .*urls.jsonl, line 2: prompt '{second}': https://example.com/a.png: a URL"
     with pytest.raises(InvalidInput, match=refusal):
         load("urls")
+
+
+def test_a_run_deleted_and_run_again_writes_its_images_again_though_the_workers_output_is_cached(
+        tmp_path, tiny_vl_dir, weather_images):
+    """data.num_proc caches what the workers return under cache_dir, naming the image files they
+    wrote into the run; `rm -rf outputs/<run>` then the same command must not train on names of
+    files that went with it."""
+    rows = _with_data_uris(_rows(weather_images), weather_images)
+    (tmp_path / "uris.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    first = _data_stage(tmp_path, tiny_vl_dir, "run", tmp_path / "uris.jsonl", "data.num_proc=2")
+    samples = (first / "train.jsonl").read_bytes()
+    shutil.rmtree(tmp_path / "run")
+    again = _data_stage(tmp_path, tiny_vl_dir, "run", tmp_path / "uris.jsonl", "data.num_proc=2")
+    assert (again / "train.jsonl").read_bytes() == samples
+    assert all(Path(p).is_file() for s in read_jsonl(again / "train.jsonl") for p in s["images"])

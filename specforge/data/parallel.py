@@ -11,7 +11,8 @@ nested columns, so heterogeneous rows cannot break schema inference; workers sen
 back as JSON too, and token ids as int lists. Everything lives under `cache_dir/datasets/`: the input rows
 (`rows-<hash>.arrow`) and each map's output, named by a fingerprint of the rows, the config, the
 tokenizer and this code, so a re-run (with any num_proc) loads the output instead of recomputing.
-Image files are not part of that fingerprint. Nothing there is deleted: clear it by hand.
+Image files are not part of that fingerprint; an output naming embedded images that have gone (the
+run directory deleted) is computed again. Nothing else there is deleted: clear it by hand.
 """
 from __future__ import annotations
 
@@ -77,7 +78,20 @@ def normalise_split(cfg, files: list[str], max_chars: int, tokenizer=None, vl=No
                           "file": rec["file"], "line": rec["line"]})
             if render:
                 renders.append(_row_render(rec))
+    if embedded_dir is not None and _lost_images(convs, embedded_dir):  # loaded from the cache, the run deleted since
+        for stale in cache.glob(f"fix-{key}*"):
+            stale.unlink()
+        return normalise_split(cfg, files, max_chars, tokenizer, vl, embedded_dir)  # now written again
     return len(rows), convs, quarantine, renders if render else None
+
+
+def _lost_images(convs: list[dict], folder: Path) -> bool:
+    """Whether conversations name an embedded image (ImageChecker) no longer in `folder`: a cached
+    map's output names the files its workers wrote, which went with the run directory."""
+    inside = str(Path(folder).resolve()) + os.sep
+    return any(p["image"].startswith(inside) and not os.path.exists(p["image"])
+               for c in convs for m in c.get("messages", ()) if isinstance(m["content"], list)
+               for p in m["content"] if p.get("type") == "image")
 
 
 def render_split(cfg, convs: list[dict], tokenizer, vl=None) -> list[RowRender]:
