@@ -211,3 +211,30 @@ def test_a_run_deleted_and_run_again_writes_its_images_again_though_the_workers_
     again = _data_stage(tmp_path, tiny_vl_dir, "run", tmp_path / "uris.jsonl", "data.num_proc=2")
     assert (again / "train.jsonl").read_bytes() == samples
     assert all(Path(p).is_file() for s in read_jsonl(again / "train.jsonl") for p in s["images"])
+
+
+def test_images_of_a_finished_data_stage_deleted_by_hand_are_written_again(tmp_path, tiny_vl_dir, weather_images,
+                                                                             capsys):
+    """The data stage is skipped while its inputs are unchanged; the images it wrote from the data
+    are its outputs, so one deleted (to save space, say) runs it again, not the extraction into a
+    missing file; so does a deleted samples file."""
+    from specforge.pipeline import run_pipeline
+
+    rows = _with_data_uris(_rows(weather_images), weather_images)
+    (tmp_path / "uris.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = compose_cfg(tmp_path, tiny_vl_dir, f"data.train_files=[{tmp_path / 'uris.jsonl'}]", "data.eval_files=[]",
+                      "stages=[data]")
+    run_pipeline(cfg)
+    data = tmp_path / "outputs" / "qwen3vl_tiny" / "data"
+    samples = (data / "train.jsonl").read_bytes()
+    run_pipeline(cfg)
+    assert "[pipeline] data: up to date" in capsys.readouterr().out
+    lost = next((data / "images").iterdir())
+    lost.unlink()
+    run_pipeline(cfg)
+    assert f"up to date, but the image {lost} it wrote from the data is gone: running it again" in capsys.readouterr().out
+    assert lost.is_file() and (data / "train.jsonl").read_bytes() == samples
+    (data / "train.jsonl").unlink()
+    run_pipeline(cfg)
+    assert f"up to date, but {data / 'train.jsonl'} is gone: running it again" in capsys.readouterr().out
+    assert (data / "train.jsonl").read_bytes() == samples

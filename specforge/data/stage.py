@@ -9,6 +9,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import os
 from collections import Counter
 from pathlib import Path
 
@@ -545,6 +546,25 @@ def run(cfg, run_dir, fingerprint: str | None = None) -> dict:
     _write_report(layout, summary, vocab)
     refuse_low_coverage(cfg, vocab, train["samples"], layout)
     return {**summary, "vocab": vocab}
+
+
+def damaged(cfg, run_dir, summary: dict) -> str | None:
+    """A finished data stage's files that are gone (deleted by hand, or the images it wrote from the
+    data's embedded ones): the pipeline prepares the data again, the same as before, instead of
+    handing the extraction names of nothing."""
+    layout = RunLayout(run_dir)
+    splits = [split for split in ("train", "eval") if split in summary]
+    for path in [*map(layout.samples, splits), *map(layout.conversations, splits), layout.vocab]:
+        if not path.is_file():
+            return f"{path} is gone"
+    root = f"{layout.embedded_images.resolve()}{os.sep}"
+    for split in (s for s in splits if summary[s].get("images")):
+        with open(layout.samples(split), encoding="utf-8") as f:
+            for line in (line for line in f if root in line):
+                ours = (p for p in json.loads(line)["images"] if p.startswith(root))
+                if gone := next((p for p in ours if not Path(p).is_file()), None):
+                    return f"the image {gone} it wrote from the data is gone"
+    return None
 
 
 def refuse_low_coverage(cfg, vocab: dict, samples: list[dict], layout: RunLayout) -> None:
