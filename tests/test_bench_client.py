@@ -210,7 +210,10 @@ def test_scenarios_and_conversation_prompts(tmp_path, tiny_tokenizer):
 
 def test_conversation_requests_send_images_as_sglang_image_data(tmp_path, tiny_vl_dir):
     """A vision-language prompt goes as its rendered text with one placeholder per image plus
-    `image_data` (the server expands the placeholders); text prompts stay token ids."""
+    `image_data`, each a data URI (a server on another machine has not the file; the server expands
+    the placeholders); text prompts stay token ids."""
+    import base64
+
     from PIL import Image
 
     from specforge.eval.bench_client import conversation_requests, request_openai
@@ -227,7 +230,8 @@ def test_conversation_requests_send_images_as_sglang_image_data(tmp_path, tiny_v
         {"id": "b", "messages": [{"role": "user", "content": "Rain?"}, {"role": "assistant", "content": "no"}]}])
     tok = load_tokenizer(TargetConfig(name="t", path=str(tiny_vl_dir), kind="qwen3_vl"))
     with_images = conversation_requests(tmp_path / "eval.conversations.jsonl", tok, 2, 8, with_images=True)
-    assert with_images[0].images == [img]
+    png = base64.b64encode((tmp_path / "w.png").read_bytes()).decode()
+    assert with_images[0].images == ["data:image/png;base64," + png]
     assert with_images[0].prompt.count("<|image_pad|>") == 1 and "Weather?" in with_images[0].prompt
     assert isinstance(with_images[1].prompt, list) and with_images[1].images == []
     with pytest.raises(ValueError, match="need the SGLang /generate endpoint"):

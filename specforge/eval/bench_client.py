@@ -48,7 +48,7 @@ class BenchRequest:
     prompt: list[int] | str
     prompt_len: int
     output_len: int
-    images: list[str] = field(default_factory=list)  # image paths/URLs (SGLang `image_data`)
+    images: list[str] = field(default_factory=list)  # SGLang's `image_data`: data URIs, URLs or paths
 
 
 @dataclass
@@ -147,9 +147,10 @@ def file_requests(path: str, tokenizer, num_prompts: int, output_len: int, with_
 
 def _requests(prompts: list[dict], tokenizer, num_prompts: int, output_len: int,
               with_images: bool) -> list[BenchRequest]:
-    """Rendered prompts as requests (token ids; with images, the rendered text plus the image
-    paths), cycled to `num_prompts`."""
+    """Rendered prompts as requests (token ids; with images, the rendered text plus the images as
+    data URIs, which a server on another machine can read too), cycled to `num_prompts`."""
     from specforge.data.vl_render import image_paths
+    from specforge.utils.images import as_data_uri
 
     requests = []
     for p in prompts:
@@ -157,7 +158,7 @@ def _requests(prompts: list[dict], tokenizer, num_prompts: int, output_len: int,
         if paths:
             text = tokenizer.apply_chat_template(p["messages"], add_generation_prompt=True, tokenize=False,
                                                  **p["template_kwargs"])
-            requests.append(BenchRequest(text, len(p["input_ids"]), output_len, paths))
+            requests.append(BenchRequest(text, len(p["input_ids"]), output_len, [as_data_uri(x) for x in paths]))
         else:
             requests.append(BenchRequest(p["input_ids"], len(p["input_ids"]), output_len))
     return [requests[i % len(requests)] for i in range(num_prompts)]
