@@ -42,7 +42,8 @@ SHARE_HINTS = {
     "invalid_json": "is the file JSON Lines (.jsonl, one object per line) or one JSON list (.json)?",
     "duplicate": "the rows repeat one another (the first of each is kept): is a file exported with repeats, "
                  "or are the same conversations in two files?",
-    "no_assistant_turn": "the conversations have no answer to train on: are these prompts only?",
+    "no_assistant_turn": "the conversations have no answer to train on: are these prompts only? (data.format=text: "
+                         "rendered with another chat template than the target's? see target.chat_template)",
     "empty_turn": "turns with empty content: check the field the texts are in (data.format={format})",
     "row_too_long": "raise data.max_chars_per_row (now {max_chars})",
     "overlength": "raise data.max_length or set data.overlength=truncate",
