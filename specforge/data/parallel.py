@@ -39,8 +39,8 @@ CODE = [Path(__file__).parent / n for n in ("formats.py", "sources.py", "rows.py
 CODE.append(Path(__file__).parents[1] / "targets" / "vl.py")
 
 
-def normalise_split(cfg, files: list[str], max_chars: int, tokenizer=None, vl=None,
-                    embedded_dir: Path | None = None) -> tuple[int, list[dict], list[dict], list | None]:
+def normalise_split(cfg, files: list[str], max_chars: int, tokenizer=None, vl=None, embedded_dir: Path | None = None,
+                    _again: bool = False) -> tuple[int, list[dict], list[dict], list | None]:
     """(input rows, conversations, quarantine entries, renders) of `files`: the conversations
     and quarantine of the loop's read + fix step; with a `tokenizer`, also each conversation's
     RowRender from the same pass (else None: render with `render_split` later). `embedded_dir`:
@@ -79,9 +79,11 @@ def normalise_split(cfg, files: list[str], max_chars: int, tokenizer=None, vl=No
             if render:
                 renders.append(_row_render(rec))
     if embedded_dir is not None and _lost_images(convs, embedded_dir):  # loaded from the cache, the run deleted since
+        if _again:
+            raise RuntimeError(f"data.num_proc: the workers wrote images into {embedded_dir} that are not there")
         for stale in cache.glob(f"fix-{key}*"):
             stale.unlink()
-        return normalise_split(cfg, files, max_chars, tokenizer, vl, embedded_dir)  # now written again
+        return normalise_split(cfg, files, max_chars, tokenizer, vl, embedded_dir, _again=True)  # written again
     return len(rows), convs, quarantine, renders if render else None
 
 
