@@ -79,6 +79,21 @@ def test_openai_messages_with_text_parts_and_images():
                                               {"type": "text", "text": "And this?"}]
 
 
+def test_image_parts_in_each_providers_spelling():
+    """OpenAI's chat (`image_url.url`) and Responses (`input_image` with the URL as a string), Hugging
+    Face's `image`, Anthropic's base64 or URL `source`: one image part each."""
+    png = "iVBORw0KGgo="
+    parts = [{"type": "image_url", "image_url": {"url": "a.png"}}, {"type": "input_image", "image_url": "b.png"},
+             {"type": "image", "image": "c.png"},
+             {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": png}},
+             {"type": "image", "source": {"type": "url", "url": "https://example.com/d.png"}}]
+    conv = to_conversation({"messages": [{"role": "user", "content": parts}, {"role": "assistant", "content": "x"}]})
+    assert [p["image"] for p in conv["messages"][0]["content"]] == [
+        "a.png", "b.png", "c.png", f"data:image/png;base64,{png}", "https://example.com/d.png"]
+    with pytest.raises(DataError, match=r"content\[0\]: image part without an image path or URL"):
+        to_conversation({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "file"}}]}]})
+
+
 def test_role_content_conversations_and_top_level_system():
     conv = to_conversation({"system": "Answer in TOON.", "conversations": [
         {"role": "user", "content": "Lima?"}, {"role": "assistant", "content": "sky: sunny"}]})

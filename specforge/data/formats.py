@@ -643,10 +643,18 @@ def _content(value: Any, where: str, slots: bool = False) -> str | list[dict]:
 
 
 def _image_part(part: dict, where: str, slots: bool = False) -> dict:
-    """{"type": "image", "image": <path or URL>} whatever the input spelling was."""
+    """{"type": "image", "image": <path, data URI or URL>} whatever the input spelling was: OpenAI's
+    `image_url` ({"url"} or, in its Responses API, the URL itself), Hugging Face's `image`, or
+    Anthropic's `source` ({"type": "base64", "media_type", "data"} or {"type": "url", "url"})."""
     src = part.get("image", part.get("image_url"))
     if isinstance(src, dict):
         src = src.get("url")
+    source = part.get("source")
+    if src is None and isinstance(source, dict):
+        if source.get("type") == "base64" and isinstance(source.get("data"), str):
+            src = f"data:{source.get('media_type') or ''};base64,{source['data']}"
+        elif source.get("type") == "url":
+            src = source.get("url")
     if src is None and slots:
         return {"type": "image", "image": None}  # filled from the row-level images
     if not isinstance(src, str) or not src:
