@@ -56,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep-truncated", action="store_true",
                    help="keep answers cut off at --max-new-tokens as the last turn instead of skipping")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--format", choices=FORMATS, default="auto", help="input row format")
+    p.add_argument("--format", choices=[f for f in FORMATS if f != "text"], default="auto",
+                   help="input row format (not preformatted text: it has no turns to ask the target)")
     p.add_argument("--toon", action="store_true", help="repair/quarantine TOON answers (data.fix.toon)")
     p.add_argument("--no-fix", action="store_true", help="only parse rows, no repairs (data.fix.enabled=false)")
     p.add_argument("--max-quarantined-share", type=float, default=DataConfig.max_quarantined_share,
