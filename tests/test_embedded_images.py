@@ -232,9 +232,25 @@ def test_images_of_a_finished_data_stage_deleted_by_hand_are_written_again(tmp_p
     lost = next((data / "images").iterdir())
     lost.unlink()
     run_pipeline(cfg)
-    assert f"up to date, but the image {lost} it wrote from the data is gone: running it again" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert f"up to date, but the image {lost} it wrote from the data is gone: running it again" in said
     assert lost.is_file() and (data / "train.jsonl").read_bytes() == samples
     (data / "train.jsonl").unlink()
     run_pipeline(cfg)
     assert f"up to date, but {data / 'train.jsonl'} is gone: running it again" in capsys.readouterr().out
     assert (data / "train.jsonl").read_bytes() == samples
+
+
+def test_the_images_folder_holds_the_images_the_samples_name_and_the_report_counts_them(tmp_path, tiny_vl_dir,
+                                                                                      weather_images):
+    rows = _with_data_uris(_rows(weather_images), weather_images)
+    (tmp_path / "all.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "some.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:3]))
+    _data_stage(tmp_path, tiny_vl_dir, "run", tmp_path / "all.jsonl")
+    data = _data_stage(tmp_path, tiny_vl_dir, "run", tmp_path / "some.jsonl")  # the data edited: fewer rows
+    named = {Path(p) for s in read_jsonl(data / "train.jsonl") for p in s["images"]}
+    assert set((data / "images").iterdir()) == named and len(named) >= 3
+    size = sum(p.stat().st_size for p in named)
+    assert json.loads((data / "report.json").read_text())["embedded_images"] == {"files": len(named), "bytes": size}
+    report = (data / "report.md").read_text()
+    assert f"{len(named)} distinct, {size / 1e6:.1f} MB, written once each to `images/`" in report

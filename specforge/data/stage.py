@@ -502,6 +502,7 @@ def run(cfg, run_dir, fingerprint: str | None = None) -> dict:
         write_jsonl(layout.samples(split), results[split]["samples"])
         write_jsonl(layout.conversations(split), results[split]["conversations"])
     write_jsonl(layout.quarantine, [q for r in results.values() for q in r["quarantine"]])
+    embedded = _keep_named_images(layout, results)
 
     summary = {split: r["counts"] for split, r in results.items()}
     train = results["train"]
@@ -544,9 +545,24 @@ def run(cfg, run_dir, fingerprint: str | None = None) -> dict:
         "cache_hit": hit,
         "coverage": {split: _coverage(r["samples"], t2d) for split, r in results.items()},
     }
-    _write_report(layout, summary, vocab)
+    _write_report(layout, summary, vocab, embedded)
     refuse_low_coverage(cfg, vocab, train["samples"], layout)
     return {**summary, "vocab": vocab}
+
+
+def _keep_named_images(layout: RunLayout, results: dict) -> dict | None:
+    """{"files", "bytes"} of the images written from the data (ImageChecker) that the samples name;
+    the folder's others (of rows quarantined since, or of an earlier version of the data) are
+    removed, so it holds the run's images and no more. None where the data embedded none."""
+    folder = layout.embedded_images
+    if not folder.is_dir():
+        return None
+    named = {Path(p) for r in results.values() for s in r["samples"] for p in s.get("images", ())
+             if Path(p).parent == folder.resolve()}
+    for path in folder.resolve().iterdir():
+        if path not in named and not path.name.startswith("."):  # "."-files: another writer's temp files
+            path.unlink()
+    return {"files": len(named), "bytes": sum(p.stat().st_size for p in named)}
 
 
 def damaged(cfg, run_dir, summary: dict) -> str | None:
@@ -618,12 +634,12 @@ def quarantined_share_problem(cfg, split: str, result: dict) -> str | None:
             f"line {example['line']}: {reason}" + (f"; hint: {hint}" if hint else ""))
 
 
-def _write_report(layout: RunLayout, summary: dict, vocab: dict | None) -> None:
-    write_json(layout.data_report_json, {"splits": summary, "vocab": vocab})
-    write_text(layout.data_report_md, report_markdown(summary, vocab))
+def _write_report(layout: RunLayout, summary: dict, vocab: dict | None, embedded: dict | None = None) -> None:
+    write_json(layout.data_report_json, {"splits": summary, "vocab": vocab, "embedded_images": embedded})
+    write_text(layout.data_report_md, report_markdown(summary, vocab, embedded))
 
 
-def report_markdown(summary: dict, vocab: dict | None) -> str:
+def report_markdown(summary: dict, vocab: dict | None, embedded: dict | None = None) -> str:
     rows = ["input_rows", "kept", "fixed", "quarantined", "skipped_max_samples", "truncated",
             "samples", "tokens", "loss_tokens", "max_tokens"]
     if any(summary[s].get("images") for s in summary):
@@ -655,5 +671,8 @@ def report_markdown(summary: dict, vocab: dict | None) -> str:
                   f"- {vocab['draft_vocab_size']} of {vocab['vocab_size']} target tokens "
                   f"(cache {'hit' if vocab['cache_hit'] else 'miss'}, key {vocab['cache_key']}{clamped})"]
         lines += [f"- loss tokens covered by the draft vocab, {s}: {c:.2%}" for s, c in vocab["coverage"].items()]
+    if embedded:
+        lines += ["", f"Images that came inside the data (data: URIs, table image columns): {embedded['files']} "
+                      f"distinct, {embedded['bytes'] / 1e6:.1f} MB, written once each to `images/`."]
     lines += ["", "Quarantined rows with file, line and reason: `quarantine.jsonl`.", ""]
     return "\n".join(lines)
