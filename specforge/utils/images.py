@@ -10,6 +10,8 @@ import binascii
 import io
 import re
 import warnings
+from contextlib import contextmanager
+from typing import Iterator
 
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 REMOTE_PREFIXES = ("http://", "https://")
@@ -90,21 +92,32 @@ def image_format(data: bytes) -> str | None:
         return None
 
 
+@contextmanager
+def opened(source, formats: tuple[str, ...] | None = None) -> Iterator:
+    """PIL's Image.open (of a path or a file object) with its decompression-bomb limit a refusal:
+    ImageTooLarge past Image.MAX_IMAGE_PIXELS, where PIL only warns up to twice that and then raises
+    an error of its own."""
+    from PIL import Image
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # refused below, not warned about
+        try:
+            image = Image.open(source, formats=formats)
+        except Image.DecompressionBombError as e:
+            raise ImageTooLarge(str(e)) from None
+    with image:
+        if image.width * image.height > Image.MAX_IMAGE_PIXELS:
+            raise ImageTooLarge(f"{image.width}x{image.height} pixels, more than {Image.MAX_IMAGE_PIXELS:,}")
+        yield image
+
+
 def decode_image(data: bytes):
     """An RGB PIL image from encoded bytes; ValueError saying why not (ImageTooLarge past PIL's
     decompression-bomb limit, which a few KB of PNG can claim)."""
-    from PIL import Image
-
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # refused below, not warned about
-            with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as im:
-                if im.width * im.height > Image.MAX_IMAGE_PIXELS:
-                    raise ImageTooLarge(f"{im.width}x{im.height} pixels, more than {Image.MAX_IMAGE_PIXELS:,}")
-                return im.convert("RGB")
+        with opened(io.BytesIO(data), IMAGE_FORMATS) as im:
+            return im.convert("RGB")
     except ImageTooLarge:
         raise
-    except Image.DecompressionBombError as e:
-        raise ImageTooLarge(str(e)) from None
     except Exception as e:  # PIL's decoders raise many types (OSError, ValueError, SyntaxError, ...)
         raise ValueError(f"cannot be read as an image ({', '.join(IMAGE_FORMATS)}): {type(e).__name__}: {e}") from None

@@ -9,14 +9,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import warnings
 from pathlib import Path
 
-from PIL import Image, UnidentifiedImageError
+from PIL import UnidentifiedImageError
 
 from specforge.data.formats import detect_format, is_tool_turn, read_turns, turns_field
 from specforge.utils.images import (ImageTooLarge, data_uri_bytes, decode_image, describe, image_format, is_data_uri,
-                                    is_remote)
+                                    is_remote, opened)
 from specforge.utils.io import atomic_path
 
 CANONICAL_ROLES = ("system", "user", "assistant", "tool")
@@ -244,13 +243,9 @@ def _open_problem(path: Path) -> str | None:
     if not os.access(path, os.R_OK):
         return "image_unreadable"
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # refused below, not warned about
-            with Image.open(path) as img:
-                if img.width * img.height > Image.MAX_IMAGE_PIXELS:
-                    return f"image_too_large: {img.width}x{img.height} pixels, more than {Image.MAX_IMAGE_PIXELS:,}"
-                img.verify()
-    except Image.DecompressionBombError as e:
+        with opened(path) as img:
+            img.verify()
+    except ImageTooLarge as e:
         return f"image_too_large: {e}"
     except (OSError, UnidentifiedImageError, SyntaxError, ValueError):
         return "image_unreadable"
