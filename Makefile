@@ -4,6 +4,7 @@
 #   make test   the same set-up, then the test suite (and its hidden-state tests again on the
 #               transformers that SGLang pins)
 #   make demo-vl  the vision-language pipeline on CPU: a tiny random Qwen3-VL, weather data with images
+#   make demo-code  the SmolLM2 target on code-assistant questions about Python's standard library
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -16,7 +17,7 @@ export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export DS_BUILD_OPS ?= 0  # DeepSpeed (a test dependency) installs without compiling its CUDA ops
 
-.PHONY: setup demo demo-vl test test-sglang-transformers data clean-demo peer-venv gpu-wheels FORCE
+.PHONY: setup demo demo-vl demo-code test test-sglang-transformers data clean-demo peer-venv gpu-wheels FORCE
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +49,16 @@ data/weather_vl/train.jsonl: data_prep/weather.py | $(STAMP)
 demo-vl: setup data/weather_vl/train.jsonl
 	$(BIN)/python train.py +exp=qwen3vl_tiny
 
+CODE_ARGS := --train 600 --eval 40 --seed 0
+data/stdlib_code/args: FORCE
+	@mkdir -p $(@D); echo '$(CODE_ARGS)' | cmp -s - $@ || echo '$(CODE_ARGS)' > $@
+
+data/stdlib_code/train.jsonl: data_prep/stdlib_code.py data/stdlib_code/args | $(STAMP)
+	$(BIN)/python data_prep/stdlib_code.py --out data/stdlib_code $(CODE_ARGS)
+
+demo-code: setup data/stdlib_code/train.jsonl
+	$(BIN)/python train.py +exp=smollm2_code
+
 test: setup
 	$(BIN)/python -m pytest -q
 	$(MAKE) test-sglang-transformers
@@ -69,7 +80,7 @@ test-sglang-transformers: $(SGLANG_TF_DIR)/.installed
 FORCE:
 
 clean-demo:
-	rm -rf outputs/smollm2_weather data/weather outputs/qwen3vl_tiny data/weather_vl
+	rm -rf outputs/smollm2_weather data/weather outputs/qwen3vl_tiny data/weather_vl outputs/smollm2_code data/stdlib_code
 
 # make peer-venv: speculators 0.9.0 (vLLM's EAGLE-3 trainer) in its own virtualenv, for
 # benchmarks/peer_train_worker.py only; never part of setup/test/demo. Its pins clash with ours
