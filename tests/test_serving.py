@@ -257,6 +257,27 @@ def test_swapped_or_identical_server_urls_are_refused_before_a_request_is_timed(
     assert not (tmp_path / "eval").exists()
 
 
+def test_the_bench_command_refuses_swapped_or_identical_urls(model_dirs, servers, tmp_path):
+    """`specforge bench --url --baseline-url` asks the servers what they serve as the evaluation does,
+    and names its own flags."""
+    import subprocess
+    import sys
+
+    target, _, _ = model_dirs
+    eagle, base = servers
+    out = tmp_path / "bench.json"
+    for url, baseline, said in (
+            (base.url, eagle.url, rf"bench: --url {base.url} serves {re.escape(str(target))} without speculative "
+                                  r"decoding .*, or swap --url and --baseline-url"),
+            (eagle.url, eagle.url + "/", rf"bench: --url and --baseline-url both name {eagle.url}: the server "
+                                         r"would be measured against itself")):
+        proc = subprocess.run([sys.executable, "-m", "specforge.cli", "bench", "--url", url, "--baseline-url",
+                               baseline, "--vocab-size", "100", "--num-prompts", "2", "--output-len", "4",
+                               "--out", str(out)], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 1 and re.match(said, proc.stderr.strip()), proc.stderr
+        assert not out.exists()  # refused before a request
+
+
 def test_ones_own_prompt_file_through_evaluate_and_the_bench_command(model_dirs, servers, tmp_path):
     """The workload to serve, as a file (a prompt row and a conversation whose answer is left out):
     eval.prompts=<file> for the serving evaluation, `specforge bench --prompts <file>` on the command
@@ -291,6 +312,8 @@ def test_ones_own_prompt_file_through_evaluate_and_the_bench_command(model_dirs,
                            "--output-len", "8", "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(out.read_text())["eagle3"]["metrics"]["completed"] == 2
+    served = json.loads(out.read_text())["served"]
+    assert served["server"]["speculative_algorithm"] == "EAGLE3" and served["baseline"]["speculative_algorithm"] is None
     assert "bench: 4/4 (100%)" in proc.stderr and "bench" not in proc.stdout.split("\n")[0]  # the bar on stderr
 
     bad = tmp_path / "bad.jsonl"

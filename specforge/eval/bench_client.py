@@ -23,6 +23,7 @@ import json
 import math
 import random
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -30,9 +31,10 @@ from typing import Iterable, Sequence
 import httpx
 import numpy as np
 
-from specforge.errors import InputError, InvalidInput
+from specforge.errors import InputError, InvalidInput, SpecForgeWarning
 from specforge.eval.scenarios import Scenario
 from specforge.launch.process import api_key_from_env, auth_headers, url_problem
+from specforge.launch.process import server_info as read_server_info
 from specforge.run_layout import RunLayout
 from specforge.utils.io import write_json
 
@@ -470,6 +472,49 @@ def add_bench_args(p) -> None:
                    help="the servers' --api-key, sent as Authorization: Bearer (default: $SPECFORGE_API_KEY)")
 
 
+# What a server's /server_info (SGLang's server args; `specforge serve` answers the same keys) says it
+# serves, kept in the summary and named in the report.
+SERVED_KEYS = ("model_path", "speculative_algorithm", "speculative_draft_model_path", "speculative_num_steps",
+               "speculative_eagle_topk", "speculative_num_draft_tokens")
+
+
+def served_by(url: str, baseline_url: str | None,
+              names: tuple[str, str] = ("eval.url", "eval.baseline_url")) -> dict[str, dict]:
+    """eval.engine=server and `specforge bench`: what each running server serves, checked before a
+    request is timed: the URL named first (`names`: how the user gave the two) must draft and the
+    baseline must not (swapped URLs would report the target alone as the speed-up), and they should
+    serve one target. A server without /server_info (vLLM) is taken at its word.
+    -> {label: its SERVED_KEYS} for the servers that said."""
+    url_name, base_name = names
+    if baseline_url and url.rstrip("/") == baseline_url.rstrip("/"):
+        raise InvalidInput(f"{url_name} and {base_name} both name {url}: the server would be measured "
+                           f"against itself; give the base model's server as {base_name}")
+    said = {}
+    for label, where in (("server", url), ("baseline", baseline_url)):
+        if where:
+            try:
+                info = read_server_info(where.rstrip("/"))
+            except (RuntimeError, ConnectionError):  # none (vLLM), or not answering: the benchmark says so
+                continue
+            if isinstance(info, dict):
+                said[label] = {key: info.get(key) for key in SERVED_KEYS if key in info}
+    spec, base = said.get("server", {}), said.get("baseline", {})
+    if "speculative_algorithm" in spec and not spec["speculative_algorithm"]:
+        raise InvalidInput(f"{url_name} {url} serves {spec.get('model_path')} without speculative decoding (its "
+                           "/server_info: speculative_algorithm null): start it with the run report's SGLang "
+                           "command (--speculative-algorithm EAGLE3 --speculative-draft-model-path <run>/epoch_<k>)"
+                           + (f", or swap {url_name} and {base_name}" if base.get("speculative_algorithm") else ""))
+    if base.get("speculative_algorithm"):
+        raise InvalidInput(f"{base_name} {baseline_url} drafts with {base['speculative_algorithm']} "
+                           f"({base.get('speculative_draft_model_path')}): the baseline is the target alone; start "
+                           "it without --speculative-algorithm")
+    models = {Path(str(info["model_path"])).name for info in said.values() if info.get("model_path")}
+    if len(models) > 1:
+        warnings.warn(f"{url_name} serves {spec['model_path']}, {base_name} {base['model_path']}: the speed-up "
+                      "compares two different targets", category=SpecForgeWarning, stacklevel=2)
+    return said
+
+
 def _run_or_exit(url: str, *a, **kw):
     """run_scenario, where a server that does not answer the warm-up is one line, not a traceback."""
     try:
@@ -533,11 +578,17 @@ def bench(args) -> dict:
         special = tokenizer.all_special_ids if tokenizer is not None else ()
         requests = random_token_requests(scenario.num_prompts, scenario.input_len, scenario.output_len,
                                          vocab, exclude_ids=special, seed=args.seed)
+    served = None
+    if args.baseline_url:  # swapped or identical URLs would time the target alone as the speed-up
+        try:
+            served = served_by(args.url, args.baseline_url, names=("--url", "--baseline-url"))
+        except InvalidInput as e:
+            raise SystemExit(f"bench: {e}") from None
     from rich.console import Console
 
     from specforge.utils.progress import progress_bar
 
-    results = {"scenario": scenario.to_dict()}
+    results = {"scenario": scenario.to_dict(), **({"served": served} if served is not None else {})}
     # stderr: stdout has the tables; transient: a refused warm-up leaves its one line alone
     with progress_bar(console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task("bench", total=len(requests) * (1 + bool(args.baseline_url)), info="eagle3")

@@ -15,22 +15,21 @@ from __future__ import annotations
 import json
 import math
 import re
-import warnings
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Callable, Sequence
 
-from specforge.errors import InvalidInput, SpecForgeWarning
+from specforge.errors import InvalidInput
 from specforge.utils.io import file_fingerprint, fingerprint, write_json, write_text
 from specforge.utils.progress import progress_bar
 from specforge.eval.bench_client import (
     BenchRequest, BenchResult, comparison, comparison_table, conversation_requests, file_requests,
-    random_token_requests, run_benchmark,
+    random_token_requests, run_benchmark, served_by,
 )
 from specforge.eval.scenarios import Scenario, get_scenario
 from specforge.targets.vl import is_vl
-from specforge.launch.process import ServerProcess, free_port, server_info
+from specforge.launch.process import ServerProcess, free_port
 from specforge.run_layout import RunLayout
 
 # (target_path, draft_path | None, tree | None, port) -> command
@@ -143,46 +142,6 @@ def finished_result(path: Path, key: str) -> BenchResult | None:
     except (OSError, ValueError, KeyError, TypeError):
         pass
     return None
-
-
-# What a server's /server_info (SGLang's server args; `specforge serve` answers the same keys) says it
-# serves, kept in the summary and named in the report.
-SERVED_KEYS = ("model_path", "speculative_algorithm", "speculative_draft_model_path", "speculative_num_steps",
-               "speculative_eagle_topk", "speculative_num_draft_tokens")
-
-
-def served_by(url: str, baseline_url: str | None) -> dict[str, dict]:
-    """eval.engine=server: what each running server serves, checked before a request is timed:
-    eval.url must draft and eval.baseline_url must not (swapped URLs would report the target alone
-    as the speed-up), and they should serve one target. A server without /server_info (vLLM) is
-    taken at its word. -> {label: its SERVED_KEYS} for the servers that said."""
-    if baseline_url and url.rstrip("/") == baseline_url.rstrip("/"):
-        raise InvalidInput(f"eval.url and eval.baseline_url both name {url}: the server would be measured "
-                           "against itself; give the base model's server as eval.baseline_url")
-    said = {}
-    for label, where in (("server", url), ("baseline", baseline_url)):
-        if where:
-            try:
-                info = server_info(where.rstrip("/"))
-            except (RuntimeError, ConnectionError):  # none (vLLM), or not answering: the benchmark says so
-                continue
-            if isinstance(info, dict):
-                said[label] = {key: info.get(key) for key in SERVED_KEYS if key in info}
-    spec, base = said.get("server", {}), said.get("baseline", {})
-    if "speculative_algorithm" in spec and not spec["speculative_algorithm"]:
-        raise InvalidInput(f"eval.url {url} serves {spec.get('model_path')} without speculative decoding (its "
-                           "/server_info: speculative_algorithm null): start it with the run report's SGLang "
-                           "command (--speculative-algorithm EAGLE3 --speculative-draft-model-path <run>/epoch_<k>)"
-                           + (", or swap eval.url and eval.baseline_url" if base.get("speculative_algorithm") else ""))
-    if base.get("speculative_algorithm"):
-        raise InvalidInput(f"eval.baseline_url {baseline_url} drafts with {base['speculative_algorithm']} "
-                           f"({base.get('speculative_draft_model_path')}): the baseline is the target alone; start "
-                           "it without --speculative-algorithm")
-    models = {Path(str(info["model_path"])).name for info in said.values() if info.get("model_path")}
-    if len(models) > 1:
-        warnings.warn(f"eval.url serves {spec['model_path']}, eval.baseline_url {base['model_path']}: the speed-up "
-                      "compares two different targets", category=SpecForgeWarning, stacklevel=2)
-    return said
 
 
 def served_line(label: str, info: dict) -> str:
