@@ -12,6 +12,7 @@ import pytest
 from omegaconf import OmegaConf
 
 import specforge.eval.engine_eval as engine_eval
+from specforge.errors import InvalidInput
 from specforge.eval.engine_eval import load_run_config
 from specforge.eval.prompts import check_suites, heldout_prompts, load_suites
 from specforge.eval.stage import run_evaluation
@@ -318,3 +319,25 @@ def test_preformatted_rows_prompt_as_written_up_to_the_first_assistant_header(ti
         load_suites(run_cfg, ev, tiny_tokenizer)
     with pytest.raises(ValueError, match="--prompts: " + refusal):
         file_requests(str(log), tiny_tokenizer, 1, 8)
+
+
+def test_a_prompt_row_holding_rendered_text_is_refused_not_templated_twice(tiny_run, tiny_tokenizer, tmp_path):
+    """`{"prompt": "<|im_start|>user\\n...<|im_start|>assistant\\n"}`: a server's rendered prompt put in a
+    prompt field would get a second header around it; refused naming the row and the way to give it."""
+    from specforge.eval.bench_client import file_requests
+
+    rendered_text = tiny_tokenizer.apply_chat_template(MULTI_TURN[:2], tokenize=False, add_generation_prompt=True)
+    log = tmp_path / "log.jsonl"
+    write_jsonl(log, [{"id": "plain", "prompt": "Weather in Oslo?"}, {"id": "rendered", "prompt": rendered_text}])
+    run_cfg, ev = configs(tiny_run, f"suites=['{log}']")
+    refusal = (r".*log.jsonl, line 2: prompt 'rendered': user message 1 holds '<\|im_start\|>', which the "
+               r"tokenizer reads as its control token; a prompt the chat template already rendered goes in a "
+               r"\{\"text\": \.\.\.\} row")
+    with pytest.raises(InvalidInput, match="eval.suites: " + refusal):
+        load_suites(run_cfg, ev, tiny_tokenizer)
+    with pytest.raises(InvalidInput, match="--prompts: " + refusal):
+        file_requests(str(log), tiny_tokenizer, 2, 8)
+    write_jsonl(log, [{"id": "plain", "prompt": "Weather in Oslo?"}, {"id": "rendered", "text": rendered_text}])
+    plain, as_text = load_suites(run_cfg, ev, tiny_tokenizer)["log"]  # as the refusal says: taken as written
+    assert as_text["input_ids"] == rendered(tiny_tokenizer, MULTI_TURN[:2])
+    assert plain["input_ids"] == rendered(tiny_tokenizer, [{"role": "user", "content": "Weather in Oslo?"}])

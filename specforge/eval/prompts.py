@@ -27,6 +27,7 @@ from pathlib import Path
 from specforge.data.fix.conversations import prompt_turns
 from specforge.data.formats import (THINK_START, DataError, read_raw_rows, text_conversation, to_conversation,
                                    tools_entry)
+from specforge.data.rows import special_token_in_text
 from specforge.data.sources import check_source, is_hub, is_table_source
 from specforge.data.template import THINKING_SWITCH, assistant_markers, has_thinking_switch, text_prompt
 from specforge.data.vl_render import image_paths, prompt_with_images
@@ -93,9 +94,15 @@ def conversation_prompt(row: dict, tokenizer, vl=None, template_kwargs: dict | N
 
 def file_prompt(row: dict, tokenizer, vl, template_kwargs: dict) -> dict:
     """A prompt file's row (`file_conversations`) rendered as a prompt; what cannot be (preformatted
-    text without the template's assistant header; an image that cannot be opened here: missing
-    since the file was checked, a URL) is refused naming the setting, file, row and prompt."""
+    text without the template's assistant header; turns whose text spells the template's special
+    tokens; an image that cannot be opened here: missing since the file was checked, a URL) is
+    refused naming the setting, file, row and prompt."""
     where = row["where"]
+    if "messages" in row and (spelled := special_token_in_text(tokenizer, row["messages"])):
+        # A prompt already rendered with the chat template, templated again: two headers, or a turn cut short
+        raise InvalidInput(f"{where}: prompt {row['id']!r}: {spelled}, which the tokenizer reads as its control "
+                           "token; a prompt the chat template already rendered goes in a {\"text\": ...} row, "
+                           "taken as written")
     try:
         prompt = conversation_prompt(row, tokenizer, vl, template_kwargs)
     except (OSError, ValueError) as e:  # open_images: FileNotFoundError, RemoteImage, an undecodable image
