@@ -189,6 +189,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--multi-turn", type=float, default=0.2, help="fraction with a follow-up question")
     args = p.parse_args(argv)
+    if args.train < 1 or args.eval < 1:
+        p.error(f"--train and --eval must be >= 1 (the experiment trains on one and measures on the other), "
+                f"got {args.train} and {args.eval}")
+    if not 0.0 <= args.multi_turn <= 1.0:
+        p.error(f"--multi-turn is a fraction in [0, 1], got {args.multi_turn}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for split, n in (("train", args.train), ("eval", args.eval)):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from data_prep.stdlib_code import MODULES, SYSTEM_PROMPT, generate, is_eval_module, main, module_apis, split_apis
 from specforge.data.formats import to_conversation
 
@@ -66,3 +68,10 @@ def test_cli_writes_both_splits(tmp_path, capsys):
     eval_ = [json.loads(line) for line in (tmp_path / "c" / "eval.jsonl").read_text().splitlines()]
     assert train == generate(12, seed=7, split="train") and eval_ == generate(5, seed=7, split="eval")
     assert "12 conversations" in capsys.readouterr().out
+    for bad, said in ((["--train", "0"], "--train and --eval must be >= 1"),
+                      (["--eval", "-1"], "--train and --eval must be >= 1"),
+                      (["--multi-turn", "1.5"], "--multi-turn is a fraction in [0, 1], got 1.5")):
+        with pytest.raises(SystemExit) as exit_:
+            main(["--out", str(tmp_path / "bad"), *bad])
+        assert exit_.value.code == 2 and said in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()  # refused before anything is written
