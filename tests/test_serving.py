@@ -257,25 +257,36 @@ def test_swapped_or_identical_server_urls_are_refused_before_a_request_is_timed(
     assert not (tmp_path / "eval").exists()
 
 
-def test_the_bench_command_refuses_swapped_or_identical_urls(model_dirs, servers, tmp_path):
-    """`specforge bench --url --baseline-url` asks the servers what they serve as the evaluation does,
-    and names its own flags."""
+def test_the_bench_command_warns_of_swapped_urls_and_refuses_identical_ones(model_dirs, servers, tmp_path):
+    """`specforge bench --url --baseline-url` asks the servers what they serve as the evaluation does and
+    names its own flags: swapped roles are said before the first request (a generic benchmark may
+    compare two drafts or two plain servers), one server for both is refused."""
     import subprocess
     import sys
 
     target, _, _ = model_dirs
     eagle, base = servers
     out = tmp_path / "bench.json"
-    for url, baseline, said in (
-            (base.url, eagle.url, rf"bench: --url {base.url} serves {re.escape(str(target))} without speculative "
-                                  r"decoding .*, or swap --url and --baseline-url"),
-            (eagle.url, eagle.url + "/", rf"bench: --url and --baseline-url both name {eagle.url}: the server "
-                                         r"would be measured against itself")):
-        proc = subprocess.run([sys.executable, "-m", "specforge.cli", "bench", "--url", url, "--baseline-url",
+
+    def bench(url, baseline):
+        return subprocess.run([sys.executable, "-m", "specforge.cli", "bench", "--url", url, "--baseline-url",
                                baseline, "--vocab-size", "100", "--num-prompts", "2", "--output-len", "4",
-                               "--out", str(out)], capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 1 and re.match(said, proc.stderr.strip()), proc.stderr
-        assert not out.exists()  # refused before a request
+                               "--out", str(out)], capture_output=True, text=True, timeout=300)
+
+    proc = bench(base.url, eagle.url)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    said = proc.stderr.strip().splitlines()
+    assert re.fullmatch(rf"specforge: warning: --url {base.url} serves {re.escape(str(target))} without "
+                        r"speculative decoding .*, or swap --url and --baseline-url", said[0])
+    assert said[1].startswith(f"specforge: warning: --baseline-url {eagle.url} drafts with EAGLE3 (")
+    served = json.loads(out.read_text())["served"]
+    assert served["server"]["speculative_algorithm"] is None and served["baseline"]["speculative_algorithm"] == "EAGLE3"
+    out.unlink()
+    proc = bench(eagle.url, eagle.url + "/")
+    assert proc.returncode == 1 and proc.stderr.strip() == (
+        f"bench: --url and --baseline-url both name {eagle.url}: the server would be measured against itself; "
+        "give the base model's server as --baseline-url"), proc.stderr
+    assert not out.exists()  # refused before a request
 
 
 def test_ones_own_prompt_file_through_evaluate_and_the_bench_command(model_dirs, servers, tmp_path):

@@ -478,12 +478,14 @@ SERVED_KEYS = ("model_path", "speculative_algorithm", "speculative_draft_model_p
                "speculative_eagle_topk", "speculative_num_draft_tokens")
 
 
-def served_by(url: str, baseline_url: str | None,
-              names: tuple[str, str] = ("eval.url", "eval.baseline_url")) -> dict[str, dict]:
-    """eval.engine=server and `specforge bench`: what each running server serves, checked before a
-    request is timed: the URL named first (`names`: how the user gave the two) must draft and the
-    baseline must not (swapped URLs would report the target alone as the speed-up), and they should
-    serve one target. A server without /server_info (vLLM) is taken at its word.
+def served_by(url: str, baseline_url: str | None, names: tuple[str, str] = ("eval.url", "eval.baseline_url"),
+              strict: bool = True) -> dict[str, dict]:
+    """What each running server serves, asked before a request is timed: the URL named first
+    (`names`: how the user gave the two) should draft and the baseline should not (swapped URLs
+    report the target alone as the speed-up), and they should serve one target. `strict` (the
+    evaluation, which reports a speculative speed-up): a role broken is refused; otherwise (`specforge
+    bench`, which also compares two drafts or two plain servers) it is a warning. One URL for both
+    is refused either way. A server without /server_info (vLLM) is taken at its word.
     -> {label: its SERVED_KEYS} for the servers that said."""
     url_name, base_name = names
     if baseline_url and url.rstrip("/") == baseline_url.rstrip("/"):
@@ -499,15 +501,20 @@ def served_by(url: str, baseline_url: str | None,
             if isinstance(info, dict):
                 said[label] = {key: info.get(key) for key in SERVED_KEYS if key in info}
     spec, base = said.get("server", {}), said.get("baseline", {})
+    roles = []
     if "speculative_algorithm" in spec and not spec["speculative_algorithm"]:
-        raise InvalidInput(f"{url_name} {url} serves {spec.get('model_path')} without speculative decoding (its "
-                           "/server_info: speculative_algorithm null): start it with the run report's SGLang "
-                           "command (--speculative-algorithm EAGLE3 --speculative-draft-model-path <run>/epoch_<k>)"
-                           + (f", or swap {url_name} and {base_name}" if base.get("speculative_algorithm") else ""))
+        roles.append(f"{url_name} {url} serves {spec.get('model_path')} without speculative decoding (its "
+                     "/server_info: speculative_algorithm null): start it with the run report's SGLang command "
+                     "(--speculative-algorithm EAGLE3 --speculative-draft-model-path <run>/epoch_<k>)"
+                     + (f", or swap {url_name} and {base_name}" if base.get("speculative_algorithm") else ""))
     if base.get("speculative_algorithm"):
-        raise InvalidInput(f"{base_name} {baseline_url} drafts with {base['speculative_algorithm']} "
-                           f"({base.get('speculative_draft_model_path')}): the baseline is the target alone; start "
-                           "it without --speculative-algorithm")
+        roles.append(f"{base_name} {baseline_url} drafts with {base['speculative_algorithm']} "
+                     f"({base.get('speculative_draft_model_path')}): the baseline is the target alone; start it "
+                     "without --speculative-algorithm")
+    if roles and strict:
+        raise InvalidInput(roles[0])
+    for problem in roles:
+        warnings.warn(problem, category=SpecForgeWarning, stacklevel=2)
     models = {Path(str(info["model_path"])).name for info in said.values() if info.get("model_path")}
     if len(models) > 1:
         warnings.warn(f"{url_name} serves {spec['model_path']}, {base_name} {base['model_path']}: the speed-up "
@@ -579,9 +586,9 @@ def bench(args) -> dict:
         requests = random_token_requests(scenario.num_prompts, scenario.input_len, scenario.output_len,
                                          vocab, exclude_ids=special, seed=args.seed)
     served = None
-    if args.baseline_url:  # swapped or identical URLs would time the target alone as the speed-up
+    if args.baseline_url:  # swapped URLs would time the target alone as the speed-up: said before a request
         try:
-            served = served_by(args.url, args.baseline_url, names=("--url", "--baseline-url"))
+            served = served_by(args.url, args.baseline_url, names=("--url", "--baseline-url"), strict=False)
         except InvalidInput as e:
             raise SystemExit(f"bench: {e}") from None
     from rich.console import Console
