@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specforge.utils.io import write_jsonl  # noqa: E402
 
-# Modules whose docstrings are stable across CPython 3.10-3.13 and say what the object does.
+# Modules whose public functions and classes mostly carry docstrings that say what they do.
 MODULES = (
     "abc", "argparse", "array", "ast", "base64", "binascii", "bisect", "calendar", "cmath", "codecs",
     "collections", "colorsys", "configparser", "contextlib", "copy", "csv", "dataclasses", "datetime",
