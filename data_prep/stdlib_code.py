@@ -17,6 +17,7 @@ words some of them differently).
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import importlib
 import inspect
@@ -141,11 +142,12 @@ def is_eval_module(module: str, seed: int) -> bool:
     return int.from_bytes(digest[:8], "big") / 2**64 < EVAL_SHARE
 
 
-def split_apis(seed: int, split: str) -> list[Api]:
+@functools.lru_cache(maxsize=None)  # imports and inspects dozens of modules: once per (seed, split)
+def split_apis(seed: int, split: str) -> tuple[Api, ...]:
     apis = [api for module in MODULES if is_eval_module(module, seed) == (split == "eval")
             for api in module_apis(module)]
     # One API per (module, name): a name some Python spells twice (an alias) is asked once
-    return list({(a.module, a.name): a for a in apis}.values())
+    return tuple({(a.module, a.name): a for a in apis}.values())
 
 
 def reference_answer(api: Api) -> str:
