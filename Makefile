@@ -12,12 +12,15 @@ STAMP := $(VENV)/.installed
 PEER_VENV := .venv-peer
 PEER_BIN := $(PEER_VENV)/bin
 PEER_STAMP := $(PEER_VENV)/.installed
+SF_VENV := .venv-sf
+SF_BIN := $(SF_VENV)/bin
+SF_STAMP := $(SF_VENV)/.installed
 export WANDB_MODE ?= offline
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export DS_BUILD_OPS ?= 0  # DeepSpeed (a test dependency) installs without compiling its CUDA ops
 
-.PHONY: setup demo demo-vl demo-code test test-sglang-transformers data clean-demo peer-venv gpu-wheels FORCE
+.PHONY: setup demo demo-vl demo-code test test-sglang-transformers data clean-demo peer-venv specforge-venv gpu-wheels FORCE
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -99,6 +102,23 @@ $(PEER_STAMP): constraints.txt
 	touch $(PEER_STAMP)
 
 peer-venv: $(PEER_STAMP)
+
+# make specforge-venv: sgl-project's SpecForge 0.2.0 in its own virtualenv, for
+# benchmarks/specforge_peer_worker.py only; never part of setup/test/demo. It pins torch 2.11,
+# transformers 5.8.1 and SGLang 0.5.14 (a GPU server, which only its hidden-state capture imports),
+# so it goes in --no-deps on our torch, with the transformers it pins and what its EAGLE-3 training
+# imports. Triton only because its loss module imports it (the worker runs the loss's reference
+# implementation: no Triton backend on a CPU).
+$(SF_STAMP): constraints.txt
+	$(PYTHON) -m venv $(SF_VENV)
+	$(SF_BIN)/pip install -q --upgrade pip
+	$(SF_BIN)/pip install -q -c constraints.txt torch
+	$(SF_BIN)/pip install -q --no-deps specforge==0.2.0 triton
+	$(SF_BIN)/pip install -q -c constraints.txt 'transformers==5.8.1' accelerate datasets numpy psutil \
+		pydantic pyyaml safetensors tqdm
+	touch $(SF_STAMP)
+
+specforge-venv: $(SF_STAMP)
 
 # make gpu-wheels: our dependencies that the GPU machines' image (CUDA torch, transformers, pytest;
 # Python 3.12) lacks, as wheels at the versions this venv runs, for benchmarks/gpu_check.sh: carry

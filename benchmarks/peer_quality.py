@@ -1,4 +1,4 @@
-"""Draft quality side by side: our trainer and vLLM's `speculators` on the same store and budget.
+"""Draft quality side by side: our trainer and another (vLLM's `speculators`, SpecForge) on one store and budget.
 
 One extracted store (a run's `extract/`, the demo's by default) feeds both trainers:
 1. ours: the run's own train config (`specforge.train.loop.train`), `--epochs` epochs, float32,
@@ -25,9 +25,19 @@ to benchmarks/results/recipe_ablation.json ({"rows": [{"name", "set", "accept_le
 
 --ttt-length N unrolls both N TTT steps (default: the run's); --seed N trains both with seed N (another --out per seed); --spread FILE ... then tabulates ours / peer
 per tree and seed with the mean over seeds (benchmarks/results/peer_quality_seeds.json).
+--draft eagle3|eagle31 gives both the EAGLE 3.1 options of conf/draft/<name>.yaml (default: the run's).
+
+--peer specforge: the peer is sgl-project's SpecForge 0.2.0 (`make specforge-venv`; its worker,
+benchmarks/specforge_peer_worker.py, says what it runs as SpecForge does and what the CPU forces),
+trained into <peer-work>/specforge/ and converted with `specforge import-draft`
+(specforge/draft_import.py), checked as above on its step-0 logits. It trains EAGLE 3 with or
+without fc_norm only: `--draft eagle3` on a run of EAGLE 3.1.
 
     make peer-venv
     .venv/bin/python benchmarks/peer_quality.py --run outputs/smollm2_weather --epochs 3
+    make specforge-venv
+    .venv/bin/python benchmarks/peer_quality.py --peer specforge --draft eagle3 --run outputs/smollm2_code \
+        --work outputs/peer_specforge_code --out benchmarks/results/peer_quality_specforge_code.json
     .venv/bin/python benchmarks/peer_quality.py --ablate step_weight_1 --set train.step_weight=1.0 \
         --work outputs/ablation/step_weight_1 --fresh
 Both train on the allocator train.py runs with (mimalloc, specforge/utils/allocator.py: ours in this
@@ -69,8 +79,17 @@ from specforge.train.loop import cosine_with_warmup  # noqa: E402
 from specforge.utils.allocator import mimalloc_env, running_allocator  # noqa: E402
 from specforge.utils.io import write_json  # noqa: E402
 
-PEER_PYTHON = ".venv-peer/bin/python"
-PEER_WORKER = "benchmarks/peer_quality_worker.py"
+# each peer: its virtualenv (and the make target that builds it), its worker, its directory under --work
+PEERS = {
+    "speculators": {"python": ".venv-peer/bin/python", "make": "peer-venv",
+                    "worker": "benchmarks/peer_quality_worker.py", "dir": "peer",
+                    "label": "speculators 0.9.0 (benchmarks/peer_quality_worker.py: its model, kl_div loss, AdamW; "
+                             "sdpa, eager loss on CPU)"},
+    "specforge": {"python": ".venv-sf/bin/python", "make": "specforge-venv",
+                  "worker": "benchmarks/specforge_peer_worker.py", "dir": "specforge",
+                  "label": "SpecForge 0.2.0 (benchmarks/specforge_peer_worker.py: its draft, TTT model, soft-label "
+                           "loss with 0.8^k step weights, BF16Optimizer; sdpa, reference loss on CPU)"},
+}
 
 
 def parse_args(argv=None):
@@ -99,7 +118,10 @@ def parse_args(argv=None):
     p.add_argument("--trees", nargs="+", default=["2_1_3", "5_1_6", "4_2_8"])
     p.add_argument("--num-prompts", type=int, default=40, help="held-out prompts (all of them if fewer)")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--peer-python", default=PEER_PYTHON)
+    p.add_argument("--peer", choices=sorted(PEERS), default="speculators", help="the other trainer")
+    p.add_argument("--draft", choices=["eagle3", "eagle31"], default=None,
+                   help="the EAGLE 3.1 options of BOTH (conf/draft/<name>.yaml; default: the run's)")
+    p.add_argument("--peer-python", default=None, help="the peer's interpreter (default: its virtualenv's)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "peer_quality.json"))
     return p.parse_args(argv)
 
@@ -181,6 +203,34 @@ def convert_peer(peer_dir: Path, ours_ckpt: Path, store: HiddenStateStore, out: 
             "tensors": len(tensors)}
 
 
+def convert_specforge(raw: Path, ours_ckpt: Path, run_cfg, store: HiddenStateStore, out: Path) -> dict:
+    """SpecForge's checkpoint as ours, through `specforge import-draft` (what a user would run); checked
+    against its step-0 logits on a training sample (its alignment: positions from 0)."""
+    from specforge.checkpoint import load_draft
+    from specforge.draft_import import import_draft
+
+    imported = raw.parent / "imported"  # its float32 weights as ours; derived from raw/, written again
+    shutil.rmtree(imported, ignore_errors=True)
+    import_draft(raw, imported, run_cfg.target)
+    cfg, _ = read_checkpoint(ours_ckpt, weights=False)
+    theirs, _ = read_checkpoint(imported, weights=False)
+    if theirs.eagle31_options != cfg.eagle31_options:
+        raise SystemExit(f"SpecForge's options {theirs.eagle31_options} differ from ours {cfg.eagle31_options}")
+    draft = load_draft(imported, device="cpu", dtype=torch.float32)
+    check = load_file(raw / "check.safetensors")
+    sample = store[int(check["sample"])]
+    n = sample["input_ids"].shape[0]
+    with torch.no_grad():
+        _, logits, _ = draft.step(sample["input_ids"][1:][None], draft.project(sample["aux"][:-1].float()[None]),
+                                  torch.arange(n - 1)[None])
+    diff = (logits[0] - check["logits"]).abs().max().item()
+    scale = check["logits"].abs().max().item()
+    if diff > 1e-3 * max(scale, 1.0):
+        raise SystemExit(f"conversion: step-0 logits differ from SpecForge's by {diff:.3g} (scale {scale:.3g})")
+    save_checkpoint(draft, out)  # in bf16, as ours and the speculators peer's are saved
+    return {"import_draft": True, "logits_max_abs_diff": diff, "logits_scale": scale}
+
+
 def accept_lengths(run_cfg, ckpt: Path, eval_cfg) -> dict[str, float]:
     """Accept length per tree of one checkpoint: the engine over the prompts, speculative only."""
     from specforge.checkpoint import load_draft
@@ -210,6 +260,10 @@ def ablate(args, run_cfg, run_dir: Path, work: Path, eval_cfg) -> int:
     if baseline.get("ttt_length", run_cfg.train.ttt_length) != run_cfg.train.ttt_length:
         raise SystemExit(f"{args.out}: both trained with TTT {baseline['ttt_length']}, ours would unroll "
                          f"{run_cfg.train.ttt_length}: pass --ttt-length {baseline['ttt_length']}")
+    options = {key: bool(run_cfg.draft[key]) for key in EAGLE31_OPTIONS}
+    if baseline.get("draft_options", options) != options:
+        raise SystemExit(f"{args.out}: both trained with the EAGLE 3.1 options {baseline['draft_options']}, ours "
+                         f"would have {options}: pass that run's --draft")
     if baseline.get("seed", 0) != run_cfg.seed:
         raise SystemExit(f"{args.out}: the peer was trained with seed {baseline.get('seed', 0)}, ours would be "
                          f"{run_cfg.seed}: pass that run's --seed, or its --out")
@@ -281,8 +335,11 @@ def main(argv=None) -> int:
         print(f"wrote {args.spread_out}")
         return 0
     run_dir, work = Path(args.run), Path(args.work)
-    if not Path(args.peer_python).exists():
-        sys.exit(f"{args.peer_python} not found: run `make peer-venv` first (speculators in its own virtualenv)")
+    peer_spec = PEERS[args.peer]
+    peer_python = args.peer_python or peer_spec["python"]
+    if not args.ablate and not Path(peer_python).exists():
+        sys.exit(f"{peer_python} not found: run `make {peer_spec['make']}` first "
+                 f"({args.peer} in its own virtualenv)")
     run_cfg = load_run_config(run_dir)
     from omegaconf import OmegaConf
 
@@ -294,6 +351,12 @@ def main(argv=None) -> int:
         run_cfg = OmegaConf.merge(run_cfg, {"seed": args.seed})
     if args.ttt_length is not None:
         run_cfg = OmegaConf.merge(run_cfg, {"train": {"ttt_length": args.ttt_length}})
+    if args.draft is not None:
+        options = OmegaConf.load(ROOT / "conf" / "draft" / f"{args.draft}.yaml")
+        run_cfg = OmegaConf.merge(run_cfg, {"draft": {key: bool(options[key]) for key in EAGLE31_OPTIONS}})
+    if any(kv.split("=", 1)[0].lstrip("+") in {f"draft.{k}" for k in EAGLE31_OPTIONS} for kv in args.set) \
+            and not args.ablate:
+        sys.exit("--set draft.<option>=...: would change our draft but not the peer's; use --draft (both)")
 
     eval_cfg = OmegaConf.merge(run_cfg.eval, {"engine": "embedded", "trees": args.trees, "suites": [],
                                               "num_prompts": args.num_prompts, "planner": False,
@@ -306,12 +369,12 @@ def main(argv=None) -> int:
     plan = training_plan(run_cfg, store, args.epochs)
     ours_ckpt = RunLayout(work / "ours").checkpoint(args.epochs)
     peer_work = Path(args.peer_work or work)
-    peer_ckpt = peer_work / "peer" / f"epoch_{args.epochs}"
-    raw = peer_work / "peer" / "raw"
+    peer_ckpt = peer_work / peer_spec["dir"] / f"epoch_{args.epochs}"
+    raw = peer_work / peer_spec["dir"] / "raw"
     if args.fresh:
         shutil.rmtree(work, ignore_errors=True)
         if peer_work != work:
-            shutil.rmtree(peer_work / "peer", ignore_errors=True)
+            shutil.rmtree(peer_work / peer_spec["dir"], ignore_errors=True)
     seconds = {}  # training time of each, where trained in this invocation
     if not ours_ckpt.exists():
         t0 = time.perf_counter()
@@ -321,10 +384,16 @@ def main(argv=None) -> int:
         export(store, load_file(layout.vocab), plan, peer_work / "export")
         t0 = time.perf_counter()
         env = mimalloc_env()  # the peer's worker on the same allocator as ours
-        subprocess.run([args.peer_python, PEER_WORKER, "--export", str(peer_work / "export"), "--out", str(raw),
-                        "--target", str(resolve_target_path(run_cfg.target))], check=True, env=env)
+        command = [peer_python, peer_spec["worker"], "--export", str(peer_work / "export"), "--out", str(raw),
+                   "--target", str(resolve_target_path(run_cfg.target))]
+        if args.peer == "specforge":  # the draft's geometry: our checkpoint's
+            command += ["--draft-config", str(ours_ckpt / "config.json")]
+        subprocess.run(command, check=True, env=env)
         seconds["peer"] = round(time.perf_counter() - t0, 1)
-    conversion = convert_peer(raw, ours_ckpt, store, peer_ckpt)
+    if args.peer == "specforge":
+        conversion = convert_specforge(raw, ours_ckpt, run_cfg, store, peer_ckpt)
+    else:
+        conversion = convert_peer(raw, ours_ckpt, store, peer_ckpt)
     conversion["train_seconds"] = seconds
     print(f"[peer_quality] conversion: {conversion}", flush=True)
 
@@ -334,7 +403,7 @@ def main(argv=None) -> int:
     print("| tree | accept length ours | peer | ours / peer | speed-up ours | peer | lossless ours / peer |\n"
           "|---|---|---|---|---|---|---|")
     for tree in args.trees:
-        mine, theirs = by[("ours", tree)], by[("peer", tree)]
+        mine, theirs = by[("ours", tree)], by[(peer_spec["dir"], tree)]
         row = {"tree": tree, "ours": round(mine["accept_length"], 4), "peer": round(theirs["accept_length"], 4),
                "ratio": round(mine["accept_length"] / theirs["accept_length"], 4),
                "speedup_ours": round(mine["speedup"], 4), "speedup_peer": round(theirs["speedup"], 4),
@@ -345,12 +414,12 @@ def main(argv=None) -> int:
     result = {
         "rows": rows, "steps": len(plan["steps"]), "epochs": args.epochs, "seed": run_cfg.seed,
         "ttt_length": run_cfg.train.ttt_length,
+        "draft_options": {key: bool(run_cfg.draft[key]) for key in EAGLE31_OPTIONS},
         "ours_overrides": args.set,
         "samples": len(store), "tokens": store.num_tokens, "prompts": results["meta"]["prompts"],
         "max_new_tokens": args.max_new_tokens, "dtype": results["meta"]["dtype"],
         "threads": results["meta"]["threads"], "conversion": conversion, "allocator": running_allocator(),
-        "peer": "speculators 0.9.0 (benchmarks/peer_quality_worker.py: its model, kl_div loss, AdamW; sdpa, "
-                "eager loss on CPU)",
+        "peer": peer_spec["label"],
         "command": "python " + shlex.join(["benchmarks/peer_quality.py", *(argv if argv is not None else sys.argv[1:])]),
     }
     write_json(Path(args.out), result)

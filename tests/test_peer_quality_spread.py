@@ -55,3 +55,31 @@ def test_a_ttt_length_for_ours_alone_is_refused(tiny_run, tmp_path):
     with pytest.raises(SystemExit, match="use --ttt-length"):
         module.main(["--run", str(tiny_run), "--peer-python", sys.executable, "--work", str(tmp_path / "w"),
                      "--set", "train.ttt_length=7"])
+
+
+def test_a_draft_option_for_ours_alone_is_refused(tiny_run, tmp_path):
+    """Both trainers train one architecture: --draft sets both, --set draft.<option> would change ours only."""
+    module = benchmark("peer_quality")
+    with pytest.raises(SystemExit, match="use --draft"):
+        module.main(["--run", str(tiny_run), "--peer-python", sys.executable, "--work", str(tmp_path / "w"),
+                     "--set", "draft.fc_norm=true"])
+
+
+def test_a_peer_without_its_virtualenv_names_the_make_target(tiny_run, tmp_path):
+    module = benchmark("peer_quality")
+    missing = tmp_path / "no-venv" / "python"
+    with pytest.raises(SystemExit, match=r"not found: run `make specforge-venv` first \(specforge in its own"):
+        module.main(["--run", str(tiny_run), "--peer", "specforge", "--peer-python", str(missing),
+                     "--work", str(tmp_path / "w")])
+
+
+def test_an_ablation_row_trains_the_architecture_of_its_baseline(tiny_run, tmp_path):
+    """A row against a peer run of EAGLE 3.1 options must train ours with them: --draft, as that run did."""
+    module = benchmark("peer_quality")
+    baseline = write(tmp_path, "base.json", {"epochs": 3, "prompts": 1, "rows": [],
+                                             "draft_options": {"fc_norm": True, "norm_output": True,
+                                                               "norm_before_fc": False}})
+    with pytest.raises(SystemExit, match="pass that run's --draft"):
+        module.main(["--run", str(tiny_run), "--ablate", "x", "--draft", "eagle3", "--out", baseline,
+                     "--ablation-out", str(tmp_path / "rows.json"), "--work", str(tmp_path / "w")])
+    assert not (tmp_path / "rows.json").exists()
