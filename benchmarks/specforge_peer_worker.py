@@ -22,8 +22,8 @@ of -p log q over the positions, averaged over batch x positions), and its teache
 SpecForge 0.2.0 has EAGLE 3.1's `fc_norm` but not its `norm_output` (its next step reads the layer's
 pre-norm output): the plan must not ask for `norm_output` or `norm_before_fc`.
 
-Writes to --out: `model.safetensors` + `config.json` (SpecForge's layout: `midlayer.*`, `fc`, `norm`,
-`lm_head`, `d2t`, `t2d`; the frozen embedding left out, as its checkpoints do), `check.safetensors`
+Writes to --out the directory its SGLang export writes (`model.safetensors` + `config.json`: `midlayer.*`,
+`fc`, `norm`, `lm_head`, `d2t`, `t2d`, no embedding), `check.safetensors`
 (its step-0 logits on the first sample, for the conversion check on our side) and `train.jsonl`.
 """
 from __future__ import annotations
@@ -55,6 +55,18 @@ def reference_loss():
             return compute(logits, target_p, position_mask)
 
     return ReferenceLoss
+
+
+def save_for_sglang(draft, out: str) -> None:
+    """What its SGLang export (`specforge.export.to_sglang`) writes for a trained draft: save_pretrained
+    of the state without the embedding, checked against the keys SGLang's loader needs, then the RoPE
+    fields older readers look for."""
+    from specforge.export.checkpoint_io import apply_legacy_rope_scaling
+    from specforge.export.to_sglang import WEIGHT_MAPS, _serving_state
+
+    state = {k: v for k, v in draft.state_dict().items() if "embed" not in k.lower()}
+    draft.save_pretrained(out, state_dict=_serving_state(state, WEIGHT_MAPS[type(draft).__name__]))
+    apply_legacy_rope_scaling(out)
 
 
 def main(argv=None) -> None:
@@ -94,8 +106,10 @@ def main(argv=None) -> None:
 
     with open(args.draft_config) as f:
         ours = json.load(f)
+    # its draft config as a user writes one: the geometry, the vocab, the layers to capture (eagle_config)
     draft_config = LlamaConfig(**{**{k: v for k, v in ours.items() if k not in OUR_KEYS},
-                                  "fc_norm": bool(options["fc_norm"]), "draft_vocab_size": int(d2t.shape[0])})
+                                  "architectures": ["LlamaForCausalLMEagle3"], "fc_norm": bool(options["fc_norm"]),
+                                  "draft_vocab_size": int(d2t.shape[0])})
     torch.manual_seed(plan["seed"])
     draft = LlamaForCausalLMEagle3(draft_config, attention_backend="sdpa")
     draft.d2t.copy_(d2t)
@@ -145,12 +159,7 @@ def main(argv=None) -> None:
                 log.flush()
                 print(f"[specforge] {row}", file=sys.stderr, flush=True)
 
-    state = strategy.checkpoint_state_filter(model.state_dict())  # its checkpoints' keys: no frozen embedding
-    save_file({k: v.detach().contiguous() for k, v in state.items()}, os.path.join(args.out, "model.safetensors"))
-    config = {**json.loads(draft_config.to_json_string()), "architectures": ["LlamaForCausalLMEagle3"],
-              "eagle_config": ours["eagle_config"]}
-    with open(os.path.join(args.out, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
+    save_for_sglang(draft, args.out)
 
     # Its step-0 logits on the first sample: its alignment, feature of t with token t+1, positions from 0.
     first = steps[0][0]
