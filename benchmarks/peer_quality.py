@@ -366,6 +366,9 @@ def main(argv=None) -> int:
         return ablate(args, run_cfg, run_dir, work, eval_cfg)
     layout = RunLayout(run_dir)
     store = HiddenStateStore(layout.store("train"))
+    if store.scored_last:
+        sys.exit(f"{layout.store('train')}: an fp8 store keeps the target's final state only where our loss "
+                 "reads it, and the peers read it at other positions too: extract with extract.dtype=bfloat16")
     plan = training_plan(run_cfg, store, args.epochs)
     ours_ckpt = RunLayout(work / "ours").checkpoint(args.epochs)
     peer_work = Path(args.peer_work or work)

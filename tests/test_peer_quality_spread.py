@@ -83,3 +83,15 @@ def test_an_ablation_row_trains_the_architecture_of_its_baseline(tiny_run, tmp_p
         module.main(["--run", str(tiny_run), "--ablate", "x", "--draft", "eagle3", "--out", baseline,
                      "--ablation-out", str(tmp_path / "rows.json"), "--work", str(tmp_path / "w")])
     assert not (tmp_path / "rows.json").exists()
+
+
+def test_a_peer_run_refuses_an_fp8_store(tiny_run, tmp_path):
+    """An fp8 store keeps `last` only at the rows our loss reads; the peers' losses read others (zeros there)."""
+    from specforge.run_layout import RunLayout
+    from tests.test_store_fp8 import FP8_META, make_samples, write_all
+
+    write_all(RunLayout(tiny_run).store("train"), make_samples(4), FP8_META)
+    module = benchmark("peer_quality")
+    with pytest.raises(SystemExit, match="an fp8 store keeps the target's final state only where our loss"):
+        module.main(["--run", str(tiny_run), "--peer-python", sys.executable, "--work", str(tmp_path / "w")])
+    assert not (tmp_path / "w").exists()
