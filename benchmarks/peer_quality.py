@@ -126,6 +126,11 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def draft_options(run_cfg) -> dict[str, bool]:
+    """The EAGLE 3.1 options both trainers train with."""
+    return {key: bool(run_cfg.draft[key]) for key in EAGLE31_OPTIONS}
+
+
 def training_plan(run_cfg, store: HiddenStateStore, epochs: int) -> dict:
     """Our trainer's micro-batches (sample indices), learning rate at every optimizer step, TTT
     length, seed and EAGLE 3.1 options: everything the peer is given from our side."""
@@ -138,7 +143,7 @@ def training_plan(run_cfg, store: HiddenStateStore, epochs: int) -> dict:
     factor = cosine_with_warmup(len(steps), tc.warmup_ratio, tc.min_lr_ratio)
     return {"steps": steps, "lr": [tc.lr * factor(s) for s in range(len(steps))],
             "ttt_length": tc.ttt_length, "seed": run_cfg.seed,
-            "options": {key: bool(run_cfg.draft[key]) for key in EAGLE31_OPTIONS}}
+            "options": draft_options(run_cfg)}
 
 
 def export(store: HiddenStateStore, vocab: dict, plan: dict, out: Path) -> None:
@@ -172,6 +177,24 @@ def train_ours(run_cfg, run_dir: Path, work: Path, epochs: int, overrides: list[
     return RunLayout(ours).checkpoint(epochs)
 
 
+def check_step0_logits(draft: Eagle3Draft, store: HiddenStateStore, check_path: Path, first_position: int,
+                       who: str) -> tuple[float, float]:
+    """Our converted draft's step-0 logits against the peer's own (`check_path`: its logits on one training
+    sample). Both align token t+1 with the feature of t; `first_position` is where the peer's positions
+    start (speculators: 1, SpecForge: 0). Returns (max abs difference, logits scale)."""
+    check = load_file(check_path)
+    sample = store[int(check["sample"])]
+    n = sample["input_ids"].shape[0]
+    with torch.no_grad():
+        _, logits, _ = draft.step(sample["input_ids"][1:][None], draft.project(sample["aux"][:-1].float()[None]),
+                                  torch.arange(first_position, first_position + n - 1)[None])
+    diff = (logits[0] - check["logits"]).abs().max().item()
+    scale = check["logits"].abs().max().item()
+    if diff > 1e-3 * max(scale, 1.0):
+        raise SystemExit(f"conversion: step-0 logits differ from {who} by {diff:.3g} (scale {scale:.3g})")
+    return diff, scale
+
+
 def convert_peer(peer_dir: Path, ours_ckpt: Path, store: HiddenStateStore, out: Path) -> dict:
     """The peer's weights as a checkpoint of ours; returns the checks (round trip, logits)."""
     state = load_file(peer_dir / "weights.safetensors")
@@ -188,16 +211,7 @@ def convert_peer(peer_dir: Path, ours_ckpt: Path, store: HiddenStateStore, out: 
     draft.load_state_dict(tensors, strict=True)
     draft.eval()
 
-    check = load_file(peer_dir / "check.safetensors")
-    sample = store[int(check["sample"])]
-    n = sample["input_ids"].shape[0]
-    with torch.no_grad():  # the peer's alignment: token t+1 with the feature of t, positions from 1
-        _, logits, _ = draft.step(sample["input_ids"][1:][None], draft.project(sample["aux"][:-1].float()[None]),
-                                  torch.arange(1, n)[None])
-    diff = (logits[0] - check["logits"]).abs().max().item()
-    scale = check["logits"].abs().max().item()
-    if diff > 1e-3 * max(scale, 1.0):
-        raise SystemExit(f"conversion: step-0 logits differ from the peer's by {diff:.3g} (scale {scale:.3g})")
+    diff, scale = check_step0_logits(draft, store, peer_dir / "check.safetensors", first_position=1, who="the peer's")
     save_checkpoint(draft, out)
     return {"round_trip_bit_identical": round_trip, "logits_max_abs_diff": diff, "logits_scale": scale,
             "tensors": len(tensors)}
@@ -213,20 +227,10 @@ def convert_specforge(raw: Path, ours_ckpt: Path, run_cfg, store: HiddenStateSto
     shutil.rmtree(imported, ignore_errors=True)
     import_draft(raw, imported, run_cfg.target)
     cfg, _ = read_checkpoint(ours_ckpt, weights=False)
-    theirs, _ = read_checkpoint(imported, weights=False)
-    if theirs.eagle31_options != cfg.eagle31_options:
-        raise SystemExit(f"SpecForge's options {theirs.eagle31_options} differ from ours {cfg.eagle31_options}")
     draft = load_draft(imported, device="cpu", dtype=torch.float32)
-    check = load_file(raw / "check.safetensors")
-    sample = store[int(check["sample"])]
-    n = sample["input_ids"].shape[0]
-    with torch.no_grad():
-        _, logits, _ = draft.step(sample["input_ids"][1:][None], draft.project(sample["aux"][:-1].float()[None]),
-                                  torch.arange(n - 1)[None])
-    diff = (logits[0] - check["logits"]).abs().max().item()
-    scale = check["logits"].abs().max().item()
-    if diff > 1e-3 * max(scale, 1.0):
-        raise SystemExit(f"conversion: step-0 logits differ from SpecForge's by {diff:.3g} (scale {scale:.3g})")
+    if draft.config.eagle31_options != cfg.eagle31_options:
+        raise SystemExit(f"SpecForge's options {draft.config.eagle31_options} differ from ours {cfg.eagle31_options}")
+    diff, scale = check_step0_logits(draft, store, raw / "check.safetensors", first_position=0, who="SpecForge's")
     save_checkpoint(draft, out)  # in bf16, as ours and the speculators peer's are saved
     return {"import_draft": True, "logits_max_abs_diff": diff, "logits_scale": scale}
 
@@ -260,7 +264,7 @@ def ablate(args, run_cfg, run_dir: Path, work: Path, eval_cfg) -> int:
     if baseline.get("ttt_length", run_cfg.train.ttt_length) != run_cfg.train.ttt_length:
         raise SystemExit(f"{args.out}: both trained with TTT {baseline['ttt_length']}, ours would unroll "
                          f"{run_cfg.train.ttt_length}: pass --ttt-length {baseline['ttt_length']}")
-    options = {key: bool(run_cfg.draft[key]) for key in EAGLE31_OPTIONS}
+    options = draft_options(run_cfg)
     if baseline.get("draft_options", options) != options:
         raise SystemExit(f"{args.out}: both trained with the EAGLE 3.1 options {baseline['draft_options']}, ours "
                          f"would have {options}: pass that run's --draft")
@@ -417,7 +421,7 @@ def main(argv=None) -> int:
     result = {
         "rows": rows, "steps": len(plan["steps"]), "epochs": args.epochs, "seed": run_cfg.seed,
         "ttt_length": run_cfg.train.ttt_length,
-        "draft_options": {key: bool(run_cfg.draft[key]) for key in EAGLE31_OPTIONS},
+        "draft_options": draft_options(run_cfg),
         "ours_overrides": args.set,
         "samples": len(store), "tokens": store.num_tokens, "prompts": results["meta"]["prompts"],
         "max_new_tokens": args.max_new_tokens, "dtype": results["meta"]["dtype"],
