@@ -68,3 +68,51 @@ def test_a_checkpoint_and_a_training_state_have_one_mode_for_every_file(tmp_path
         modes = {p.name: p.stat().st_mode & 0o777 for p in directory.iterdir()}
         assert "model.safetensors" in modes and set(modes.values()) == {0o644}, modes
         assert directory.stat().st_mode & 0o777 == 0o755
+
+
+@pytest.fixture
+def disk_log(monkeypatch):
+    """What reaches the disk, in order: ("fsync", path) and ("replace", src, dst), recorded around the
+    real calls (a power loss cannot be staged in a test; the order of the calls is what makes the
+    write survive one)."""
+    import specforge.utils.io as io
+
+    log = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        log.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        log.append(("replace", str(src), str(dst)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(io.os, "fsync", fsync)
+    monkeypatch.setattr(io.os, "replace", replace)
+    return log
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc to name a descriptor's file")
+def test_a_file_is_on_the_disk_before_its_rename_and_the_rename_before_the_write_returns(tmp_path, disk_log):
+    target = tmp_path / "f.json"
+    write_json(target, {"v": 1})
+    (_, synced), (_, src, dst), last = disk_log
+    assert synced == src and Path(src).parent == tmp_path and dst == str(target)
+    assert last == ("fsync", str(tmp_path))
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc to name a descriptor's file")
+def test_every_file_of_a_directory_is_on_the_disk_before_the_directory_is_renamed(tmp_path, disk_log):
+    target = tmp_path / "ckpt"
+    for version in (1, 2):  # the second replaces the first: the old one is moved aside, then removed
+        disk_log.clear()
+        with atomic_dir(target) as tmp:
+            (tmp / "sub").mkdir()
+            (tmp / "sub" / "a").write_text(str(version))
+            (tmp / "b").write_text(str(version))
+        first_rename = next(i for i, e in enumerate(disk_log) if e[0] == "replace")
+        synced = {Path(e[1]).relative_to(tmp) for e in disk_log[:first_rename]}
+        assert synced == {Path("."), Path("sub"), Path("sub/a"), Path("b")}
+        assert disk_log[-1] == ("fsync", str(tmp_path))
+    assert (target / "sub" / "a").read_text() == "2"

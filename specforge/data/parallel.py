@@ -29,7 +29,7 @@ from specforge.data.fix import Quarantine, check_config, check_duplicate, quaran
 from specforge.data.fix.conversations import ImageChecker, conversation_key
 from specforge.data.formats import parse_raw_text, read_raw_texts, turns_entry
 from specforge.data.rows import RowRender, normalise_row, render_conversation
-from specforge.utils.io import file_fingerprint, fingerprint
+from specforge.utils.io import durable_replace, file_fingerprint, fingerprint
 
 MAP_BATCH = 64  # rows per call of the map function (a row costs ~1-3 ms of chat template)
 READ_BATCH = 4096  # rows per Arrow batch written and read back in this process
@@ -243,7 +243,7 @@ def _write_rows(cache: Path, batches):
         key = digest.hexdigest()[:16]
         final = cache / f"rows-{key}.arrow"
         if not final.exists():
-            os.replace(tmp, final)
+            durable_replace(tmp, final)
     finally:
         Path(tmp).unlink(missing_ok=True)
     return Dataset.from_file(str(final)), key

@@ -18,7 +18,6 @@ Stateful trainer and CheckpointManager divide the work). The loop only says when
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 import time
@@ -70,24 +69,9 @@ def save_training_state(states_dir: str | Path, name: str, strategy, trainer_sta
     if main:
         files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
         write_json(tmp / MANIFEST, {"format": FORMAT, "version": VERSION, **meta, "files": files})
-        _fsync_dir(tmp)
-        replace_dir(tmp, final)
-        _fsync_dir(states_dir)
+        replace_dir(tmp, final)  # durable: every file, then the rename, on the disk
     barrier()
     return final
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def validate_state(path: str | Path) -> dict:

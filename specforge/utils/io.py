@@ -1,5 +1,7 @@
 """Atomic file writes, JSONL and fingerprints: every stage writes through these so a crash never
-leaves a half-written file that looks complete."""
+leaves a half-written file that looks complete. Writes are also durable: the bytes and the rename
+reach the disk before a write returns, so a node that loses power (not only a process that dies)
+finds either the old file or the whole new one, never an empty file under the final name."""
 from __future__ import annotations
 
 import hashlib
@@ -18,6 +20,28 @@ def _umask() -> int:
     return mask
 
 
+def fsync(path: str | os.PathLike) -> None:
+    """Flush a file's bytes, or a directory's entries, to the disk. Best effort: a file system that
+    cannot fsync a directory (some network mounts) raises, and is left to its own guarantees."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def durable_replace(tmp: str | os.PathLike, path: str | os.PathLike) -> None:
+    """os.replace(tmp, path) that survives a power loss: the bytes first, then the rename."""
+    fsync(tmp)
+    os.replace(tmp, path)
+    fsync(Path(path).parent)
+
+
 @contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temp path beside `path`; rename it onto `path` only if the block succeeds."""
@@ -30,7 +54,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         yield tmp
         if tmp.exists():  # mkstemp makes 0600 files; give them the permissions of a normal write
             os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, path)
+        durable_replace(tmp, path)
     finally:
         if tmp.exists():
             tmp.unlink()
@@ -62,8 +86,13 @@ def replace_dir(tmp: Path, path: Path) -> None:
     """Move the finished directory `tmp` onto `path`; never a moment with a half directory under
     `path` (at worst, for an instant, none). Everything in it gets the permissions of a normal
     write first: mkdtemp makes 0700 directories and safetensors writes 0600 files, which a server
-    running as another user could not read next to a 0644 config.json."""
+    running as another user could not read next to a 0644 config.json. Every file and directory in
+    it reaches the disk before the rename, and the rename before this returns."""
     normalize_modes(tmp)
+    for p in sorted(Path(tmp).rglob("*"), reverse=True):  # files before the directories holding them
+        if not p.is_symlink():
+            fsync(p)
+    fsync(tmp)
     if path.exists():
         old = path.with_name(f".{path.name}.old")
         shutil.rmtree(old, ignore_errors=True)
@@ -72,6 +101,7 @@ def replace_dir(tmp: Path, path: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, path)
+    fsync(path.parent)
 
 
 def write_text(path: str | os.PathLike, text: str) -> None:
