@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from specforge.config import DataConfig, FixConfig
-from specforge.data.fix import fix_dataset
+from specforge.data.fix import MEANING, fix_dataset
 from specforge.data.formats import FORMATS, read_raw_rows
 from specforge.data.sources import check_source
 from specforge.utils.io import write_json, write_jsonl, write_text
@@ -27,10 +27,12 @@ def report_markdown(name: str, counts: dict) -> str:
              "input_rows = kept + fixed + quarantined", "", "| | rows |", "|---|---|"]
     lines += [f"| {k} | {counts[k]} |" for k in ("input_rows", "kept", "fixed", "quarantined")]
     for title, key in (("Fixes applied (rows)", "by_fix"), ("Quarantined by reason", "by_reason"),
-                       ("Kept as written although no valid TOON (rows, among kept and fixed)", "by_kept_as_written")):
+                       ("Kept as written (rows, among kept and fixed)", "by_kept_as_written")):
         if counts.get(key):
             lines += ["", f"## {title}", "", "| | rows |", "|---|---|"]
             lines += [f"| {k} | {v} |" for k, v in counts[key].items()]
+            if meant := [f"- `{k}`: {MEANING[k]}" for k in counts[key] if k in MEANING]:
+                lines += ["", *meant]
     return "\n".join(lines) + "\n"
 
 
@@ -46,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--toon-unrepairable", choices=["quarantine", "keep"], default="quarantine",
                    help="an answer no repair makes valid TOON (data.fix.toon_unrepairable): keep = as written")
     p.add_argument("--image-root", default=None)
+    p.add_argument("--image-orientation", choices=["stored", "upright"], default="stored",
+                   help="an image whose EXIF orientation turns it: read as stored (as SGLang does) or replaced by an "
+                        "upright copy, inline as a data URI (as vLLM shows it; data.image_orientation)")
     p.add_argument("--max-quarantined-share", type=float, default=DataConfig.max_quarantined_share,
                    help="exit 1 (after writing everything) when more of the rows are quarantined; 1: never")
     args = p.parse_args(argv)
@@ -56,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
                     toon_unrepairable=args.toon_unrepairable)
     try:
         check_source(str(src))
-        result = fix_dataset(read_raw_rows(src), fix, args.format, args.image_root)
+        result = fix_dataset(read_raw_rows(src), fix, args.format, args.image_root,
+                             upright=args.image_orientation == "upright")
     except (OSError, ValueError) as e:  # DataFileError is a ValueError
         print(f"fix.py: error: {e}", file=sys.stderr)
         return 1

@@ -123,6 +123,11 @@ class DataConfig:
     # target's image processor defaults. Fewer pixels, fewer image tokens per sample.
     image_min_pixels: Optional[int] = None
     image_max_pixels: Optional[int] = None
+    # A photo whose EXIF orientation turns it (camera held sideways): read as stored, as SGLang serves
+    # it (None, the default, or "stored") | "upright", as vLLM (since 2026-06) and transformers'
+    # load_image show it (an upright PNG copy is trained on and sent). Pick the engine you will serve
+    # with; the data report counts such images.
+    image_orientation: Optional[str] = None
     max_length: int = 2048
     overlength: str = "truncate"  # truncate | drop
     # A message whose text spells a special token of the target's tokenizer ("<|im_end|>"), which it
@@ -415,6 +420,7 @@ RANGES = {
         "data.max_quarantined_share": _within(0.0, 1.0),
         "data.eval_in_train": _one_of(("quarantine", "keep")),
         "data.special_token_text": _one_of(("quarantine", "keep")),
+        "data.image_orientation": _none_or(_one_of(("stored", "upright"))),
         "data.num_proc": (lambda v: v >= 0, "be >= 0 (0: no worker processes)"),
         "data.image_min_pixels": _none_or(_at_least(1)),
         "data.image_max_pixels": _none_or(_at_least(1)),

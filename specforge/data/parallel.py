@@ -52,7 +52,8 @@ def normalise_split(cfg, files: list[str], max_chars: int, tokenizer=None, vl=No
     rows, rows_key = _rows_dataset(files, cache)
     render = (_Render(tokenizer, vl, cfg.data.max_length, cfg.data.overlength, cfg.data.special_token_text)
               if tokenizer is not None else None)
-    step = _Normalise(fix_cfg, cfg.data.format, cfg.data.image_root, max_chars, render, embedded_dir)
+    step = _Normalise(fix_cfg, cfg.data.format, cfg.data.image_root, max_chars, render, embedded_dir,
+                      cfg.data.image_orientation == "upright")
     if len(rows) == 0:
         return 0, [], [], [] if render else None
     key = fingerprint(rows_key, step.key(), _code_key())
@@ -153,10 +154,10 @@ class _Normalise:
     """The map function of the fix step: parse, normalise_row, dedupe key (+ render when fused)."""
 
     def __init__(self, fix_cfg, fmt: str, image_root: str | None, max_chars: int, render: _Render | None,
-                 embedded_dir: Path | None = None) -> None:
+                 embedded_dir: Path | None = None, upright: bool = False) -> None:
         self.fix, self.fmt, self.image_root, self.max_chars, self.render = fix_cfg, fmt, image_root, max_chars, render
-        self.embedded_dir = embedded_dir
-        self.images = ImageChecker(image_root, embedded_dir)
+        self.embedded_dir, self.upright = embedded_dir, upright
+        self.images = ImageChecker(image_root, embedded_dir, upright)
         self.dedupe = fix_cfg.enabled and fix_cfg.dedupe
 
     def key(self) -> dict:
@@ -164,7 +165,7 @@ class _Normalise:
         embedded = str(Path(self.embedded_dir).resolve()) if self.embedded_dir else None
         return {"fix": asdict(self.fix), "format": self.fmt, "image_root": self.image_root, "cwd": os.getcwd(),
                 "max_chars": self.max_chars, "render": self.render.key() if self.render else None,
-                "embedded_dir": embedded}
+                "embedded_dir": embedded, "upright": self.upright}
 
     def features(self):
         from datasets import Features, List, Value

@@ -14,7 +14,7 @@ from collections import Counter
 from pathlib import Path
 
 from specforge.config import FixConfig, check_ranges
-from specforge.data.fix import fix_dataset, quarantine_entry, ranked_reasons, reason_code, top_reasons
+from specforge.data.fix import MEANING, fix_dataset, quarantine_entry, ranked_reasons, reason_code, top_reasons
 from specforge.data.fix.conversations import ImageChecker, Quarantine, dedupe_key, prompt_key
 from specforge.data.formats import RawRow, read_raw_rows, turns_entry, uses_tools
 from specforge.data.rows import normalise_row, prompt_overlength, render_conversation
@@ -235,29 +235,29 @@ def _bytes_hash(path: Path) -> str:
     return h.hexdigest()
 
 
-def _parse_only(rows: list[RawRow], fmt: str, image_root: str | None = None,
-                max_chars: int | None = None, embedded_dir: Path | None = None) -> tuple[list[dict], list[dict]]:
+def _parse_only(rows: list[RawRow], fmt: str, image_root: str | None = None, max_chars: int | None = None,
+                embedded_dir: Path | None = None, upright: bool = False) -> tuple[list[dict], list[dict]]:
     """Without the fix step: parse each row, quarantine what does not parse, is too long or names
     a bad image (same reason codes); image paths are resolved as the fix step resolves them."""
-    images, off = ImageChecker(image_root, embedded_dir), FixConfig(enabled=False)
+    images, off = ImageChecker(image_root, embedded_dir, upright), FixConfig(enabled=False)
     kept, quarantined = [], []
     for raw in rows:
         try:
-            conv, _ = normalise_row(raw, off, fmt, images, max_chars)
+            conv, fixes = normalise_row(raw, off, fmt, images, max_chars)
         except Quarantine as q:
             quarantined.append(quarantine_entry(raw, q.reason))
             continue
-        kept.append({**conv, "fixes": [], "file": raw.file, "line": raw.line})
+        kept.append({**conv, "fixes": fixes, "file": raw.file, "line": raw.line})
     return kept, quarantined
 
 
 def _normalise(cfg, rows: list[RawRow], embedded_dir: Path | None) -> tuple[list[dict], list[dict]]:
     """(conversations {"id", "messages", "fixes", "file", "line"}, quarantine entries)."""
-    max_chars = max_chars_per_row(cfg.data)
+    max_chars, upright = max_chars_per_row(cfg.data), cfg.data.image_orientation == "upright"
     if not cfg.data.fix.enabled:
-        return _parse_only(rows, cfg.data.format, cfg.data.image_root, max_chars, embedded_dir)
+        return _parse_only(rows, cfg.data.format, cfg.data.image_root, max_chars, embedded_dir, upright)
     result = fix_dataset(rows, cfg.data.fix, cfg.data.format, cfg.data.image_root, max_chars,
-                         embedded_dir=embedded_dir)
+                         embedded_dir=embedded_dir, upright=upright)
     if len(result.kept) + len(result.quarantined) != len(rows):
         raise RuntimeError(
             f"data.fix: {len(rows)} input rows but {len(result.kept)} kept + {len(result.quarantined)} "
@@ -385,7 +385,7 @@ def _collect(split: str, convs: list[dict], renders: list, quarantine: list[dict
     samples, conversations = [], []
     prompts: dict[str, str] = {}  # prompt_key -> "file line N" of the first sample opening with it
     fixes: Counter = Counter()
-    as_written: Counter = Counter()  # rows with an answer that went through although no valid TOON
+    as_written: Counter = Counter()  # rows that went through although flagged (no valid TOON, an EXIF-turned image)
     kept = fixed = truncated = tool_rows = tool_calls = 0
     ids: set[str] = set()
     for conv, r in zip(convs, renders, strict=True):
@@ -654,15 +654,16 @@ def report_markdown(summary: dict, vocab: dict | None, embedded: dict | None = N
              "| | " + " | ".join(splits) + " |", "|---|" + "---|" * len(splits)]
     lines += [f"| {k} | " + " | ".join(str(summary[s].get(k, "-")) for s in splits) + " |" for k in rows]
     for title, key in (("Quarantined by reason", "by_reason"), ("Fixes applied", "by_fix"),
-                       ("Kept as written although no valid TOON (data.fix.toon_prose / toon_unrepairable=keep)",
-                        "by_kept_as_written")):
+                       ("Kept as written", "by_kept_as_written")):
         names = sorted({n for s in splits for n in summary[s].get(key, {})})
         if names:
             lines += ["", f"## {title}", "", "| | " + " | ".join(splits) + " |", "|---|" + "---|" * len(splits)]
             lines += [f"| {n} | " + " | ".join(str(summary[s].get(key, {}).get(n, 0)) for s in splits) + " |"
                       for n in names]
+            if meant := [f"- `{n}`: {MEANING[n]}" for n in names if n in MEANING]:
+                lines += ["", *meant]
             if key == "by_kept_as_written":
-                lines += ["", "Rows, counted among kept and fixed: these answers are trained on as written."]
+                lines += ["", "Rows, counted among kept and fixed."]
     if vocab:
         requested = vocab.get("requested_draft_vocab_size", vocab["draft_vocab_size"])
         clamped = (f"; draft.draft_vocab_size={requested} clamped to the target vocab"
@@ -672,7 +673,8 @@ def report_markdown(summary: dict, vocab: dict | None, embedded: dict | None = N
                   f"(cache {'hit' if vocab['cache_hit'] else 'miss'}, key {vocab['cache_key']}{clamped})"]
         lines += [f"- loss tokens covered by the draft vocab, {s}: {c:.2%}" for s, c in vocab["coverage"].items()]
     if embedded:
-        lines += ["", f"Images that came inside the data (data: URIs, table image columns): {embedded['files']} "
-                      f"distinct, {embedded['bytes'] / 1e6:.1f} MB, written once each to `images/`."]
+        lines += ["", f"Images written to `images/`, once each (those that came inside the data as data: URIs or "
+                      f"table image columns, and upright copies): {embedded['files']} distinct, "
+                      f"{embedded['bytes'] / 1e6:.1f} MB."]
     lines += ["", "Quarantined rows with file, line and reason: `quarantine.jsonl`.", ""]
     return "\n".join(lines)

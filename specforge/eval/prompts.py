@@ -137,16 +137,17 @@ def heldout_prompts(conversations_file: str | Path, tokenizer, limit: int, vl=No
     return prompts
 
 
-def file_conversations(path: str, setting: str = "eval.suites") -> list[dict]:
+def file_conversations(path: str, setting: str = "eval.suites", upright: bool = False) -> list[dict]:
     """Every row of a prompt file as {"id", "messages"} (prompt turns only, image paths resolved
     against the file's folder), or {"id", "text"} (a preformatted conversation or prompt: a row with
     `text` alone), each with "where" it is ("<setting>: <file>, line <n>"), checked whole: a bad
     row raises naming the `setting` it came from (eval.suites, eval.prompts, bench --prompts), the
-    file and the row."""
+    file and the row. `upright`: images that EXIF turns are made upright, as the data stage makes
+    them under data.image_orientation=upright (ImageChecker)."""
     from specforge.data.fix.conversations import ImageChecker, Quarantine
 
     unit = "row" if is_table_source(path) else "line"
-    images = ImageChecker(None)
+    images = ImageChecker(None, upright=upright)
     rows = []
     for raw in read_raw_rows(path):
         where = f"{setting}: {raw.file}, {unit} {raw.line}"
@@ -160,7 +161,7 @@ def file_conversations(path: str, setting: str = "eval.suites") -> list[dict]:
             if "prompt" in data:
                 data = _prompt_row(data)
             conv = to_conversation(data)
-            head = images.resolve_images(prompt_turns(conv["messages"]), raw.file)
+            head, _ = images.resolve_images(prompt_turns(conv["messages"]), raw.file)
         except (DataError, Quarantine) as e:
             raise InvalidInput(f"{where}: {e} (rows are conversations, {{\"prompt\": text or messages}}, or "
                                f"{{\"text\": a conversation the chat template rendered}})") from None
@@ -252,7 +253,8 @@ def load_suites(run_cfg, eval_cfg, tokenizer, vl=None, positions: int | None = N
         if entry == HELDOUT:
             prompts = heldout_prompts(heldout, tokenizer, limit, vl, template_kwargs)
         else:
-            rows = humaneval_conversations() if entry == HUMANEVAL else file_conversations(entry)
+            rows = (humaneval_conversations() if entry == HUMANEVAL else
+                    file_conversations(entry, upright=run_cfg.data.image_orientation == "upright"))
             if vl is None:
                 with_images = next((r for r in rows if image_paths(r.get("messages", []))), None)
                 if with_images is not None:

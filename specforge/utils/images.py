@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from typing import Iterator
 
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+EXIF_ORIENTATION = 0x0112  # 1: upright as stored; 2-8: mirrored and/or turned (a camera held sideways)
 REMOTE_PREFIXES = ("http://", "https://")
 _DATA_URI = re.compile(r"data:(image/[A-Za-z0-9.+-]+)?;base64,(.*)", re.DOTALL)
 
@@ -121,3 +122,32 @@ def decode_image(data: bytes):
         raise
     except Exception as e:  # PIL's decoders raise many types (OSError, ValueError, SyntaxError, ...)
         raise ValueError(f"cannot be read as an image ({', '.join(IMAGE_FORMATS)}): {type(e).__name__}: {e}") from None
+
+
+def exif_orientation(source) -> int:
+    """The EXIF Orientation tag (1-8) of an image file or bytes; 1, upright as stored, where it has none
+    or an unreadable one (the engines that apply the tag skip a malformed one too)."""
+    try:
+        with _opened_source(source) as im:
+            value = im.getexif().get(EXIF_ORIENTATION, 1)
+    except Exception:  # the image itself is checked elsewhere; PIL's EXIF parser raises many types
+        return 1
+    return value if isinstance(value, int) and 1 <= value <= 8 else 1
+
+
+def upright_png(source) -> bytes:
+    """The image (a file or bytes) turned as its EXIF orientation says, as RGB PNG bytes: the pixels a
+    loader that applies the tag (vLLM's, transformers' load_image) hands the model, with no tag left for
+    any later reader to apply again."""
+    from PIL import ImageOps
+
+    with _opened_source(source) as im:
+        upright = ImageOps.exif_transpose(im).convert("RGB")
+    out = io.BytesIO()
+    upright.save(out, format="PNG")
+    return out.getvalue()
+
+
+def _opened_source(source):
+    """opened() of a file, or of bytes limited to IMAGE_FORMATS as decode_image limits them."""
+    return opened(io.BytesIO(source), IMAGE_FORMATS) if isinstance(source, bytes) else opened(source)

@@ -91,17 +91,32 @@ def top_reasons(counts: dict, n: int = 3) -> str:
     return ", ".join(f"{code} {k}" for code, k in ranked_reasons(counts)[:n]) or "none"
 
 
+# What a fix or a kept-as-written name means, where its name alone does not say it
+MEANING = {
+    "toon_prose": "an answer that is one line of prose, not a TOON document, trained on as written "
+                  "(data.fix.toon_prose=keep)",
+    "toon_unrepairable": "an answer no repair makes valid TOON, trained on as written "
+                         "(data.fix.toon_unrepairable=keep)",
+    "image_exif_turned": "an image whose EXIF orientation turns it (a camera held sideways), read as stored, as "
+                         "SGLang serves it; vLLM and transformers' load_image turn it upright: serving with vLLM, "
+                         "set data.image_orientation=upright",
+    "image_upright": "an image whose EXIF orientation turns it, replaced by an upright PNG copy "
+                     "(data.image_orientation=upright), as vLLM serves it",
+}
+
+
 def fix_dataset(
     rows: Iterable[RawRow], cfg: FixConfig, fmt: str = "auto", image_root: str | None = None,
     max_chars: int | None = None, place: Callable[[RawRow], str] | None = None,
-    embedded_dir: str | Path | None = None,
+    embedded_dir: str | Path | None = None, upright: bool = False,
 ) -> FixResult:
     """Parse, repair and account for every row, in input order. `max_chars`: rows whose messages
     hold more characters are quarantined as row_too_long (None: no limit). `place`: how a row is
     named where a duplicate points to it (default "file:line"). `embedded_dir`: where images embedded
-    as data URIs are written as files (None: they stay URIs; ImageChecker)."""
+    as data URIs are written as files (None: they stay URIs; ImageChecker). `upright`: images that
+    EXIF turns are made upright (data.image_orientation=upright; ImageChecker)."""
     check_config(cfg)
-    images = ImageChecker(image_root, embedded_dir)
+    images = ImageChecker(image_root, embedded_dir, upright)
     first_seen: dict[str, str] = {}  # dedupe key -> "file:line" of its first kept occurrence
     result = FixResult()
     n = 0
@@ -143,7 +158,7 @@ def fix_row(
         return {"id": conv["id"], "messages": conv["messages"], "kept_as_written": [], **tools}, []
     fixes = role_name_fixes(data, fmt)
     messages = conv["messages"]
-    messages = images.resolve_images(messages, raw.file)  # not a fix: no name recorded
+    messages, turned = images.resolve_images(messages, raw.file)  # resolving a path is not a fix
     messages, dropped = drop_empty_turns(messages, cfg.empty_turns)
     if not messages:
         raise Quarantine("no_messages: every turn was empty")
@@ -161,8 +176,9 @@ def fix_row(
             raise Quarantine(f"toon_unrepairable: {e}") from None
         except ToonNotADocument as e:
             raise Quarantine(f"toon_not_a_document: {e}") from None
+    as_written += images.as_written(turned)
     return ({"id": conv["id"], "messages": messages, "kept_as_written": as_written, **tools},
-            fixes + dropped + merged + toon_fixes)
+            fixes + images.fixes(turned) + dropped + merged + toon_fixes)
 
 
 def check_config(cfg: FixConfig) -> None:

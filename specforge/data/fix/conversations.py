@@ -14,8 +14,8 @@ from pathlib import Path
 from PIL import UnidentifiedImageError
 
 from specforge.data.formats import detect_format, is_tool_turn, read_turns, turns_field
-from specforge.utils.images import (ImageTooLarge, data_uri_bytes, decode_image, describe, image_format, is_data_uri,
-                                    is_remote, opened)
+from specforge.utils.images import (ImageTooLarge, data_uri_bytes, decode_image, describe, exif_orientation,
+                                    image_format, is_data_uri, is_remote, opened, to_data_uri, upright_png)
 from specforge.utils.io import atomic_path
 
 CANONICAL_ROLES = ("system", "user", "assistant", "tool")
@@ -160,36 +160,56 @@ class ImageChecker:
     carry them: specforge/data/sources.py) is decoded and, with `embedded_dir`, written there once
     as a file named by its content, which then stands for it (the run's samples keep paths, not
     megabytes of base64); without one it stays the URI. URLs are left alone: no network here (a
-    server that fetches them may still be sent them; the data stage refuses them when it renders)."""
+    server that fetches them may still be sent them; the data stage refuses them when it renders).
 
-    def __init__(self, image_root: str | None, embedded_dir: str | Path | None = None) -> None:
+    An image whose EXIF orientation turns it (a photo taken with the camera sideways) is counted;
+    with `upright` (data.image_orientation=upright) an upright PNG copy stands for it, written as
+    an embedded image is, so every later reader (the target here, a server sent its bytes) sees the
+    pixels that vLLM and transformers' load_image give the model. Without it the image is read as
+    stored, as SGLang reads it."""
+
+    def __init__(self, image_root: str | None, embedded_dir: str | Path | None = None, upright: bool = False) -> None:
         self.root = Path(image_root).resolve() if image_root else None
         self.embedded_dir = Path(embedded_dir) if embedded_dir else None
-        self._seen: dict[Path, str | None] = {}
-        self._embedded: dict[str, tuple] = {}  # sha256 of a data URI -> (what stands for it, None) or (None, why not)
+        self.upright = upright
+        self._seen: dict[Path, tuple] = {}  # path -> (why it cannot be trained on or None, _checked's answer)
+        self._embedded: dict[str, tuple] = {}  # sha256 of a data URI -> (what stands for it, turned, why not or None)
 
     def resolve(self, ref: str, data_file: str) -> Path:
         """The absolute path a local reference names (not checked)."""
         base = self.root or Path(data_file).resolve().parent
         return (base / ref).resolve()
 
-    def resolve_images(self, messages: list[dict], data_file: str) -> list[dict]:
-        """`messages` with every local image part checked and rewritten to its absolute path, so
-        later stages can open it without knowing the data file. Raises Quarantine naming the
-        first bad image. Path resolution is not a repair: it is not recorded as a fix."""
-        out = []
+    def resolve_images(self, messages: list[dict], data_file: str) -> tuple[list[dict], int]:
+        """(`messages` with every local image part checked and rewritten to its absolute path, so
+        later stages can open it without knowing the data file; how many of them EXIF turns).
+        Raises Quarantine naming the first bad image. Path resolution is not a repair: it is not
+        recorded as a fix (the caller records the turned images)."""
+        out, turned = [], 0
         for m in messages:
             if isinstance(m["content"], str):
                 out.append(m)
                 continue
-            parts = [{**p, "image": self._checked(p["image"], data_file)}
-                     if p.get("type") == "image" and not is_remote(p["image"]) else p
-                     for p in m["content"]]
+            parts = []
+            for p in m["content"]:
+                if p.get("type") == "image" and not is_remote(p["image"]):
+                    image, was_turned = self._checked(p["image"], data_file)
+                    p, turned = {**p, "image": image}, turned + was_turned
+                parts.append(p)
             out.append({**m, "content": parts})
-        return out
+        return out, turned
 
-    def _checked(self, ref: str, data_file: str) -> str:
-        """The resolved path of a good local image, or Quarantine("<code>: <ref> (<details>)")."""
+    def fixes(self, turned: int) -> list[str]:
+        """What a row whose images EXIF turns records: its images made upright (a fix) ..."""
+        return ["image_upright"] if turned and self.upright else []
+
+    def as_written(self, turned: int) -> list[str]:
+        """... or read as stored, although a loader that applies the tag would turn them."""
+        return ["image_exif_turned"] if turned and not self.upright else []
+
+    def _checked(self, ref: str, data_file: str) -> tuple[str, bool]:
+        """(what stands for a good local image: its resolved path or upright copy, whether EXIF turns
+        it), or Quarantine("<code>: <ref> (<details>)")."""
         if is_data_uri(ref):
             return self._embedded_image(ref)
         path = self.resolve(ref, data_file)
@@ -199,30 +219,48 @@ class ImageChecker:
             details.append(f"outside image_root {self.root}")
         else:
             if path not in self._seen:
-                self._seen[path] = _open_problem(path)
-            problem, _, detail = (self._seen[path] or "").partition(": ")
+                self._seen[path] = self._look(path)
+            problem, _, detail = (self._seen[path][0] or "").partition(": ")
             if detail:
                 details.insert(0, detail)
         if problem:
             raise Quarantine(f"{problem}: {ref}" + (f" ({', '.join(details)})" if details else ""))
-        return str(path)
+        return self._seen[path][1]
 
-    def _embedded_image(self, uri: str) -> str:
-        """The file (or, without embedded_dir, the URI) that stands for a good embedded image."""
+    def _look(self, path: Path) -> tuple:
+        """(why the file cannot be trained on, or None; (what stands for it, whether EXIF turns it))."""
+        problem = _open_problem(path)
+        if problem or exif_orientation(path) == 1:
+            return problem, (str(path), False)
+        return None, (self._stand_in(upright_png(path)) if self.upright else str(path), True)
+
+    def _embedded_image(self, uri: str) -> tuple[str, bool]:
+        """(the file (or, without embedded_dir, the URI) that stands for a good embedded image, whether
+        EXIF turns it)."""
         key = hashlib.sha256(uri.encode()).hexdigest()
         if key not in self._embedded:
             try:
                 data = data_uri_bytes(uri)
                 decode_image(data)
-                self._embedded[key] = (self._write_embedded(data) if self.embedded_dir else uri, None)
+                turned = exif_orientation(data) != 1
+                if turned and self.upright:
+                    stands_for = self._stand_in(upright_png(data))
+                else:
+                    stands_for = self._write_embedded(data) if self.embedded_dir else uri
+                self._embedded[key] = (stands_for, turned, None)
             except ImageTooLarge as e:
-                self._embedded[key] = (None, f"image_too_large: {describe(uri)}: {e}")
+                self._embedded[key] = (None, False, f"image_too_large: {describe(uri)}: {e}")
             except ValueError as e:
-                self._embedded[key] = (None, f"image_unreadable: {describe(uri)}: {e}")
-        stands_for, problem = self._embedded[key]
+                self._embedded[key] = (None, False, f"image_unreadable: {describe(uri)}: {e}")
+        stands_for, turned, problem = self._embedded[key]
         if problem:
             raise Quarantine(problem)
-        return stands_for
+        return stands_for, turned
+
+    def _stand_in(self, data: bytes) -> str:
+        """Image bytes made here (an upright copy) as later stages will read them: a file in embedded_dir,
+        or without one a data URI."""
+        return self._write_embedded(data) if self.embedded_dir else to_data_uri(data)
 
     def _write_embedded(self, data: bytes) -> str:
         """`data` as `<embedded_dir>/<sha256 of the bytes>.<format>`, written once (atomically: workers
