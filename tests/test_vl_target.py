@@ -335,6 +335,26 @@ def test_open_images_errors_name_the_file(tmp_path, pngs):
     assert open_images([gray])[0].mode == "RGB"
 
 
+def test_an_image_the_processor_refuses_is_quarantined_naming_it(vl, pngs, tmp_path):
+    """Qwen-VL's resize refuses an aspect ratio past 200 (a server refuses the request alike): the row
+    is quarantined as image_refused naming that image among the row's, not as an unreadable file."""
+    from PIL import Image
+
+    from specforge.data.formats import DataError
+    from specforge.data.vl_render import render_vl
+
+    _, tok, proc, info = vl
+    strip = tmp_path / "strip.png"
+    Image.new("RGB", (4000, 10)).save(strip)
+    messages = [{"role": "user", "content": [{"type": "image", "image": str(pngs[0])},
+                                             {"type": "image", "image": str(strip)},
+                                             {"type": "text", "text": "Weather?"}]},
+                {"role": "assistant", "content": "sunny"}]
+    with pytest.raises(DataError, match=rf"^image_refused: {strip}: the target's image processor refuses it "
+                                        r"\(.*aspect ratio"):
+        render_vl(tok, messages, proc, info)
+
+
 def test_qwen2_5_vl_positions_and_hidden_states(tmp_path):
     """Qwen2.5-VL (no deepstack, its own get_rope_index) through the same helpers, built in memory."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration

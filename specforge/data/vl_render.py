@@ -11,7 +11,7 @@ from __future__ import annotations
 from specforge.data.formats import DataError
 from specforge.data.template import OVERLENGTH, Rendered, render
 from specforge.targets.vl import expand_image_tokens, image_inputs, image_token_counts, open_images
-from specforge.utils.images import RemoteImage
+from specforge.utils.images import RemoteImage, describe
 
 
 def image_paths(messages: list[dict]) -> list[str]:
@@ -34,6 +34,16 @@ def prompt_with_pictures(input_ids: list[int], pictures: list, image_processor, 
     return ids, images
 
 
+def refused(paths: list[str], pictures: list, image_processor) -> str:
+    """Which of the images the processor refuses (it says only why), for the quarantine reason."""
+    for path, picture in zip(paths, pictures):
+        try:
+            image_inputs([picture], image_processor)
+        except ValueError:
+            return describe(path)
+    return ", ".join(map(describe, paths))  # refused together only
+
+
 def render_vl(tokenizer, messages: list[dict], image_processor, info, max_length: int | None = None,
               overlength: str = "truncate",
               tools: list[dict] | None = None) -> tuple[Rendered, list[str], list[list[int]]]:
@@ -46,11 +56,16 @@ def render_vl(tokenizer, messages: list[dict], image_processor, info, max_length
     text = render(tokenizer, messages, tools=tools)
     paths = image_paths(messages)
     try:
-        images = image_inputs(open_images(paths), image_processor) if paths else None
+        pictures = open_images(paths)
     except RemoteImage as e:
         raise DataError(f"image_remote: {e}") from None
     except (OSError, ValueError) as e:
         raise DataError(f"image_unreadable: {e}") from None
+    try:
+        images = image_inputs(pictures, image_processor) if paths else None
+    except ValueError as e:  # Qwen-VL's resize: an aspect ratio past 200, ... (a server refuses it alike)
+        raise DataError(f"image_refused: {refused(paths, pictures, image_processor)}: the target's image "
+                        f"processor refuses it ({e})") from None
     grids = images["image_grid_thw"].tolist() if images else []
     counts = image_token_counts(grids, info.spatial_merge_size)
     try:
