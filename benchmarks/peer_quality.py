@@ -122,6 +122,9 @@ def parse_args(argv=None):
     p.add_argument("--draft", choices=["eagle3", "eagle31"], default=None,
                    help="the EAGLE 3.1 options of BOTH (conf/draft/<name>.yaml; default: the run's)")
     p.add_argument("--peer-python", default=None, help="the peer's interpreter (default: its virtualenv's)")
+    p.add_argument("--peer-mask-shift", type=int, default=0,
+                   help="--peer specforge only, an ablation of it: its loss positions moved to ours (2) "
+                        "(benchmarks/specforge_peer_worker.py --mask-shift)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "peer_quality.json"))
     return p.parse_args(argv)
 
@@ -361,6 +364,8 @@ def main(argv=None) -> int:
     if any(kv.split("=", 1)[0].lstrip("+") in {f"draft.{k}" for k in EAGLE31_OPTIONS} for kv in args.set) \
             and not args.ablate:
         sys.exit("--set draft.<option>=...: would change our draft but not the peer's; use --draft (both)")
+    if args.peer_mask_shift and (args.peer != "specforge" or args.peer_mask_shift < 0):
+        sys.exit("--peer-mask-shift: an ablation of SpecForge's loss positions (--peer specforge), >= 0")
 
     eval_cfg = OmegaConf.merge(run_cfg.eval, {"engine": "embedded", "trees": args.trees, "suites": [],
                                               "num_prompts": args.num_prompts, "planner": False,
@@ -394,7 +399,7 @@ def main(argv=None) -> int:
         command = [peer_python, peer_spec["worker"], "--export", str(peer_work / "export"), "--out", str(raw),
                    "--target", str(resolve_target_path(run_cfg.target))]
         if args.peer == "specforge":  # the draft's geometry: our checkpoint's
-            command += ["--draft-config", str(ours_ckpt / "config.json")]
+            command += ["--draft-config", str(ours_ckpt / "config.json"), "--mask-shift", str(args.peer_mask_shift)]
         subprocess.run(command, check=True, env=env)
         seconds["peer"] = round(time.perf_counter() - t0, 1)
     if args.peer == "specforge":
@@ -426,7 +431,7 @@ def main(argv=None) -> int:
         "samples": len(store), "tokens": store.num_tokens, "prompts": results["meta"]["prompts"],
         "max_new_tokens": args.max_new_tokens, "dtype": results["meta"]["dtype"],
         "threads": results["meta"]["threads"], "conversion": conversion, "allocator": running_allocator(),
-        "peer": peer_spec["label"],
+        "peer": peer_spec["label"], "peer_mask_shift": args.peer_mask_shift,
         "command": "python " + shlex.join(["benchmarks/peer_quality.py", *(argv if argv is not None else sys.argv[1:])]),
     }
     write_json(Path(args.out), result)

@@ -22,6 +22,10 @@ of -p log q over the positions, averaged over batch x positions), and its teache
 SpecForge 0.2.0 has EAGLE 3.1's `fc_norm` but not its `norm_output` (its next step reads the layer's
 pre-norm output): the plan must not ask for `norm_output` or `norm_before_fc`.
 
+`--mask-shift N` is an ablation of SpecForge, not SpecForge as released: its loss takes position t where
+the answer mask is set at t itself, while the draft there predicts token t+2 (ours takes t where token
+t+2 is an answer token); the mask given to it is moved N positions earlier (2: our positions).
+
 Writes to --out the directory its SGLang export writes (`model.safetensors` + `config.json`: `midlayer.*`,
 `fc`, `norm`, `lm_head`, `d2t`, `t2d`, no embedding), `check.safetensors`
 (its step-0 logits on the first sample, for the conversion check on our side) and `train.jsonl`.
@@ -77,6 +81,8 @@ def main(argv=None) -> None:
     p.add_argument("--draft-config", required=True, help="our checkpoint's config.json: the draft's geometry")
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--mask-shift", type=int, default=0,
+                   help="ablation: loss at t where the answer mask is set at t+N (0: SpecForge's own; 2: ours)")
     args = p.parse_args(argv)
 
     import torch
@@ -131,11 +137,15 @@ def main(argv=None) -> None:
     optimizer = BF16Optimizer(draft, lr=max(lrs), total_steps=len(steps))  # its defaults: wd 0, clip 0.5
     collate = DataCollatorWithPadding()
 
+    def shifted(mask):
+        n = args.mask_shift
+        return torch.cat([mask[n:], mask.new_zeros(n)]) if n else mask
+
     def batch(indices) -> TrainBatch:
         rows = [normalize_offline_sample({"aux_hidden_state": tensors[f"{i}.aux"].float()[None],
                                           "hidden_state": tensors[f"{i}.last"].float()[None],
                                           "input_ids": tensors[f"{i}.input_ids"].long(),
-                                          "loss_mask": tensors[f"{i}.loss_mask"].long()}, max_len=1 << 30)
+                                          "loss_mask": shifted(tensors[f"{i}.loss_mask"].long())}, max_len=1 << 30)
                 for i in indices]
         return TrainBatch(sample_ids=[str(i) for i in indices], strategy="eagle3", tensors=collate(rows),
                           metadata={"target_repr": "hidden_state"})

@@ -65,6 +65,15 @@ def test_a_draft_option_for_ours_alone_is_refused(tiny_run, tmp_path):
                      "--set", "draft.fc_norm=true"])
 
 
+@pytest.mark.parametrize("peer, shift", [("speculators", "2"), ("specforge", "-1")])
+def test_a_mask_shift_is_an_ablation_of_specforge_alone(tiny_run, tmp_path, peer, shift):
+    """--peer-mask-shift moves SpecForge's loss positions; it means nothing for another peer, nor backwards."""
+    module = benchmark("peer_quality")
+    with pytest.raises(SystemExit, match="--peer-mask-shift: an ablation of SpecForge's loss positions"):
+        module.main(["--run", str(tiny_run), "--peer", peer, "--peer-python", sys.executable,
+                     "--work", str(tmp_path / "w"), "--peer-mask-shift", shift])
+
+
 def test_a_peer_without_its_virtualenv_names_the_make_target(tiny_run, tmp_path):
     module = benchmark("peer_quality")
     missing = tmp_path / "no-venv" / "python"
