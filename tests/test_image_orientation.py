@@ -100,6 +100,20 @@ def test_stored_keeps_the_photo_and_counts_it_upright_fixes_it_with_a_copy(tmp_p
     assert data_uri_bytes(_image(inline.kept[0])) == upright_png(photo)
 
 
+def test_with_the_fix_step_off_the_images_are_still_turned_and_counted(tmp_path):
+    from specforge.data.fix.conversations import ImageChecker
+    from specforge.data.rows import normalise_row
+
+    photo = sideways_photo(tmp_path / "side.jpg")
+    (raw,) = _rows(tmp_path, ["side.jpg"])
+    off = FixConfig(enabled=False)
+    conv, fixes = normalise_row(raw, off, "auto", ImageChecker(None), None)
+    assert (_image(conv), fixes, conv["kept_as_written"]) == (str(photo), [], ["image_exif_turned"])
+    conv, fixes = normalise_row(raw, off, "auto", ImageChecker(None, tmp_path / "images", upright=True), None)
+    assert (fixes, conv["kept_as_written"]) == (["image_upright"], [])
+    assert Path(_image(conv)).read_bytes() == upright_png(photo)
+
+
 def test_an_eval_suite_file_follows_the_run(tmp_path):
     sideways_photo(tmp_path / "side.jpg")
     suite = tmp_path / "suite.jsonl"

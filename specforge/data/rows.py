@@ -19,11 +19,11 @@ def normalise_row(raw: RawRow, fix_cfg, fmt: str, images: ImageChecker,
                   max_chars: int | None) -> tuple[dict, list[str]]:
     """(conversation {"id", "messages"} or {"id", "text"}, fixes) or Quarantine. With
     data.fix.enabled=false the row is only parsed and length-checked, but its images are still
-    checked and resolved (and made upright under data.image_orientation=upright, which is counted)."""
+    checked, resolved and counted when EXIF turns them (made upright under data.image_orientation=upright)."""
     conv, fixes = fix_row(raw, fix_cfg, fmt, images, max_chars)
     if not fix_cfg.enabled and "messages" in conv:
         conv["messages"], turned = images.resolve_images(conv["messages"], raw.file)
-        fixes = images.fixes(turned)
+        conv["kept_as_written"], fixes = images.as_written(turned), images.fixes(turned)
     return conv, fixes
 
 
