@@ -77,7 +77,7 @@ from specforge.targets.loader import resolve_target_path  # noqa: E402
 from specforge.train.batches import global_batches, steps_per_epoch  # noqa: E402
 from specforge.train.loop import cosine_with_warmup  # noqa: E402
 from specforge.utils.allocator import mimalloc_env, running_allocator  # noqa: E402
-from specforge.utils.io import write_json  # noqa: E402
+from specforge.utils.io import read_json, write_json  # noqa: E402
 
 # each peer: its virtualenv (and the make target that builds it), its worker, its directory under --work
 PEERS = {
@@ -378,15 +378,21 @@ def main(argv=None) -> int:
     if store.scored_last:
         sys.exit(f"{layout.store('train')}: an fp8 store keeps the target's final state only where our loss "
                  "reads it, and the peers read it at other positions too: extract with extract.dtype=bfloat16")
-    plan = training_plan(run_cfg, store, args.epochs)
     ours_ckpt = RunLayout(work / "ours").checkpoint(args.epochs)
     peer_work = Path(args.peer_work or work)
     peer_ckpt = peer_work / peer_spec["dir"] / f"epoch_{args.epochs}"
     raw = peer_work / peer_spec["dir"] / "raw"
+    trained_with = raw.parent / "trained_with.json"  # how the peer in raw/ was trained (none: as released)
     if args.fresh:
         shutil.rmtree(work, ignore_errors=True)
         if peer_work != work:
             shutil.rmtree(peer_work / peer_spec["dir"], ignore_errors=True)
+    if (raw / "check.safetensors").exists():  # reused: it must be the peer this run asks for
+        shift = read_json(trained_with)["mask_shift"] if trained_with.exists() else 0
+        if shift != args.peer_mask_shift:
+            sys.exit(f"{raw}: the peer there was trained with --peer-mask-shift {shift}, not {args.peer_mask_shift}: "
+                     "give another --peer-work, or --fresh")
+    plan = training_plan(run_cfg, store, args.epochs)
     seconds = {}  # training time of each, where trained in this invocation
     if not ours_ckpt.exists():
         t0 = time.perf_counter()
@@ -402,6 +408,7 @@ def main(argv=None) -> int:
             command += ["--draft-config", str(ours_ckpt / "config.json"), "--mask-shift", str(args.peer_mask_shift)]
         subprocess.run(command, check=True, env=env)
         seconds["peer"] = round(time.perf_counter() - t0, 1)
+        write_json(trained_with, {"mask_shift": args.peer_mask_shift})
     if args.peer == "specforge":
         conversion = convert_specforge(raw, ours_ckpt, run_cfg, store, peer_ckpt)
     else:

@@ -74,6 +74,26 @@ def test_a_mask_shift_is_an_ablation_of_specforge_alone(tiny_run, tmp_path, peer
                      "--work", str(tmp_path / "w"), "--peer-mask-shift", shift])
 
 
+def test_a_peer_trained_with_another_mask_shift_is_not_reused(tiny_run, tmp_path):
+    """A SpecForge draft in --peer-work is reused only where it was trained with the --peer-mask-shift asked
+    for (one from before the flag: as released), or the result would name a shift its peer never had."""
+    from specforge.run_layout import RunLayout
+    from tests.test_store_fp8 import BF16_META, make_samples, write_all
+
+    write_all(RunLayout(tiny_run).store("train"), make_samples(4), BF16_META)
+    raw = tmp_path / "w" / "specforge" / "raw"
+    raw.mkdir(parents=True)
+    (raw / "check.safetensors").write_bytes(b"")
+    module = benchmark("peer_quality")
+    with pytest.raises(SystemExit, match=r"trained with --peer-mask-shift 0, not 2: give another --peer-work"):
+        module.main(["--run", str(tiny_run), "--peer", "specforge", "--peer-python", sys.executable,
+                     "--work", str(tmp_path / "w"), "--peer-mask-shift", "2"])
+    (raw.parent / "trained_with.json").write_text('{"mask_shift": 2}')
+    with pytest.raises(SystemExit, match=r"trained with --peer-mask-shift 2, not 0"):
+        module.main(["--run", str(tiny_run), "--peer", "specforge", "--peer-python", sys.executable,
+                     "--work", str(tmp_path / "w")])
+
+
 def test_a_peer_without_its_virtualenv_names_the_make_target(tiny_run, tmp_path):
     module = benchmark("peer_quality")
     missing = tmp_path / "no-venv" / "python"
