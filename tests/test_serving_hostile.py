@@ -30,6 +30,7 @@ from specforge.serving.app import EmbeddedServer, warn_if_exposed
 from specforge.serving.images import resolve_image_path
 from specforge.serving.model import check_draft_checkpoint, load_model
 from specforge.serving.policy import ServePolicy, is_loopback
+from specforge.utils.images import image_formats
 
 KEY = "s3cret-key"
 READ_TIMEOUT_S = 1.0
@@ -380,7 +381,7 @@ def test_paths_outside_the_root_and_missing_paths_get_the_same_answer(vl_server,
 @pytest.mark.parametrize("make_ref, message", [
     (lambda root: "data:image/png;base64,@@@@", "image_data[1]: the data URI is not valid base64"),
     (lambda root: "data:image/png;base64," + base64.b64encode(b"not an image").decode(),
-     "image_data[1]: cannot be read as an image (PNG, JPEG, WEBP, GIF, BMP): UnidentifiedImageError"),
+     f"image_data[1]: cannot be read as an image ({', '.join(image_formats())}): UnidentifiedImageError"),
     (lambda root: "data:text/plain,hello", "image_data[1]: a data URI must read data:image/<type>;base64,<data>"),
     (lambda root: "data:image/png;base64," + "A" * 8000,
      f"image_data[1]: the data URI holds about 6000 bytes, more than --max-image-bytes ({MAX_IMAGE_BYTES})"),

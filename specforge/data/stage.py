@@ -55,6 +55,8 @@ SHARE_HINTS = {
     "image_outside_root": "check data.image_root (now {image_root})",
     "image_too_large": "the images have more pixels than PIL decodes without calling them a decompression bomb; "
                        "downscale them (the target's processor resizes them to data.image_max_pixels anyway)",
+    "image_format": "the images are in a format not read here (HEIC photos from an iPhone, which the servers "
+                    "cannot read either?): convert them to JPEG or PNG",
     "image_refused": "the target's image processor (and so a server) refuses these images, e.g. strips "
                      "thinner than 1:200: crop or pad them",
     "image_remote": "the images are URLs, and nothing here fetches them: download them and name the files "

@@ -28,7 +28,8 @@ import torch
 
 from specforge.targets.layers import check_aux_layer_ids
 from specforge.targets.loader import deepstack_layers, hidden_states_request, untied_last_hidden_state
-from specforge.utils.images import RemoteImage, data_uri_bytes, decode_image, describe, is_data_uri, is_remote
+from specforge.utils.images import (RemoteImage, data_uri_bytes, decode_image, describe, is_data_uri, is_remote,
+                                    load_image)
 
 VL_KINDS = ("qwen3_vl", "qwen2_5_vl")
 
@@ -167,8 +168,6 @@ def open_images(refs: Sequence[str | Path]) -> list:
     """Open images as RGB PIL images, decoded now so that a broken one fails here, by name: files, or
     base64 `data:` URIs (what an eval prompt file may embed). A URL raises RemoteImage: nothing here
     fetches from the network."""
-    from PIL import Image, UnidentifiedImageError
-
     out = []
     for ref in map(str, refs):
         if is_data_uri(ref):
@@ -184,10 +183,9 @@ def open_images(refs: Sequence[str | Path]) -> list:
         if not p.is_file():
             raise FileNotFoundError(f"image {p}: file not found")
         try:
-            with Image.open(p) as im:
-                out.append(im.convert("RGB"))
-        except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
-            raise ValueError(f"image {p}: cannot be read as an image ({e})") from e
+            out.append(load_image(p))
+        except ValueError as e:
+            raise ValueError(f"image {p}: {e}") from None
     return out
 
 

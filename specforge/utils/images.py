@@ -1,7 +1,7 @@
 """Images that travel as bytes instead of files: base64 `data:` URIs (OpenAI-style chat logs, requests
 to a server) and the image columns of Parquet / Arrow tables. One decoder for the data stage, the
 targets' image inputs and the server, limited to the common photo formats (none of PIL's rarer or
-externally delegated decoders: EPS runs Ghostscript).
+externally delegated decoders: EPS runs Ghostscript). Image files are read through the same list.
 """
 from __future__ import annotations
 
@@ -11,12 +11,25 @@ import io
 import re
 import warnings
 from contextlib import contextmanager
+from functools import lru_cache
 from typing import Iterator
 
-IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+PHOTO_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF", "AVIF")
+# ISO-BMFF major brands of HEIF images (HEIC: an iPhone's photos), which PIL decodes only with the
+# pillow-heif plugin, and SGLang and vLLM, which register no such plugin, not at all.
+HEIF_BRANDS = (b"heic", b"heix", b"hevc", b"hevx", b"heim", b"heis", b"mif1", b"msf1")
 EXIF_ORIENTATION = 0x0112  # 1: upright as stored; 2-8: mirrored and/or turned (a camera held sideways)
 REMOTE_PREFIXES = ("http://", "https://")
 _DATA_URI = re.compile(r"data:(image/[A-Za-z0-9.+-]+)?;base64,(.*)", re.DOTALL)
+
+
+@lru_cache(maxsize=1)
+def image_formats() -> tuple[str, ...]:
+    """The PHOTO_FORMATS this PIL build decodes (AVIF: Pillow 11.3 or newer, built with libavif)."""
+    from PIL import Image
+
+    Image.init()
+    return tuple(f for f in PHOTO_FORMATS if f in Image.OPEN)
 
 
 class ImageTooLarge(ValueError):
@@ -25,6 +38,10 @@ class ImageTooLarge(ValueError):
 
 class RemoteImage(ValueError):
     """An image named by URL where it must be read here: nothing of ours fetches from the network."""
+
+
+class OtherFormat(ValueError):
+    """An image file of a format outside image_formats(): HEIC, EPS, PSD, ..."""
 
 
 def is_data_uri(ref: str) -> bool:
@@ -83,45 +100,84 @@ def as_data_uri(ref: str) -> str:
 
 
 def image_format(data: bytes) -> str | None:
-    """"PNG", "JPEG", ... for bytes of one of IMAGE_FORMATS (read from the header), else None."""
+    """"PNG", "JPEG", ... for bytes of one of image_formats() (read from the header), else None."""
     from PIL import Image
 
     try:
-        with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as im:
+        with Image.open(io.BytesIO(data), formats=image_formats()) as im:
             return im.format
     except Exception:  # PIL's openers raise many types for bytes that are not theirs
         return None
 
 
 @contextmanager
-def opened(source, formats: tuple[str, ...] | None = None) -> Iterator:
-    """PIL's Image.open (of a path or a file object) with its decompression-bomb limit a refusal:
-    ImageTooLarge past Image.MAX_IMAGE_PIXELS, where PIL only warns up to twice that and then raises
-    an error of its own."""
-    from PIL import Image
+def opened(source) -> Iterator:
+    """PIL's Image.open (of a path or a file object) for image_formats() only, OtherFormat naming any
+    other it recognises, and with its decompression-bomb limit a refusal: ImageTooLarge past
+    Image.MAX_IMAGE_PIXELS, where PIL only warns up to twice that and then raises an error of its own."""
+    from PIL import Image, UnidentifiedImageError
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # refused below, not warned about
         try:
-            image = Image.open(source, formats=formats)
+            image = Image.open(source, formats=image_formats())
         except Image.DecompressionBombError as e:
             raise ImageTooLarge(str(e)) from None
+        except UnidentifiedImageError:
+            other = other_format(source)
+            if other:
+                raise OtherFormat(other) from None
+            raise
     with image:
         if image.width * image.height > Image.MAX_IMAGE_PIXELS:
             raise ImageTooLarge(f"{image.width}x{image.height} pixels, more than {Image.MAX_IMAGE_PIXELS:,}")
         yield image
 
 
-def decode_image(data: bytes):
-    """An RGB PIL image from encoded bytes; ValueError saying why not (ImageTooLarge past PIL's
-    decompression-bomb limit, which a few KB of PNG can claim)."""
+def other_format(source) -> str | None:
+    """What an image outside image_formats() is, said for a person ("HEIC/HEIF ...", "EPS ..."), or None
+    for bytes that no PIL decoder takes for an image. Only headers are read: PIL's EPS opener runs
+    Ghostscript when the pixels are loaded, not here."""
+    from PIL import Image
+
+    read = image_formats()
+    if isinstance(source, str) or hasattr(source, "__fspath__"):
+        with open(source, "rb") as f:
+            head = f.read(12)
+    else:
+        source.seek(0)
+        head = source.read(12)
+        source.seek(0)
+    if head[4:8] == b"ftyp" and head[8:12] in HEIF_BRANDS:
+        return ("HEIC/HEIF (an iPhone's photos), which PIL reads only with the pillow-heif plugin and SGLang "
+                "and vLLM not at all: convert it to JPEG or PNG")
     try:
-        with opened(io.BytesIO(data), IMAGE_FORMATS) as im:
+        with Image.open(source) as im:
+            found = im.format
+    except Exception:  # no decoder of PIL's takes it for an image
+        return None
+    finally:
+        if hasattr(source, "seek"):
+            source.seek(0)
+    return f"{found}, not one of the formats read here ({', '.join(read)}): convert it to PNG or JPEG"
+
+
+def load_image(path):
+    """An RGB PIL image from an image file; ValueError saying why not, as decode_image."""
+    try:
+        with opened(path) as im:
             return im.convert("RGB")
-    except ImageTooLarge:
+    except ValueError:  # ImageTooLarge, OtherFormat
         raise
     except Exception as e:  # PIL's decoders raise many types (OSError, ValueError, SyntaxError, ...)
-        raise ValueError(f"cannot be read as an image ({', '.join(IMAGE_FORMATS)}): {type(e).__name__}: {e}") from None
+        formats = ", ".join(image_formats())
+        raise ValueError(f"cannot be read as an image ({formats}): {type(e).__name__}: {e}") from None
+
+
+def decode_image(data: bytes):
+    """An RGB PIL image from encoded bytes; ValueError saying why not (ImageTooLarge past PIL's
+    decompression-bomb limit, which a few KB of PNG can claim; OtherFormat for HEIC, EPS, ...)."""
+    return load_image(io.BytesIO(data))
 
 
 def exif_orientation(source) -> int:
@@ -149,5 +205,5 @@ def upright_png(source) -> bytes:
 
 
 def _opened_source(source):
-    """opened() of a file, or of bytes limited to IMAGE_FORMATS as decode_image limits them."""
-    return opened(io.BytesIO(source), IMAGE_FORMATS) if isinstance(source, bytes) else opened(source)
+    """opened() of a file or of bytes."""
+    return opened(io.BytesIO(source) if isinstance(source, bytes) else source)

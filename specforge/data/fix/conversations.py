@@ -14,8 +14,9 @@ from pathlib import Path
 from PIL import UnidentifiedImageError
 
 from specforge.data.formats import detect_format, is_tool_turn, read_turns, turns_field
-from specforge.utils.images import (ImageTooLarge, data_uri_bytes, decode_image, describe, exif_orientation,
-                                    image_format, is_data_uri, is_remote, opened, to_data_uri, upright_png)
+from specforge.utils.images import (ImageTooLarge, OtherFormat, data_uri_bytes, decode_image, describe,
+                                    exif_orientation, image_format, is_data_uri, is_remote, opened, to_data_uri,
+                                    upright_png)
 from specforge.utils.io import atomic_path
 
 CANONICAL_ROLES = ("system", "user", "assistant", "tool")
@@ -250,6 +251,8 @@ class ImageChecker:
                 self._embedded[key] = (stands_for, turned, None)
             except ImageTooLarge as e:
                 self._embedded[key] = (None, False, f"image_too_large: {describe(uri)}: {e}")
+            except OtherFormat as e:
+                self._embedded[key] = (None, False, f"image_format: {describe(uri)}: {e}")
             except ValueError as e:
                 self._embedded[key] = (None, False, f"image_unreadable: {describe(uri)}: {e}")
         stands_for, turned, problem = self._embedded[key]
@@ -285,6 +288,8 @@ def _open_problem(path: Path) -> str | None:
             img.verify()
     except ImageTooLarge as e:
         return f"image_too_large: {e}"
+    except OtherFormat as e:
+        return f"image_format: {e}"
     except (OSError, UnidentifiedImageError, SyntaxError, ValueError):
         return "image_unreadable"
     return None
