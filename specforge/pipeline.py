@@ -223,6 +223,9 @@ def _stages_in(cfg, env, run_dir: Path) -> dict[str, dict]:
             continue
         _preflight_later(cfg, run_dir, name, final=lambda s: s in summaries or s not in cfg.stages, done=preflighted)
         if env.is_main:
+            # The stage rewrites its outputs from here on: a refusal or crash part way must not leave them
+            # under the marker of the run before, which a rerun of that run's settings would take as done.
+            RunLayout(run_dir).marker(name).unlink(missing_ok=True)
             print(f"[pipeline] {name}: running" + (f" on {env.world_size} processes" if env.distributed
                                                   and stage.ranks == "all" else ""), flush=True)
         t0 = time.time()

@@ -489,3 +489,21 @@ def test_early_stop_ends_training_when_the_held_out_accept_length_stalls(weather
     no_eval = compose_cfg(tmp_path, tiny_target_dir, "train.early_stop_patience=2", "data.eval_files=[]")
     with pytest.raises(ValueError, match="train.early_stop_patience: stopping needs the held-out accept length"):
         run_pipeline(no_eval)
+
+
+def test_a_stage_refused_part_way_is_not_taken_as_done_when_the_earlier_settings_come_back(weather_files,
+                                                                                          tiny_target_dir):
+    """The data stage writes its samples before its share check refuses a bad export; going back to the
+    good file then matched the marker of the run before, and the refused run's 3 samples were trained on."""
+    tmp_path = weather_files
+    samples = tmp_path / "outputs" / "smollm2_weather" / "data" / "train.jsonl"
+    good = (tmp_path / "train.jsonl").read_text()
+    cfg = compose_cfg(tmp_path, tiny_target_dir, "stages=[data]")
+    run_pipeline(cfg)
+    first = samples.read_text()
+    rows = good.splitlines()
+    (tmp_path / "train.jsonl").write_text("\n".join(rows[:3] + ['{"oops": 1}'] * 21) + "\n")  # a broken export
+    with pytest.raises(InvalidInput, match="21 of 24 rows quarantined"):
+        run_pipeline(cfg)
+    (tmp_path / "train.jsonl").write_text(good)
+    assert "data" in run_pipeline(cfg) and samples.read_text() == first
