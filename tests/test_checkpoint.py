@@ -123,3 +123,17 @@ def test_writer_refuses_inf_and_nan_weights(tmp_path):
     with pytest.raises(CheckpointError, match=r"bad: not written: fc.weight, lm_head.weight hold inf/nan \(training diverged\)"):
         save_checkpoint(draft, tmp_path / "bad")
     assert not (tmp_path / "bad").exists()
+
+
+def test_a_draft_loaded_in_bf16_keeps_its_rope_frequencies_in_float32(ckpt):
+    """`.to(bfloat16)` rounded inv_freq by up to 0.3%, so the engine, the planner and `specforge serve` ran
+    positions a thousand apart at a wrong angle (cos off by 0.87 at 1,024 for Llama-3's theta) where training
+    and SGLang keep the frequencies in float32."""
+    exact = load_draft(ckpt).inv_freq
+    draft = load_draft(ckpt, dtype=torch.bfloat16)
+    assert draft.fc.weight.dtype == torch.bfloat16 and draft.inv_freq.dtype == torch.float32
+    assert torch.equal(draft.inv_freq, exact)
+    positions = torch.arange(4096)[None]
+    cos, _ = draft.rope(positions, torch.float32)
+    assert torch.equal(cos, load_draft(ckpt).rope(positions, torch.float32)[0])
+    assert draft.half().inv_freq.dtype == torch.float32

@@ -312,6 +312,15 @@ class Eagle3Draft(nn.Module):
         inv_freq, self.rope_scale = inverse_frequencies(cfg)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
+    def _apply(self, fn, recurse=True):
+        """Casts and moves (`.to(bfloat16)`, DeepSpeed's bf16 module) keep inv_freq in float32, as training
+        under autocast and SGLang's cos/sin cache have it: rounded to bf16 (0.3% off) it turns a query and a
+        key a thousand positions apart by a wrong angle."""
+        inv_freq = self.inv_freq
+        super()._apply(fn, recurse)
+        self.inv_freq = inv_freq.to(self.inv_freq.device)
+        return self
+
     def set_vocab_mapping(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         self.d2t.copy_(d2t)
         self.t2d.copy_(t2d)
