@@ -50,6 +50,10 @@ class Stage:
     depends: tuple[str, ...]
     ranks: str = "main"  # main: rank 0 runs it, the others wait | all: every rank runs it
     ignore: tuple[str, ...] = ()  # keys under config_keys that do not change what the stage computes
+    # keys that only split the work among processes: a run that changes them alone (train.grad_accum with the
+    # number of GPUs, the global batch unchanged) resumes the work of the one before; run() then also gets
+    # the fingerprint without them
+    split_only: tuple[str, ...] = ()
     preflight_reads: tuple[str, ...] = ()  # the stages whose outputs its preflight reads
 
     def entry(self, attr: str) -> Callable | None:
@@ -67,7 +71,7 @@ STAGES: dict[str, Stage] = {
               ranks="all", ignore=("train.resume", "train.save_state_every", "train.num_threads",
                                    "train.strategy", "train.zero_stage", "train.memory_probe",
                                    "train.keep_epoch_states", "draft.min_vocab_coverage"),
-              preflight_reads=("data",)),
+              split_only=("train.grad_accum",), preflight_reads=("data",)),
         Stage("eval", "specforge.eval.stage", ("eval",), ("train",)),
     ]
 }
@@ -77,14 +81,15 @@ def run_dir_of(cfg) -> Path:
     return Path(cfg.output_dir) / cfg.run_name
 
 
-def stage_fingerprint(cfg, stage: Stage, run_dir: Path, planned: dict | None = None) -> str:
+def stage_fingerprint(cfg, stage: Stage, run_dir: Path, planned: dict | None = None,
+                      leave_out: tuple[str, ...] = ()) -> str:
     """`planned`: the fingerprints upstream stages will have once they ran (check_only), in place
     of their markers'. Settings that are None (not set) are left out: a setting added in a later
-    version, unset by default, leaves the runs made before it up to date."""
+    version, unset by default, leaves the runs made before it up to date. So are `leave_out`'s."""
     sections = {k: _set_only(OmegaConf.to_container(OmegaConf.select(cfg, k), resolve=True))
                 if OmegaConf.is_config(OmegaConf.select(cfg, k)) else OmegaConf.select(cfg, k)
                 for k in stage.config_keys}
-    for key in stage.ignore:
+    for key in stage.ignore + leave_out:
         section, _, rest = key.partition(".")
         node = sections.get(section)
         *path, leaf = rest.split(".")
@@ -229,11 +234,13 @@ def _stages_in(cfg, env, run_dir: Path) -> dict[str, dict]:
             print(f"[pipeline] {name}: running" + (f" on {env.world_size} processes" if env.distributed
                                                   and stage.ranks == "all" else ""), flush=True)
         t0 = time.time()
+        args = (cfg, run_dir, fp) + ((stage_fingerprint(cfg, stage, run_dir, leave_out=stage.split_only),)
+                                     if stage.split_only else ())
         if stage.ranks == "all":
-            summary = stage.entry("run")(cfg, run_dir, fp) or {}
+            summary = stage.entry("run")(*args) or {}
             dist.barrier()
         else:
-            summary = dist.run_on_main(lambda: stage.entry("run")(cfg, run_dir, fp) or {}, what=f"stage '{name}'")
+            summary = dist.run_on_main(lambda: stage.entry("run")(*args) or {}, what=f"stage '{name}'")
         summary["seconds"] = round(time.time() - t0, 2)
         if env.is_main:
             write_json(RunLayout(run_dir).marker(name), {"fingerprint": fp, "summary": summary})

@@ -57,6 +57,24 @@ def test_sigkill_mid_epoch_then_resume_auto_ends_with_the_uninterrupted_weights(
     assert states == [f"epoch_{e}" for e in range(1, EPOCHS + 1)]  # step states pruned, no temp dirs
 
 
+def test_a_run_moved_to_twice_the_processes_with_half_the_grad_accum_resumes(prep):
+    """docs/multinode.md: a job requeued on other GPUs keeps its global batch through train.grad_accum. The
+    changed grad_accum changed the train fingerprint, so resume=auto passed every state over and removed them
+    all: training started again from step 0. Now a state resumes a run that splits the same global batch."""
+    ref = uninterrupted(prep)
+    run = new_run(prep, "moved")
+    proc = start(prep, "moved", 1, "train.grad_accum=2", "train.save_state_every=2")
+    wait_for(run / STEP_2, proc)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate()
+    out = launch(prep, "moved", 2, "train.strategy=ddp", "train.grad_accum=1", "train.save_state_every=2",
+                 "train.resume=auto", fresh=False)
+    assert "[train] resuming from" in out and "/state/step_" in out and "removed earlier states" not in out
+    weights, ref_weights = master_weights(run), master_weights(ref)
+    for k in ref_weights:  # two processes sum the gradients in another order: not bit-exact
+        torch.testing.assert_close(weights[k], ref_weights[k], rtol=0, atol=1e-5, msg=k)
+
+
 def test_online_training_killed_mid_epoch_resumes_to_the_uninterrupted_weights(prep):
     """extract=online: no store to resume from; the resumed run computes the states of the
     remaining micro-batches again, with the same forwards, and ends where an uninterrupted one does."""

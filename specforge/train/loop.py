@@ -390,9 +390,9 @@ def heldout_metrics(strategy, samples: TeacherMemo, cfg, device, amp) -> dict:
     return summarize(meter.window) if meter.window else {}
 
 
-def train(cfg, run_dir: Path, fingerprint: str) -> dict:
+def train(cfg, run_dir: Path, fingerprint: str, split_free: str | None = None) -> dict:
     """`fingerprint`: the train stage's, from the pipeline; a training state resumes only a run with
-    the same one."""
+    the same one, or the same `split_free` one (without train.grad_accum) and the same global batch."""
     layout = RunLayout(run_dir)
     tc = cfg.train
     env = dist.current()
@@ -449,7 +449,7 @@ def train(cfg, run_dir: Path, fingerprint: str) -> dict:
 
     # -- where to start: from scratch or from the newest valid training state -----------------------
     state = TrainState(strategy, scheduler, Meter(tc.ttt_length), device)
-    states = StateManager(layout, fingerprint, tc)
+    states = StateManager(layout, fingerprint, tc, split_free)
     states.restore(state)
     position, meter = state.position, state.meter
 

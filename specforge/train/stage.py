@@ -40,7 +40,8 @@ def preflight(cfg, run_dir) -> str | None:
             f"batch of {tc.batch_size * tc.grad_accum * world} samples on {world} process{'es' * (world > 1)}")
 
 
-def run(cfg, run_dir: Path, fingerprint: str) -> dict:
+def run(cfg, run_dir: Path, fingerprint: str, split_free: str | None = None) -> dict:
     """`fingerprint`: this stage's, from the pipeline (its training states carry it; the pipeline
-    writes the run's report once this stage's summary is recorded)."""
-    return train(cfg, run_dir, fingerprint)
+    writes the run's report once this stage's summary is recorded); `split_free`: the same without
+    train.grad_accum (a state resumes a run that splits the same global batch otherwise)."""
+    return train(cfg, run_dir, fingerprint, split_free)

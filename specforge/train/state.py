@@ -106,8 +106,11 @@ def list_states(states_dir: str | Path) -> list[Path]:
     return [p for p in states_dir.iterdir() if p.is_dir() and not p.name.startswith(".")]
 
 
-def find_resume_state(states_dir: str | Path, fingerprint: str | None) -> tuple[Path | None, dict | None, list[str]]:
-    """The newest valid state whose train fingerprint matches (any when `fingerprint` is None).
+def find_resume_state(states_dir: str | Path, fingerprint: str | None, split_free: str | None = None,
+                      global_batch: int | None = None) -> tuple[Path | None, dict | None, list[str]]:
+    """The newest valid state whose train fingerprint matches (any when `fingerprint` is None), or whose
+    fingerprint without train.grad_accum (`split_free`) does and that split the same `global_batch`
+    (grad_accum x world size micro-batches per step: the run moved to other GPUs, as docs/multinode.md says).
     Returns (path, trainer_state with its manifest under "meta", notes on what was passed over)."""
     candidates, notes = [], []
     for p in list_states(states_dir):
@@ -116,7 +119,9 @@ def find_resume_state(states_dir: str | Path, fingerprint: str | None) -> tuple[
         except ValueError as e:
             notes.append(f"skipped {p.name}: {e}")
             continue
-        if fingerprint is not None and meta.get("fingerprint") != fingerprint:
+        resplit = (split_free is not None and meta.get("split_free") == split_free
+                   and meta.get("grad_accum", 1) * meta.get("world_size", 1) == global_batch)
+        if fingerprint is not None and meta.get("fingerprint") != fingerprint and not resplit:
             notes.append(f"skipped {p.name}: written by a different training configuration or data")
             continue
         candidates.append((int(meta["step"]), p.name.startswith("epoch_"), p, meta))
@@ -224,8 +229,8 @@ class StateManager:
     """Saves `TrainState`s under the run's `state/` and restores the newest valid one, per
     `train.resume`: auto (the newest whose train-stage fingerprint matches), never, or a path."""
 
-    def __init__(self, layout: RunLayout, fingerprint: str, tc):
-        self.layout, self.fingerprint, self.tc = layout, fingerprint, tc
+    def __init__(self, layout: RunLayout, fingerprint: str, tc, split_free: str | None = None):
+        self.layout, self.fingerprint, self.tc, self.split_free = layout, fingerprint, tc, split_free
         self.states_dir = layout.states_dir
 
     def save(self, state: TrainState, name: str, reason: str) -> Path:
@@ -234,7 +239,8 @@ class StateManager:
         trainer_state = state.state_dict()
         p = state.position
         meta = {"step": p.step, "epoch": p.epoch, "step_in_epoch": p.step_in_epoch,
-                "reason": reason, "fingerprint": self.fingerprint, "strategy": state.strategy.name,
+                "reason": reason, "fingerprint": self.fingerprint, "split_free": self.split_free,
+                "strategy": state.strategy.name,
                 "state_format": state.strategy.state_format, "world_size": env.world_size,
                 "batch_size": self.tc.batch_size, "grad_accum": self.tc.grad_accum}
         out = save_training_state(self.states_dir, name, state.strategy, trainer_state, meta)
@@ -270,7 +276,8 @@ class StateManager:
         if resume == "never":
             return None, None
         if resume == "auto":
-            path, saved, notes = find_resume_state(self.states_dir, self.fingerprint)
+            path, saved, notes = find_resume_state(self.states_dir, self.fingerprint, self.split_free,
+                                                   self.tc.grad_accum * current().world_size)
             for note in notes:
                 print(f"[train] resume: {note}", flush=True)
             return path, saved
