@@ -34,7 +34,7 @@ from specforge.eval.prompts import load_suites
 from specforge.eval.resume import KEY as RESUME_KEY
 from specforge.run_layout import RunLayout, epoch_of
 from specforge.targets.loader import (compute_dtype, dtype_name as dtype_name_of, load_target, load_tokenizer,
-                                      local_target_config, resolve_target_path, target_context,
+                                      local_target_config, resolve_target_path, stop_token_ids, target_context,
                                       target_fingerprint, torch_dtype)
 from specforge.targets.vl import is_vl, load_image_processor, vl_info
 from specforge.utils.io import file_fingerprint
@@ -311,7 +311,7 @@ def eval_with_engine(run_cfg, ckpts: list[Path], eval_cfg, on_progress=None, ear
         raise ValueError(f"eval.engine={eval_cfg.engine!r}: this function runs the embedded engine")
     device, dtype_name, tokenizer, suites, target = load_engine_inputs(run_cfg, eval_cfg)
     prompts = [p for suite in suites.values() for p in suite]
-    eos = tokenizer.eos_token_id
+    eos = stop_token_ids(target, tokenizer)
     keys, kept = _earlier_configs(run_cfg, eval_cfg, prompts, dtype_name, device, ckpts, trees, earlier)
 
     def per_suite(items: list) -> dict[str, list]:

@@ -24,7 +24,7 @@ from specforge.eval.engine_eval import eval_with_engine, load_engine_inputs
 from specforge.eval.planner import TRAJECTORY_BATCH, plan, summarize
 from specforge.eval.resume import KEY as RESUME_KEY
 from specforge.run_layout import epoch_of
-from specforge.targets.loader import resolve_target_path, target_fingerprint, torch_dtype
+from specforge.targets.loader import resolve_target_path, stop_token_ids, target_fingerprint, torch_dtype
 from specforge.targets.vl import is_vl_config
 from specforge.utils.io import file_fingerprint
 from specforge.utils.progress import progress_bar
@@ -95,7 +95,7 @@ def plan_epochs(run_cfg, ckpts: list[Path], eval_cfg, cost_path: Path, on_progre
     chains = vllm_chains(eval_cfg, specs)
     device, dtype_name, tokenizer, suites, target = load_engine_inputs(run_cfg, eval_cfg)
     prompts = [p for suite in suites.values() for p in suite]
-    eos, exact = tokenizer.eos_token_id, eval_cfg.exact_ancestor_attention
+    eos, exact = stop_token_ids(target, tokenizer), eval_cfg.exact_ancestor_attention
     prefix = prefix_length(prompts, eval_cfg.max_new_tokens)
     fingerprint = target_fingerprint(resolve_target_path(run_cfg.target))
     common = resume.settings(fingerprint, eval_cfg, prompts, dtype_name, device, KEYED_SETTINGS)

@@ -39,7 +39,8 @@ def load_model(target_path, draft_path=None, tree: str | None = None, *, dtype: 
 
     from specforge.checkpoint import check_fits_target, load_draft, read_config
     from specforge.engine.tree import TreeSpec
-    from specforge.targets.loader import compute_dtype, from_pretrained_whole, model_class, text_config, torch_dtype
+    from specforge.targets.loader import (compute_dtype, from_pretrained_whole, model_class, stop_token_ids,
+                                          text_config, torch_dtype)
     from specforge.targets.vl import is_vl_config, load_image_processor, vl_info
 
     if draft_path is not None and tree is None:
@@ -73,11 +74,7 @@ def load_model(target_path, draft_path=None, tree: str | None = None, *, dtype: 
         hidden = EmbeddedExtractor(target, list(aux_hidden_state_layer_ids or []), batch_tokens=1 << 30,
                                    storage_dtype=torch.float32)
 
-    eos: list[int] = []
-    for ids in (getattr(target.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
-        for i in ([ids] if isinstance(ids, int) else ids or []):
-            if i not in eos:
-                eos.append(int(i))
+    eos = stop_token_ids(target, tokenizer)
     info = {
         "model_path": str(target_path),
         "speculative_algorithm": "EAGLE3" if draft is not None else None,

@@ -348,6 +348,18 @@ def _read_embedding_and_head(kind: str, path: Path, target_cfg):
     return tensors[keys["input embedding"]], tensors[keys["output head"]], model.config
 
 
+def stop_token_ids(model, tokenizer) -> list[int]:
+    """The ids that end an answer: the generation config's eos ids (one or a list: Llama-3-Instruct's
+    <|eot_id|>, Phi-3's <|end|>) and the tokenizer's, as SGLang stops. The data stage's regeneration, the
+    evaluation, the planner and `specforge serve` all stop on these, so they decode what SGLang serves."""
+    ids: list[int] = []
+    for found in (getattr(getattr(model, "generation_config", None), "eos_token_id", None), tokenizer.eos_token_id):
+        for i in [found] if isinstance(found, int) else found or []:
+            if int(i) not in ids:
+                ids.append(int(i))
+    return ids
+
+
 def last_position(input_ids: torch.Tensor) -> torch.Tensor:
     """`logits_to_keep` for the last position of `input_ids` [B, n], as an index tensor.
 

@@ -33,7 +33,7 @@ class EmbeddedBackend:
     name = "embedded"
 
     def __init__(self, cfg, target_cfg, seed: int = 0, device: str | None = None) -> None:
-        from specforge.targets.loader import load_target, resolve_target_path, text_config
+        from specforge.targets.loader import load_target, resolve_target_path, stop_token_ids, text_config
 
         if target_cfg is None:
             raise ValueError("data.regenerate.backend=embedded needs a target (target.path)")
@@ -53,9 +53,7 @@ class EmbeddedBackend:
         # logit shaping the decoder cannot apply is refused here, before any conversation is asked
         logits_processors(self.model.generation_config, cfg.temperature, source=str(path))
         self.max_positions = getattr(text_config(self.model.config), "max_position_embeddings", None)
-        eos = self.model.generation_config.eos_token_id
-        eos = eos if isinstance(eos, list) else [eos]
-        self.stop_ids = {int(i) for i in [*eos, self.tokenizer.eos_token_id] if i is not None}
+        self.stop_ids = set(stop_token_ids(self.model, self.tokenizer))
         self.response_template = response_template(self.tokenizer, self.model)
 
     def run(self, replays: list[Replay], on_answer: Callable[[int], None] | None = None) -> Iterator[Replay]:
