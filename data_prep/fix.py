@@ -3,8 +3,9 @@ fixes) or quarantined (with reason, file and line), and a report.
 
     python data_prep/fix.py data/weather/train.jsonl --out data/clean [--toon] [--format auto]
 
-Writes <out>/<name>.jsonl (clean `{"id", "messages", "fixes"}` rows), <out>/<name>.quarantine.jsonl
-and <out>/<name>.report.{json,md}. The same code runs in `python train.py stages=[data]`.
+Writes <out>/<name>.jsonl (clean `{"id", "messages"(, "tools"), "fixes", "kept_as_written"}` rows, "text" for
+"messages" with --format text: as the data stage keeps them), <out>/<name>.quarantine.jsonl and
+<out>/<name>.report.{json,md}. The same code runs in `python train.py stages=[data]`.
 A file that cannot be read (missing, empty, not UTF-8 text, unsupported type) or holds no row exits 1
 naming it and writes nothing. More than --max-quarantined-share of the rows quarantined (usually a wrong
 --format or the wrong file) exits 1 too, after writing every output: as data.max_quarantined_share does.
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from specforge.config import DataConfig, FixConfig
 from specforge.data.fix import MEANING, fix_dataset
-from specforge.data.formats import FORMATS, read_raw_rows
+from specforge.data.formats import FORMATS, read_raw_rows, turns_entry
 from specforge.data.sources import check_source
 from specforge.utils.io import write_json, write_jsonl, write_text
 
@@ -70,8 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fix.py: error: {src} holds no rows: nothing to fix", file=sys.stderr)
         return 1
     name = src.name.split(".")[0]
-    write_jsonl(out / f"{name}.jsonl", ({k: r[k] for k in ("id", "messages", "fixes", "kept_as_written")}
-                                                    for r in result.kept))
+    write_jsonl(out / f"{name}.jsonl", ({**turns_entry(r), "fixes": r["fixes"], "kept_as_written": r["kept_as_written"]}
+                                        for r in result.kept))
     write_jsonl(out / f"{name}.quarantine.jsonl", result.quarantined)
     write_json(out / f"{name}.report.json", result.counts)
     write_text(out / f"{name}.report.md", report_markdown(name, result.counts))

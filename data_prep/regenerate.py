@@ -21,7 +21,7 @@ from pathlib import Path
 
 from specforge.config import TARGET_DTYPES, DataConfig, FixConfig, RegenerateConfig, TargetConfig
 from specforge.data.fix import fix_dataset
-from specforge.data.formats import FORMATS, read_raw_rows
+from specforge.data.formats import FORMATS, read_raw_rows, turns_entry
 from specforge.data.regen import regenerate_conversations
 from specforge.data.regen.run import check_config
 from specforge.data.sources import check_source
@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("input", help="dataset file (.jsonl or .json, maybe compressed: .gz .bz2 .xz .zst; .parquet, "
                                  ".arrow; ShareGPT, messages or conversations rows)")
-    p.add_argument("--out", required=True, help="regenerated JSONL to write ({'id', 'messages'} rows)")
+    p.add_argument("--out", required=True, help="regenerated JSONL to write ({'id', 'messages'} rows; 'tools' too "
+                                                 "where a row has them)")
     p.add_argument("--work-dir", help="resume log, failures, skipped rows and report (default: --out's folder)")
     p.add_argument("--target", help="target model directory (required for --backend embedded)")
     p.add_argument("--dtype", default=TargetConfig.dtype, choices=TARGET_DTYPES, help="dtype of the embedded target")
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     report.pop("quarantine")
-    n = write_jsonl(out, ({"id": r["id"], "messages": r["messages"]} for r in rows))
+    n = write_jsonl(out, (turns_entry(r) for r in rows))
     print(json.dumps({k: v for k, v in report.items() if k != "files"}, indent=2))
     print(f"wrote {n} conversations to {out}; failures and skipped rows in {work_dir}/regen_{split}.*")
     return 0

@@ -284,6 +284,21 @@ def test_null_image_fields_and_placeholders_without_images_stay_text():
     assert to_conversation(row)["messages"][0]["content"] == "What is <image>?"
 
 
+@pytest.mark.parametrize("images", [[], ["a.png"]])
+def test_row_level_images_keep_the_tool_calls_and_tool_names_of_the_turns(images):
+    """Placing row-level images (even `images: []`) rebuilt every turn as {"role", "content"}: an agentic
+    trace with an `images` column lost its calls (an empty assistant turn), and its results their names."""
+    calls = [{"type": "function", "function": {"name": "forecast", "arguments": {"city": "Oslo"}}}]
+    row = {"images": images, "messages": [
+        {"role": "user", "content": "weather?"}, {"role": "assistant", "content": None, "tool_calls": calls},
+        {"role": "tool", "content": "sunny", "name": "forecast", "tool_call_id": "c1"},
+        {"role": "assistant", "content": "It is sunny."}]}
+    messages = to_conversation(row)["messages"]
+    assert messages[1] == {"role": "assistant", "content": "", "tool_calls": calls}
+    assert messages[2] == {"role": "tool", "content": "sunny", "name": "forecast", "tool_call_id": "c1"}
+    assert messages[0]["content"] == ([_img("a.png"), _txt("weather?")] if images else "weather?")
+
+
 @pytest.mark.parametrize("row, field", [
     ({"images": ["a.png"], "messages": [{"role": "user", "content": "<image> or <image>"}]},
      r"images: 1 image\(s\) listed but the turns have 2 <image> placeholder"),

@@ -89,3 +89,23 @@ def test_weather_refuses_negative_counts_and_writes_no_empty_split(tmp_path, cap
     assert main(["--out", str(tmp_path), "--train", "3", "--eval", "2"]) == 0
     assert main(["--out", str(tmp_path), "--train", "3", "--eval", "0"]) == 0
     assert (tmp_path / "train.jsonl").stat().st_size > 0 and not (tmp_path / "eval.jsonl").exists()
+
+
+def test_fix_py_writes_rows_as_the_data_stage_keeps_them_with_text_and_tools(tmp_path):
+    """fix.py wrote {"id", "messages", ...} whatever the row: --format text crashed with KeyError 'messages',
+    and a tool-calling trace lost its `tools`, so its calls rendered against no definitions afterwards."""
+    from data_prep.fix import main
+
+    text = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nhello<|im_end|>\n"
+    (tmp_path / "text.jsonl").write_text(json.dumps({"id": "a", "text": text}) + "\n")
+    assert main([str(tmp_path / "text.jsonl"), "--out", str(tmp_path / "clean"), "--format", "text"]) == 0
+    assert [json.loads(line) for line in (tmp_path / "clean" / "text.jsonl").read_text().splitlines()] == [
+        {"id": "a", "text": text, "fixes": [], "kept_as_written": []}]
+    tools = [{"type": "function", "function": {"name": "forecast", "parameters": {}}}]
+    messages = [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "forecast", "arguments": {"city": "Oslo"}}}]},
+        {"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "It is sunny."}]
+    (tmp_path / "tools.jsonl").write_text(json.dumps({"id": "t1", "tools": tools, "messages": messages}) + "\n")
+    assert main([str(tmp_path / "tools.jsonl"), "--out", str(tmp_path / "clean")]) == 0
+    assert [json.loads(line) for line in (tmp_path / "clean" / "tools.jsonl").read_text().splitlines()] == [
+        {"id": "t1", "messages": messages, "tools": tools, "fixes": [], "kept_as_written": []}]

@@ -405,6 +405,18 @@ def test_glob_patterns_name_shards(tmp_path, tiny_target_dir):
         stage.check(twice)
 
 
+def test_a_file_whose_name_looks_like_a_pattern_is_that_file(tmp_path, tiny_target_dir):
+    """`rows[1].jsonl` was taken as a glob pattern, whose `[1]` matches the character 1: the stage read
+    `rows1.jsonl` beside it instead, without a word (or refused the file as matching nothing)."""
+    rows = generate(4, seed=0, split="train")
+    write_jsonl(tmp_path / "rows[1].jsonl", rows[:2])
+    write_jsonl(tmp_path / "rows1.jsonl", rows[2:])
+    cfg = make_cfg(tmp_path, tiny_target_dir, tmp_path / "rows[1].jsonl", None)
+    assert stage.split_files(cfg) == {"train": [str(tmp_path / "rows[1].jsonl")]}
+    cfg.data.train_files = [str(tmp_path / "rows[0-9].jsonl")]  # no such file: a pattern still
+    assert stage.split_files(cfg) == {"train": [str(tmp_path / "rows1.jsonl")]}
+
+
 @pytest.mark.parametrize("num_proc", [0, 2])
 def test_text_that_spells_a_special_token_is_quarantined(tmp_path, tiny_target_dir, tiny_tokenizer, num_proc):
     """'<|im_end|>' typed in a message tokenizes as the control token (a turn ending mid-answer, a

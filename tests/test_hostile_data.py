@@ -17,7 +17,7 @@ from data_prep.weather import generate
 from specforge.config import FixConfig
 from specforge.data import stage
 from specforge.data.fix import fix_dataset
-from specforge.data.formats import DataFileError, read_raw_rows
+from specforge.data.formats import DataFileError, RawRow, read_raw_rows
 from specforge.data.vocab import cached_vocab_mapping
 from specforge.targets import smollm2
 from specforge.utils.io import read_json, read_jsonl, write_jsonl
@@ -181,6 +181,27 @@ def test_binary_json_list_is_an_error_naming_the_line(tmp_path):
     path.write_bytes(b'[\n  {"id": "a"},\n  "\xff\xfe"\n]\n')
     with pytest.raises(DataFileError, match=r"d.json: not a UTF-8 text file: line 3 \(byte 20 of the file\)"):
         list(read_raw_rows(path))
+
+
+def test_json_nested_too_deep_is_an_invalid_json_row_naming_its_line(tmp_path):
+    """A line of 100,000 nested lists raised RecursionError out of the reader: the whole data stage (and
+    fix.py) stopped with a traceback naming neither the file nor the line."""
+    deep = '{"a": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    rows = [json.dumps(r) for r in weather_rows(2)]
+    (tmp_path / "d.jsonl").write_text(f"{rows[0]}\n{deep}\n{rows[1]}\n")
+    (tmp_path / "d.json").write_text(f"[{rows[0]},\n{deep},\n{rows[1]}]\n")
+    nested = "invalid JSON: nested too deep"
+    lines = [(r.line, r.error) for r in read_raw_rows(tmp_path / "d.jsonl")]
+    assert lines[0] == (1, None) and lines[2] == (3, None) and lines[1][0] == 2 and lines[1][1].startswith(nested)
+    listed = list(read_raw_rows(tmp_path / "d.json"))  # what follows cannot be split: one error row for it
+    assert [r.line for r in listed] == [1, 2] and listed[1].error.startswith(nested)
+    result = fix_dataset(read_raw_rows(tmp_path / "d.jsonl"), FixConfig())
+    assert [(q["line"], q["reason"][:len(nested) + 14]) for q in result.quarantined] == [(2, "invalid_json: " + nested)]
+    assert len(result.kept) == 2
+    inside = {"id": "s", "messages": "[" * 100_000 + "]" * 100_000}  # turns stored as a JSON string
+    quarantined = fix_dataset([RawRow("d.jsonl", 4, inside, None)], FixConfig()).quarantined
+    assert [q["reason"] for q in quarantined] == ["invalid_row: a field holds JSON text nested too deep (arrays or "
+                                                  "objects past Python's recursion limit)"]
 
 
 # 3. toon=true: a prose answer is not a TOON document.

@@ -67,6 +67,20 @@ def test_a_turn_cut_off_trains_to_the_end_and_truncation_is_as_for_turns():
     assert render_text(tok, full, max_length=12, overlength="drop").drop_reason == "overlength"
 
 
+def test_a_text_that_ends_at_the_generation_prompt_is_quarantined_not_a_sample_without_loss():
+    """A prompt logged with its generation prompt and no answer (a request, not a conversation) opens an
+    assistant turn, so it was kept: a sample of 0 loss tokens, extracted and trained for nothing."""
+    from specforge.data.rows import render_conversation
+
+    tok = build_tiny_tokenizer(None)
+    prompt = "<|im_start|>user\nweather in Oslo?<|im_end|>\n<|im_start|>assistant\n"
+    for max_length in (512, 6):  # judged before truncation, not as no_loss_tokens_after_truncation
+        r = render_conversation(tok, {"id": "a", "text": prompt}, max_length, "truncate")
+        assert r.reason.startswith("no_assistant_turn: the text ends at the generation prompt") and not r.input_ids
+    answered = render_conversation(tok, {"id": "a", "text": prompt + "<|im_end|>\n"}, 512, "truncate")
+    assert answered.reason is None and sum(answered.loss_mask) == 1  # an empty answer's end, as for turns
+
+
 def test_a_template_that_marks_no_assistant_turn_is_refused():
     tok = build_tiny_tokenizer(None, chat_template=(  # Mistral's shape: the answer follows [/INST] directly
         "{% for m in messages %}{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] + ' [/INST]' }}"

@@ -234,3 +234,20 @@ def test_a_turn_ends_at_its_end_of_turn_token_not_at_the_conversation_end_after_
     ids, mask = render(tok, [{"role": "user", "content": "Oslo?"}, {"role": "assistant", "content": "snow"},
                              {"role": "user", "content": "Lima?"}, {"role": "assistant", "content": "sun"}])
     assert tok.decode([i for i, m in zip(ids, mask) if m]) == "snow<|end|>sun<|end|>"
+
+
+# Llama 3's and Gemma's way: each turn's content rendered `| trim`, without its outer whitespace.
+TRIM_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] | trim + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+@pytest.mark.parametrize("answer", ["sunny today", "sunny today\n", " sunny today", "\n sunny today \n"])
+def test_a_template_that_trims_the_content_trains_on_the_answer_it_renders(tok, answer):
+    """The answer was looked for as written: one with a trailing newline or a leading space (common in
+    regenerated and scraped data) was not in the text a trimming template renders, so the row was
+    quarantined as template_error."""
+    tok.chat_template = TRIM_TEMPLATE
+    messages = [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": answer}]
+    assert masked_text(tok, messages) == f"sunny today{E}"

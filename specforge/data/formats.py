@@ -77,6 +77,7 @@ class DataFileError(InvalidInput):
     unreachable hub dataset); the message names the file (and line and byte, for text)."""
 
 
+NESTED_TOO_DEEP = "invalid JSON: nested too deep (arrays or objects past Python's recursion limit)"
 SNIFF_BYTES = 1 << 16  # a NUL byte this early means binary data: refuse before reading a huge "line"
 TEXT_SUFFIXES = (".jsonl", ".json")
 COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")  # a text file's last suffix: how its bytes are compressed
@@ -123,6 +124,8 @@ def parse_raw_text(file: str, line: int, text: str | None, error: str | None) ->
         obj = json.loads(text)
     except json.JSONDecodeError as e:
         return RawRow(file, line, None, f"invalid JSON: {e.msg} (column {e.colno})")
+    except RecursionError:  # `[[[[...` 100,000 deep: the parser recurses once per level
+        return RawRow(file, line, None, NESTED_TOO_DEEP)
     return _object_or_error(file, line, obj)
 
 
@@ -299,6 +302,9 @@ def _read_json_list(path: Path) -> Iterator[RawRow]:
         except json.JSONDecodeError as e:
             # The rest of the file cannot be split reliably: one error row for what is left.
             yield RawRow(file, line_of(start), None, f"invalid JSON: {e.msg} (line {e.lineno}, column {e.colno})")
+            return
+        except RecursionError:
+            yield RawRow(file, line_of(start), None, NESTED_TOO_DEEP)
             return
         yield _object_or_error(file, line_of(start), obj)
         i = skip_ws(i)
@@ -705,7 +711,7 @@ def _place_row_images(messages: list[dict], key: str, paths: list[str]) -> list[
         if m["role"] == "user":
             parts = [q for p in parts for q in (
                 _split_placeholders(p["text"]) if p["type"] == "text" and IMAGE_PLACEHOLDER in p["text"] else [p])]
-        out.append({"role": m["role"], "content": parts})
+        out.append({**m, "content": parts})  # tool_calls, name, tool_call_id stay
     slots = [p for m in out for p in m["content"] if p["type"] == "image" and p["image"] is None]
     given = [p["image"] for m in out for p in m["content"] if p["type"] == "image" and p["image"] is not None]
     if slots:
@@ -723,7 +729,7 @@ def _place_row_images(messages: list[dict], key: str, paths: list[str]) -> list[
         if first is None:
             raise DataError(f"{key}: {len(paths)} image(s) but no user turn to attach them to")
         first["content"] = [{"type": "image", "image": p} for p in paths] + first["content"]
-    return [{"role": m["role"], "content": _collapse(m["content"])} for m in out]
+    return [{**m, "content": _collapse(m["content"])} for m in out]
 
 
 def _collapse(parts: list[dict]) -> str | list[dict]:

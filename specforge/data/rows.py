@@ -55,6 +55,9 @@ def render_conversation(tokenizer, conv: dict, max_length: int, overlength: str,
         header, _ = assistant_markers(tokenizer)
         return RowRender(reason=f"no_assistant_turn: the text opens no assistant turn ({header!r}, the chat "
                                 "template's generation prompt): nothing to learn")
+    if not any(r.loss_mask):  # not cut away by truncation (that is a drop_reason): the text has no answer
+        return RowRender(reason="no_assistant_turn: the text ends at the generation prompt, its answer empty: "
+                                "nothing to learn")
     return RowRender(r.input_ids, r.loss_mask, r.truncated)
 
 

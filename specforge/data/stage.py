@@ -81,10 +81,12 @@ def split_files(cfg) -> dict[str, list[str]]:
 
 def expand_patterns(entries, key: str) -> list[str]:
     """Each entry with a glob pattern (`shards/*.jsonl.gz`, `**` for subfolders) -> the paths it
-    matches, sorted; one that matches nothing is an error naming `key`."""
+    matches, sorted; one that matches nothing is an error naming `key`. A file whose name only looks
+    like a pattern (`rows[1].jsonl`, a `ds[1]` folder) is that file: as a pattern it matches `rows1.jsonl`,
+    not itself."""
     out = []
     for entry in entries:
-        if is_hub(entry) or not glob.has_magic(entry):
+        if is_hub(entry) or not glob.has_magic(entry) or Path(entry).exists():
             out.append(entry)
             continue
         matches = sorted(glob.glob(entry, recursive=True))

@@ -107,6 +107,9 @@ def assistant_char_spans(tokenizer, messages: list[dict], full: str, tools=None)
                 # without its <think> block: the turn is its answer, as the target sees it later on.
                 content = content.rsplit(THINK_END, 1)[1].lstrip("\n")
                 at = full.find(content, start, turn_end) if content else start
+            if at < 0 and (stripped := content.strip()) and stripped != content:
+                # Templates that `| trim` the content (Llama 3's, Gemma's) render it without its outer whitespace.
+                content, at = stripped, full.find(stripped, start, turn_end)
             if at < 0:
                 raise TemplateError(
                     f"messages[{i}].content: not found in the rendered text after the generation prompt"

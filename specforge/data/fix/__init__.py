@@ -149,6 +149,9 @@ def fix_row(
         conv = to_conversation(data, fmt)
     except DataError as e:
         raise Quarantine(f"invalid_row: {e}") from None
+    except RecursionError:  # turns, tools or call arguments stored as a JSON string nested 100,000 deep
+        raise Quarantine("invalid_row: a field holds JSON text nested too deep (arrays or objects past Python's "
+                         "recursion limit)") from None
     if "text" in conv:  # preformatted (data.format=text): no turns to repair, trained as written
         check_row_length(conv["text"], max_chars)
         return {"id": conv["id"], "text": conv["text"], "kept_as_written": []}, []
