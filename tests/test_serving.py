@@ -351,7 +351,7 @@ def alive(pid):
         return False
 
 
-def test_evaluate_serving_launches_and_stops_every_server(model_dirs, tmp_path, capsys):
+def test_evaluate_serving_launches_and_stops_every_server(model_dirs, tmp_path, capsys, monkeypatch):
     """eval.engine=sglang's orchestration with our own server as the launched process: base, then
     checkpoint x tree, each started, waited for (/health), benchmarked and stopped."""
     target, trained, _ = model_dirs
@@ -396,6 +396,13 @@ def test_evaluate_serving_launches_and_stops_every_server(model_dirs, tmp_path, 
     cfg.eval.max_new_tokens = 12  # measured otherwise: nothing kept
     eval_with_servers(cfg, [ckpt], cfg.eval, tmp_path, command_builder=builder)
     assert (out / "logs" / "baseline.log").stat().st_mtime_ns != logs["baseline"]
+    # another SGLang installed (the same command line): nothing kept either, the baseline included
+    logs = {label: (out / "logs" / f"{label}.log").stat().st_mtime_ns for label in runs}
+    import specforge.launch.sglang_commands as sglang_commands
+
+    monkeypatch.setattr(sglang_commands, "installed_sglang_version", lambda: "99.0.0")
+    eval_with_servers(cfg, [ckpt], cfg.eval, tmp_path, command_builder=builder)
+    assert all((out / "logs" / f"{label}.log").stat().st_mtime_ns != logs[label] for label in runs)
 
 
 def _cmdline(pid):

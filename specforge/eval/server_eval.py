@@ -119,16 +119,30 @@ def sglang_command_builder(run_cfg, eval_cfg) -> CommandBuilder:
 
 
 def resume_key(command: Sequence[str], requests: Sequence[BenchRequest], scenario: Scenario, temperature: float,
-               backend: str, seed: int, checkpoint: str | None = None) -> str:
+               backend: str, seed: int, checkpoint: str | None = None, setup: dict | None = None) -> str:
     """What a launched configuration's measurement depends on: its server command but the free port
-    it drew, the requests, the scenario, the sampling and the draft's bytes (`checkpoint`:
-    file_fingerprint; a retrained epoch_3 has the same path)."""
+    it drew, the requests, the scenario, the sampling, the draft's bytes (`checkpoint`:
+    file_fingerprint; a retrained epoch_3 has the same path) and what the command does not say
+    (`setup`: launch_setup)."""
     args = list(map(str, command))
     if "--port" in args:
         args[args.index("--port") + 1] = "PORT"
     return fingerprint({"command": args, "requests": [(r.prompt, r.output_len, r.images) for r in requests],
                         "scenario": scenario.to_dict(), "temperature": temperature, "backend": backend, "seed": seed,
-                        "checkpoint": checkpoint})
+                        "checkpoint": checkpoint, "setup": setup})
+
+
+def launch_setup(target: Path) -> dict:
+    """What a launched server's speed depends on beyond its command line: the target's files (a model
+    downloaded again to the same path), the installed SGLang (`pip install -U sglang`) and the machine."""
+    import torch
+
+    from specforge.eval.cost_model import describe_device
+    from specforge.launch.sglang_commands import installed_sglang_version
+    from specforge.targets.loader import target_fingerprint
+
+    return {"target": target_fingerprint(target), "sglang": installed_sglang_version(),
+            "device": describe_device("cuda" if torch.cuda.is_available() else "cpu")}
 
 
 def finished_result(path: Path, key: str) -> BenchResult | None:
@@ -194,6 +208,7 @@ def eval_with_servers(run_cfg, checkpoints: Sequence[Path], eval_cfg, run_dir, o
 
     results: dict[str, BenchResult] = {}
     backend = getattr(ev, "bench_backend", "sglang")
+    setup = launch_setup(target) if ev.engine == "sglang" else None
     draft_bytes = {ckpt: file_fingerprint(ckpt) for ckpt in dict.fromkeys(c for _, _, c in runs if c is not None)}
     with progress_bar() as bar:  # requests; a launched server's start-up shows as time on its label
         task = bar.add_task("eval", total=len(runs) * len(requests), info="")
@@ -203,7 +218,7 @@ def eval_with_servers(run_cfg, checkpoints: Sequence[Path], eval_cfg, run_dir, o
             key = None
             if isinstance(server, Launch):  # launched here: the same command measures the same thing again
                 key = resume_key(server.command, requests, scenario, ev.temperature, backend, seed,
-                                 draft_bytes.get(ckpt))
+                                 draft_bytes.get(ckpt), setup)
                 if (earlier := finished_result(path, key)) is not None:
                     print(f"[eval] {label}: measured by an earlier run of this evaluation ({path}), kept", flush=True)
                     results[label] = earlier
