@@ -262,6 +262,18 @@ def test_perfect_draft_reaches_max_accept_length(always_zero, tree, rounds):
     assert stats.accept_rate == pytest.approx(t / (n - 1))
 
 
+def test_drafts_accepted_past_max_new_tokens_are_not_counted(always_zero):
+    """SGLang cuts a round's accept length where its request finishes (eagle_info.verify), and the
+    server-wide figure sums the cut lengths. The engine counted the whole walk: with T=4 and 18 tokens, the
+    last round's 4 drafts although only 1 was committed, a round accept length of 5.0 instead of 4.25."""
+    target, draft = always_zero
+    out, stats = SpeculativeEngine(target, draft, "4_1_5").generate(make_prompt(target.config.vocab_size), 18)
+    assert out.tolist() == [0] * 18
+    assert stats.accepted_drafts == [4, 4, 4, 1] and stats.spec_verify_ct == 4
+    assert stats.round_accept_length == (18 - 1) / 4 == 4.25
+    assert stats.accept_rate == pytest.approx(13 / (4 * 4))
+
+
 # ---- SGLang's draft lanes against a per-lane reference -----------------------------------------
 
 

@@ -79,7 +79,7 @@ class GenerationStats:
     num_draft_tokens: int = 0  # N of the tree (0 for the base model)
     completion_tokens: int = 0
     spec_verify_ct: int = 0  # verify rounds
-    accepted_drafts: list = field(default_factory=list)  # per round, drafts accepted (bonus excluded)
+    accepted_drafts: list = field(default_factory=list)  # per round, drafts committed (bonus excluded)
     prefill_s: float = 0.0  # target prefill + draft prefill
     ttft_s: float = 0.0
     e2e_s: float = 0.0
@@ -223,6 +223,15 @@ class _Request:
         self.stats.token_times_s += [now] * (len(self.tokens) - len(self.stats.token_times_s))
         if self.on_tokens is not None:
             self.on_tokens(self.tokens[before:])
+
+    def commit_round(self, tokens: list[int]) -> None:
+        """One verify round's accepted drafts and bonus, emitted up to eos / max_new_tokens, its drafts
+        counted as committed: SGLang cuts a round's accept length where its request finishes, so drafts
+        accepted past the end count neither in a request's figures nor in the server's."""
+        self.stats.spec_verify_ct += 1
+        before = len(self.tokens)
+        self.emit(tokens)
+        self.stats.accepted_drafts.append(len(self.tokens) - before - 1)
 
     def first_token_done(self):
         """TTFT covers the whole prefill stage (target and draft), as the server streams it."""
@@ -459,9 +468,7 @@ class SpeculativeEngine:
             else:
                 path, emitted = sampling_verify(tree, target_probs(logits, temperature), generator)
             timer.lap("accept")
-            req.stats.spec_verify_ct += 1
-            req.stats.accepted_drafts.append(path.shape[0] - 1)
-            req.emit(emitted.tolist())
+            req.commit_round(emitted.tolist())
             if req.done:
                 break
             timer.skip()

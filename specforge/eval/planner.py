@@ -8,8 +8,8 @@ S-2 (level 1 and the first lane feature; docs/contract.md §3, §5). So per prom
 1. `batched_trajectories` (text targets: several prompts decoded at once) or `greedy_trajectory`
    (one prompt: by decoding, or by the engine with one tree, the same tokens in fewer forwards):
    the target's greedy tokens and aux features, plus `extra` tokens past the point where the
-   engine stops (a last round's walk may accept drafts past max_new_tokens or EOS, and the engine
-   counts them);
+   engine stops (a last round's walk may run past max_new_tokens or EOS; what it accepts there is
+   cut, as the engine and SGLang cut it);
 2. per topk K, one draft pass over that sequence (the engine's `draft_extend`, prompt first as
    its prefill does, then the rest in one call): the state of every round start, and a KV cache
    whose prefix of length S-1 is the one a round starting there reads (attention is causal);
@@ -273,11 +273,9 @@ def replay(spec: TreeSpec, traj: Trajectory, levels: DraftLevels, max_new_tokens
     while not req.done:
         scores, tokens, parents = levels.levels(c)
         tree = build_tree(g[c - 1], scores[:t], tokens[:t], parents[:t], spec)
-        path, emitted = greedy_walk(tree, g[c + tree.depth])
-        req.stats.spec_verify_ct += 1
-        req.stats.accepted_drafts.append(path.shape[0] - 1)
+        _, emitted = greedy_walk(tree, g[c + tree.depth])
         widths.append(torch.bincount(tree.depth, minlength=t + 1).tolist())
-        req.emit(emitted.tolist())
+        req.commit_round(emitted.tolist())
         c += emitted.shape[0]
     out, stats = req.finish(g.device)
     return RequestPlan(out.tolist(), stats, widths)
