@@ -182,6 +182,10 @@ def test_generate_and_completions_protocol(servers, tiny_tokenizer):
     ({"input_ids": [1, 10**6]}, "token ids must be in"),
     ({"text": "hi", "return_logprob": True}, "return_logprob is not supported"),
     ({"sampling_params": {}}, "give `text` or `input_ids`"),
+    # these reached the engine thread and came back as 500s
+    ({"text": "hi", "sampling_params": {"temperature": float("nan")}}, "temperature must be a finite number >= 0"),
+    ({"text": "hi", "sampling_params": {"temperature": 0.7, "sampling_seed": "abc"}}, "seed must be an integer"),
+    ({"text": "hi", "sampling_params": {"temperature": 0.7, "sampling_seed": 1.5}}, "seed must be an integer"),
 ])
 def test_bad_requests_get_400(servers, body, message):
     status, text = post(servers[0].url + "/generate", body)

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler
@@ -322,8 +323,10 @@ class Handler(BaseHTTPRequestHandler):
             raise RequestError(f"max_new_tokens must be an integer >= 1, got {max_new!r}")
         self._check_context(len(ids), max_new, "prompt")
         temperature = params["temperature"]
-        if not isinstance(temperature, (int, float)) or temperature < 0:
-            raise RequestError(f"temperature must be a number >= 0, got {temperature!r}")
+        if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not 0 <= temperature < math.inf:
+            raise RequestError(f"temperature must be a finite number >= 0, got {temperature!r}")  # JSON reads NaN
+        if seed is not None and not (_is_token_id(seed) and -2 ** 63 <= seed < 2 ** 64):  # what manual_seed takes
+            raise RequestError(f"the seed must be an integer, got {seed!r}")
         for key, neutral in NEUTRAL_SAMPLING.items():
             if params.get(key, neutral) != neutral:
                 raise RequestError(f"{key}={params[key]!r} is not supported by the embedded engine "
