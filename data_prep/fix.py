@@ -18,6 +18,7 @@ from pathlib import Path
 
 from specforge.config import DataConfig, FixConfig
 from specforge.data.fix import MEANING, fix_dataset
+from specforge.data.fix.conversations import ImageLoading
 from specforge.data.formats import FORMATS, read_raw_rows, turns_entry
 from specforge.data.sources import check_source
 from specforge.utils.io import write_json, write_jsonl, write_text
@@ -52,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--image-orientation", choices=["stored", "upright"], default="stored",
                    help="an image whose EXIF orientation turns it: read as stored (as SGLang does) or replaced by an "
                         "upright copy, inline as a data URI (as vLLM shows it; data.image_orientation)")
+    p.add_argument("--image-alpha", choices=["drop", "white"], default="drop",
+                   help="an RGBA image with transparent pixels: its alpha dropped (as SGLang does) or replaced by a "
+                        "copy composited onto white, inline as a data URI (as vLLM shows it; data.image_alpha)")
     p.add_argument("--max-quarantined-share", type=float, default=DataConfig.max_quarantined_share,
                    help="exit 1 (after writing everything) when more of the rows are quarantined; 1: never")
     args = p.parse_args(argv)
@@ -62,8 +66,8 @@ def main(argv: list[str] | None = None) -> int:
                     toon_unrepairable=args.toon_unrepairable)
     try:
         check_source(str(src))
-        result = fix_dataset(read_raw_rows(src), fix, args.format, args.image_root,
-                             upright=args.image_orientation == "upright")
+        loading = ImageLoading(upright=args.image_orientation == "upright", on_white=args.image_alpha == "white")
+        result = fix_dataset(read_raw_rows(src), fix, args.format, args.image_root, loading=loading)
     except (OSError, ValueError) as e:  # DataFileError is a ValueError
         print(f"fix.py: error: {e}", file=sys.stderr)
         return 1

@@ -128,6 +128,10 @@ class DataConfig:
     # load_image show it (an upright PNG copy is trained on and sent). Pick the engine you will serve
     # with; the data report counts such images.
     image_orientation: Optional[str] = None
+    # An RGBA image with transparent pixels: its alpha dropped, as SGLang serves it (None, the default, or
+    # "drop": the colour stored under the transparent pixels shows) | "white", composited onto white as
+    # vLLM shows it (a PNG copy is trained on and sent). The data report counts such images.
+    image_alpha: Optional[str] = None
     max_length: int = 2048
     overlength: str = "truncate"  # truncate | drop
     # A message whose text spells a special token of the target's tokenizer ("<|im_end|>"), which it
@@ -421,6 +425,7 @@ RANGES = {
         "data.eval_in_train": _one_of(("quarantine", "keep")),
         "data.special_token_text": _one_of(("quarantine", "keep")),
         "data.image_orientation": _none_or(_one_of(("stored", "upright"))),
+        "data.image_alpha": _none_or(_one_of(("drop", "white"))),
         "data.num_proc": (lambda v: v >= 0, "be >= 0 (0: no worker processes)"),
         "data.image_min_pixels": _none_or(_at_least(1)),
         "data.image_max_pixels": _none_or(_at_least(1)),

@@ -15,6 +15,7 @@ from PIL import Image, ImageDraw
 from specforge.config import FixConfig
 from specforge.data import stage
 from specforge.data.fix import fix_dataset
+from specforge.data.fix.conversations import ImageLoading
 from specforge.data.formats import RawRow
 from specforge.errors import InvalidInput
 from specforge.eval.prompts import file_conversations
@@ -22,6 +23,7 @@ from specforge.targets.vl import open_images
 from specforge.utils.images import EXIF_ORIENTATION, data_uri_bytes, exif_orientation, upright_png
 from specforge.utils.io import read_jsonl
 
+UPRIGHT = ImageLoading(upright=True)
 TURNED = 6  # shown turned 90 degrees clockwise: a phone held upright, its sensor sideways
 
 
@@ -86,7 +88,7 @@ def test_stored_keeps_the_photo_and_counts_it_upright_fixes_it_with_a_copy(tmp_p
     assert exif_orientation(Path(_image(stored.kept[2]))) == TURNED  # the data URI's bytes, written as they came
 
     upright = fix_dataset(_rows(tmp_path, refs), FixConfig(), image_root=None, embedded_dir=tmp_path / "images",
-                          upright=True)
+                          loading=UPRIGHT)
     copies = [Path(_image(r)) for r in upright.kept]
     assert copies[1] == plain and copies[0] == copies[2] == copies[3]  # one copy of the same pixels, however named
     assert copies[0].parent == tmp_path / "images" and copies[0].suffix == ".png"
@@ -96,7 +98,7 @@ def test_stored_keeps_the_photo_and_counts_it_upright_fixes_it_with_a_copy(tmp_p
     (image,) = open_images([copies[0]])
     assert image.size == (32, 96)
 
-    inline = fix_dataset(_rows(tmp_path, refs[:1]), FixConfig(), upright=True)  # no folder: the copy travels inline
+    inline = fix_dataset(_rows(tmp_path, refs[:1]), FixConfig(), loading=UPRIGHT)  # no folder: the copy travels inline
     assert data_uri_bytes(_image(inline.kept[0])) == upright_png(photo)
 
 
@@ -109,7 +111,7 @@ def test_with_the_fix_step_off_the_images_are_still_turned_and_counted(tmp_path)
     off = FixConfig(enabled=False)
     conv, fixes = normalise_row(raw, off, "auto", ImageChecker(None), None)
     assert (_image(conv), fixes, conv["kept_as_written"]) == (str(photo), [], ["image_exif_turned"])
-    conv, fixes = normalise_row(raw, off, "auto", ImageChecker(None, tmp_path / "images", upright=True), None)
+    conv, fixes = normalise_row(raw, off, "auto", ImageChecker(None, tmp_path / "images", UPRIGHT), None)
     assert (fixes, conv["kept_as_written"]) == (["image_upright"], [])
     assert Path(_image(conv)).read_bytes() == upright_png(photo)
 
@@ -120,7 +122,7 @@ def test_an_eval_suite_file_follows_the_run(tmp_path):
     suite.write_text(json.dumps({"id": "q", "messages": [
         {"role": "user", "content": [{"type": "image", "image": "side.jpg"}, {"type": "text", "text": "Weather?"}]}]}))
     (stored,) = file_conversations(str(suite))
-    (upright,) = file_conversations(str(suite), upright=True)
+    (upright,) = file_conversations(str(suite), loading=UPRIGHT)
     assert _image(stored) == str(tmp_path / "side.jpg")
     assert open_images([_image(upright)])[0].size == (32, 96)
 

@@ -26,7 +26,7 @@ from dataclasses import asdict, is_dataclass
 from pathlib import Path
 
 from specforge.data.fix import Quarantine, check_config, check_duplicate, quarantine_entry
-from specforge.data.fix.conversations import ImageChecker, conversation_key
+from specforge.data.fix.conversations import ImageChecker, ImageLoading, conversation_key
 from specforge.data.formats import parse_raw_text, read_raw_texts, turns_entry
 from specforge.data.rows import RowRender, normalise_row, render_conversation
 from specforge.utils.io import durable_replace, file_fingerprint, fingerprint
@@ -53,7 +53,7 @@ def normalise_split(cfg, files: list[str], max_chars: int, tokenizer=None, vl=No
     render = (_Render(tokenizer, vl, cfg.data.max_length, cfg.data.overlength, cfg.data.special_token_text)
               if tokenizer is not None else None)
     step = _Normalise(fix_cfg, cfg.data.format, cfg.data.image_root, max_chars, render, embedded_dir,
-                      cfg.data.image_orientation == "upright")
+                      ImageLoading.of(cfg.data))
     if len(rows) == 0:
         return 0, [], [], [] if render else None
     key = fingerprint(rows_key, step.key(), _code_key())
@@ -154,10 +154,10 @@ class _Normalise:
     """The map function of the fix step: parse, normalise_row, dedupe key (+ render when fused)."""
 
     def __init__(self, fix_cfg, fmt: str, image_root: str | None, max_chars: int, render: _Render | None,
-                 embedded_dir: Path | None = None, upright: bool = False) -> None:
+                 embedded_dir: Path | None = None, loading: ImageLoading = ImageLoading()) -> None:
         self.fix, self.fmt, self.image_root, self.max_chars, self.render = fix_cfg, fmt, image_root, max_chars, render
-        self.embedded_dir, self.upright = embedded_dir, upright
-        self.images = ImageChecker(image_root, embedded_dir, upright)
+        self.embedded_dir, self.loading = embedded_dir, loading
+        self.images = ImageChecker(image_root, embedded_dir, loading)
         self.dedupe = fix_cfg.enabled and fix_cfg.dedupe
 
     def key(self) -> dict:
@@ -165,7 +165,7 @@ class _Normalise:
         embedded = str(Path(self.embedded_dir).resolve()) if self.embedded_dir else None
         return {"fix": asdict(self.fix), "format": self.fmt, "image_root": self.image_root, "cwd": os.getcwd(),
                 "max_chars": self.max_chars, "render": self.render.key() if self.render else None,
-                "embedded_dir": embedded, "upright": self.upright}
+                "embedded_dir": embedded, "loading": asdict(self.loading)}
 
     def features(self):
         from datasets import Features, List, Value

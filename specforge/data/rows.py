@@ -19,11 +19,12 @@ def normalise_row(raw: RawRow, fix_cfg, fmt: str, images: ImageChecker,
                   max_chars: int | None) -> tuple[dict, list[str]]:
     """(conversation {"id", "messages"} or {"id", "text"}, fixes) or Quarantine. With
     data.fix.enabled=false the row is only parsed and length-checked, but its images are still
-    checked, resolved and counted when EXIF turns them (made upright under data.image_orientation=upright)."""
+    checked, resolved and counted where servers load them differently (copied as data.image_orientation and
+    data.image_alpha say)."""
     conv, fixes = fix_row(raw, fix_cfg, fmt, images, max_chars)
     if not fix_cfg.enabled and "messages" in conv:
-        conv["messages"], turned = images.resolve_images(conv["messages"], raw.file)
-        conv["kept_as_written"], fixes = images.as_written(turned), images.fixes(turned)
+        conv["messages"], found = images.resolve_images(conv["messages"], raw.file)
+        conv["kept_as_written"], fixes = images.as_written(found), images.fixes(found)
     return conv, fixes
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from specforge.config import FixConfig, check_ranges
 from specforge.data.fix import MEANING, fix_dataset, quarantine_entry, ranked_reasons, reason_code, top_reasons
-from specforge.data.fix.conversations import ImageChecker, Quarantine, dedupe_key, prompt_key
+from specforge.data.fix.conversations import ImageChecker, ImageLoading, Quarantine, dedupe_key, prompt_key
 from specforge.data.formats import RawRow, read_raw_rows, turns_entry, uses_tools
 from specforge.data.rows import normalise_row, prompt_overlength, render_conversation
 from specforge.data.sources import check_source, hub_name_split, is_hub, source_fingerprint
@@ -242,10 +242,11 @@ def _bytes_hash(path: Path) -> str:
 
 
 def _parse_only(rows: list[RawRow], fmt: str, image_root: str | None = None, max_chars: int | None = None,
-                embedded_dir: Path | None = None, upright: bool = False) -> tuple[list[dict], list[dict]]:
+                embedded_dir: Path | None = None,
+                loading: ImageLoading = ImageLoading()) -> tuple[list[dict], list[dict]]:
     """Without the fix step: parse each row, quarantine what does not parse, is too long or names
     a bad image (same reason codes); image paths are resolved as the fix step resolves them."""
-    images, off = ImageChecker(image_root, embedded_dir, upright), FixConfig(enabled=False)
+    images, off = ImageChecker(image_root, embedded_dir, loading), FixConfig(enabled=False)
     kept, quarantined = [], []
     for raw in rows:
         try:
@@ -259,11 +260,11 @@ def _parse_only(rows: list[RawRow], fmt: str, image_root: str | None = None, max
 
 def _normalise(cfg, rows: list[RawRow], embedded_dir: Path | None) -> tuple[list[dict], list[dict]]:
     """(conversations {"id", "messages", "fixes", "file", "line"}, quarantine entries)."""
-    max_chars, upright = max_chars_per_row(cfg.data), cfg.data.image_orientation == "upright"
+    max_chars, loading = max_chars_per_row(cfg.data), ImageLoading.of(cfg.data)
     if not cfg.data.fix.enabled:
-        return _parse_only(rows, cfg.data.format, cfg.data.image_root, max_chars, embedded_dir, upright)
+        return _parse_only(rows, cfg.data.format, cfg.data.image_root, max_chars, embedded_dir, loading)
     result = fix_dataset(rows, cfg.data.fix, cfg.data.format, cfg.data.image_root, max_chars,
-                         embedded_dir=embedded_dir, upright=upright)
+                         embedded_dir=embedded_dir, loading=loading)
     if len(result.kept) + len(result.quarantined) != len(rows):
         raise RuntimeError(
             f"data.fix: {len(rows)} input rows but {len(result.kept)} kept + {len(result.quarantined)} "
@@ -680,7 +681,7 @@ def report_markdown(summary: dict, vocab: dict | None, embedded: dict | None = N
         lines += [f"- loss tokens covered by the draft vocab, {s}: {c:.2%}" for s, c in vocab["coverage"].items()]
     if embedded:
         lines += ["", f"Images written to `images/`, once each (those that came inside the data as data: URIs or "
-                      f"table image columns, and upright copies): {embedded['files']} distinct, "
+                      f"table image columns, and copies as the server loads them): {embedded['files']} distinct, "
                       f"{embedded['bytes'] / 1e6:.1f} MB."]
     lines += ["", "Quarantined rows with file, line and reason: `quarantine.jsonl`.", ""]
     return "\n".join(lines)

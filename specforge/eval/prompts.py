@@ -24,7 +24,7 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
-from specforge.data.fix.conversations import prompt_turns
+from specforge.data.fix.conversations import ImageLoading, prompt_turns
 from specforge.data.formats import (THINK_START, DataError, read_raw_rows, text_conversation, to_conversation,
                                    tools_entry)
 from specforge.data.rows import special_token_in_text
@@ -137,17 +137,17 @@ def heldout_prompts(conversations_file: str | Path, tokenizer, limit: int, vl=No
     return prompts
 
 
-def file_conversations(path: str, setting: str = "eval.suites", upright: bool = False) -> list[dict]:
+def file_conversations(path: str, setting: str = "eval.suites", loading: ImageLoading = ImageLoading()) -> list[dict]:
     """Every row of a prompt file as {"id", "messages"} (prompt turns only, image paths resolved
     against the file's folder), or {"id", "text"} (a preformatted conversation or prompt: a row with
     `text` alone), each with "where" it is ("<setting>: <file>, line <n>"), checked whole: a bad
     row raises naming the `setting` it came from (eval.suites, eval.prompts, bench --prompts), the
-    file and the row. `upright`: images that EXIF turns are made upright, as the data stage makes
-    them under data.image_orientation=upright (ImageChecker)."""
+    file and the row. `loading` (default: as SGLang loads them): images as the data stage makes them
+    under data.image_orientation and data.image_alpha (ImageChecker)."""
     from specforge.data.fix.conversations import ImageChecker, Quarantine
 
     unit = "row" if is_table_source(path) else "line"
-    images = ImageChecker(None, upright=upright)
+    images = ImageChecker(None, loading=loading)
     rows = []
     for raw in read_raw_rows(path):
         where = f"{setting}: {raw.file}, {unit} {raw.line}"
@@ -254,7 +254,7 @@ def load_suites(run_cfg, eval_cfg, tokenizer, vl=None, positions: int | None = N
             prompts = heldout_prompts(heldout, tokenizer, limit, vl, template_kwargs)
         else:
             rows = (humaneval_conversations() if entry == HUMANEVAL else
-                    file_conversations(entry, upright=run_cfg.data.image_orientation == "upright"))
+                    file_conversations(entry, loading=ImageLoading.of(run_cfg.data)))
             if vl is None:
                 with_images = next((r for r in rows if image_paths(r.get("messages", []))), None)
                 if with_images is not None:

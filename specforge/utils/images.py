@@ -191,17 +191,35 @@ def exif_orientation(source) -> int:
     return value if isinstance(value, int) and 1 <= value <= 8 else 1
 
 
-def upright_png(source) -> bytes:
-    """The image (a file or bytes) turned as its EXIF orientation says, as RGB PNG bytes: the pixels a
-    loader that applies the tag (vLLM's, transformers' load_image) hands the model, with no tag left for
-    any later reader to apply again."""
-    from PIL import ImageOps
+def transparent(source) -> bool:
+    """Whether an image (a file or bytes) is RGBA with pixels not fully opaque: the one kind whose pixels
+    servers read differently. SGLang converts it to RGB, keeping the colour stored under the alpha;
+    vLLM composites it onto white (its rgba_to_rgb). Other modes with transparency (palette, LA) both
+    convert alike."""
+    with _opened_source(source) as im:
+        return im.mode == "RGBA" and im.getchannel("A").getextrema()[0] < 255
+
+
+def served_png(source, upright: bool = False, on_white: bool = False) -> bytes:
+    """The image (a file or bytes) as RGB PNG bytes the way a server loads it: turned as its EXIF
+    orientation says (`upright`: vLLM's and transformers' load_image; no tag left for a later reader to
+    apply again) and RGBA composited onto white (`on_white`: vLLM's rgba_to_rgb)."""
+    from PIL import Image, ImageOps
 
     with _opened_source(source) as im:
-        upright = ImageOps.exif_transpose(im).convert("RGB")
+        image = ImageOps.exif_transpose(im) if upright else im.copy()
+    if on_white and image.mode == "RGBA":  # blended through the alpha as a mask, the rounding of vLLM's paste
+        white = Image.new("RGB", image.size, (255, 255, 255))
+        white.paste(image, mask=image.getchannel("A"))
+        image = white
     out = io.BytesIO()
-    upright.save(out, format="PNG")
+    image.convert("RGB").save(out, format="PNG")
     return out.getvalue()
+
+
+def upright_png(source) -> bytes:
+    """The image turned as its EXIF orientation says, as RGB PNG bytes (served_png)."""
+    return served_png(source, upright=True)
 
 
 def _opened_source(source):

@@ -35,6 +35,7 @@ from typing import Callable, Iterable
 from specforge.config import FixConfig
 from specforge.data.fix.conversations import (
     ImageChecker,
+    ImageLoading,
     Quarantine,
     check_row_length,
     conversation_key,
@@ -102,21 +103,26 @@ MEANING = {
                          "set data.image_orientation=upright",
     "image_upright": "an image whose EXIF orientation turns it, replaced by an upright PNG copy "
                      "(data.image_orientation=upright), as vLLM serves it",
+    "image_transparent": "an RGBA image with transparent pixels, read as SGLang serves it (the alpha dropped: the "
+                         "colour stored under it shows); vLLM composites it onto white: serving with vLLM, set "
+                         "data.image_alpha=white",
+    "image_alpha_white": "an RGBA image with transparent pixels, replaced by a PNG copy composited onto white "
+                         "(data.image_alpha=white), as vLLM serves it",
 }
 
 
 def fix_dataset(
     rows: Iterable[RawRow], cfg: FixConfig, fmt: str = "auto", image_root: str | None = None,
     max_chars: int | None = None, place: Callable[[RawRow], str] | None = None,
-    embedded_dir: str | Path | None = None, upright: bool = False,
+    embedded_dir: str | Path | None = None, loading: ImageLoading = ImageLoading(),
 ) -> FixResult:
     """Parse, repair and account for every row, in input order. `max_chars`: rows whose messages
     hold more characters are quarantined as row_too_long (None: no limit). `place`: how a row is
     named where a duplicate points to it (default "file:line"). `embedded_dir`: where images embedded
-    as data URIs are written as files (None: they stay URIs; ImageChecker). `upright`: images that
-    EXIF turns are made upright (data.image_orientation=upright; ImageChecker)."""
+    as data URIs are written as files (None: they stay URIs; ImageChecker). `loading`: how the server
+    loads the images where servers differ (data.image_orientation, data.image_alpha; ImageChecker)."""
     check_config(cfg)
-    images = ImageChecker(image_root, embedded_dir, upright)
+    images = ImageChecker(image_root, embedded_dir, loading)
     first_seen: dict[str, str] = {}  # dedupe key -> "file:line" of its first kept occurrence
     result = FixResult()
     n = 0
@@ -161,7 +167,7 @@ def fix_row(
         return {"id": conv["id"], "messages": conv["messages"], "kept_as_written": [], **tools}, []
     fixes = role_name_fixes(data, fmt)
     messages = conv["messages"]
-    messages, turned = images.resolve_images(messages, raw.file)  # resolving a path is not a fix
+    messages, found = images.resolve_images(messages, raw.file)  # resolving a path is not a fix
     messages, dropped = drop_empty_turns(messages, cfg.empty_turns)
     if not messages:
         raise Quarantine("no_messages: every turn was empty")
@@ -179,9 +185,9 @@ def fix_row(
             raise Quarantine(f"toon_unrepairable: {e}") from None
         except ToonNotADocument as e:
             raise Quarantine(f"toon_not_a_document: {e}") from None
-    as_written += images.as_written(turned)
+    as_written += images.as_written(found)
     return ({"id": conv["id"], "messages": messages, "kept_as_written": as_written, **tools},
-            fixes + images.fixes(turned) + dropped + merged + toon_fixes)
+            fixes + images.fixes(found) + dropped + merged + toon_fixes)
 
 
 def check_config(cfg: FixConfig) -> None:

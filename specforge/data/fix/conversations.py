@@ -9,14 +9,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from PIL import UnidentifiedImageError
 
 from specforge.data.formats import detect_format, is_tool_turn, read_turns, turns_field
 from specforge.utils.images import (ImageTooLarge, OtherFormat, data_uri_bytes, decode_image, describe,
-                                    exif_orientation, image_format, is_data_uri, is_remote, opened, to_data_uri,
-                                    upright_png)
+                                    exif_orientation, image_format, is_data_uri, is_remote, opened, served_png,
+                                    to_data_uri, transparent)
 from specforge.utils.io import atomic_path
 
 CANONICAL_ROLES = ("system", "user", "assistant", "tool")
@@ -151,6 +152,34 @@ def prompt_key(messages: list[dict]) -> str | None:
     return dedupe_key(head) if any(m["role"] == "user" for m in head) else None
 
 
+@dataclass(frozen=True)
+class ImageLoading:
+    """How the server the draft is for loads an image, where servers differ (docs/design.md): SGLang
+    reads it as stored and drops an RGBA image's alpha (the defaults); vLLM turns it as its EXIF
+    orientation says (data.image_orientation=upright) and composites RGBA onto white
+    (data.image_alpha=white). The target in training must see the pixels the server will show it."""
+
+    upright: bool = False
+    on_white: bool = False
+
+    @classmethod
+    def of(cls, data_cfg) -> "ImageLoading":
+        return cls(upright=data_cfg.image_orientation == "upright", on_white=data_cfg.image_alpha == "white")
+
+    def applies(self, finding: str) -> bool:
+        """Whether this loading changes an image that holds `finding` (IMAGE_FINDINGS)."""
+        return {"exif_turned": self.upright, "transparent": self.on_white}[finding]
+
+    def changes(self, found: frozenset) -> tuple[bool, bool]:
+        """(turn it upright, composite it onto white) for an image holding `found`."""
+        return tuple(f in found and self.applies(f) for f in ("exif_turned", "transparent"))
+
+
+# What an image may hold that servers load differently: (its name read as stored, its name as a fix)
+IMAGE_FINDINGS = {"exif_turned": ("image_exif_turned", "image_upright"),
+                  "transparent": ("image_transparent", "image_alpha_white")}
+
+
 class ImageChecker:
     """Checks image references and resolves them to what later stages open without the data file.
 
@@ -163,30 +192,31 @@ class ImageChecker:
     megabytes of base64); without one it stays the URI. URLs are left alone: no network here (a
     server that fetches them may still be sent them; the data stage refuses them when it renders).
 
-    An image whose EXIF orientation turns it (a photo taken with the camera sideways) is counted;
-    with `upright` (data.image_orientation=upright) an upright PNG copy stands for it, written as
-    an embedded image is, so every later reader (the target here, a server sent its bytes) sees the
-    pixels that vLLM and transformers' load_image give the model. Without it the image is read as
-    stored, as SGLang reads it."""
+    An image that servers load differently (IMAGE_FINDINGS: an EXIF orientation that turns it, a photo
+    taken with the camera sideways; transparent pixels) is counted; where `loading` (ImageLoading) says
+    so, a PNG copy of the pixels that server gives the model stands for it, written as an embedded image
+    is, so every later reader (the target here, a server sent its bytes) sees them. Otherwise it is read
+    as stored, as SGLang reads it."""
 
-    def __init__(self, image_root: str | None, embedded_dir: str | Path | None = None, upright: bool = False) -> None:
+    def __init__(self, image_root: str | None, embedded_dir: str | Path | None = None,
+                 loading: ImageLoading = ImageLoading()) -> None:
         self.root = Path(image_root).resolve() if image_root else None
         self.embedded_dir = Path(embedded_dir) if embedded_dir else None
-        self.upright = upright
+        self.loading = loading
         self._seen: dict[Path, tuple] = {}  # path -> (why it cannot be trained on or None, _checked's answer)
-        self._embedded: dict[str, tuple] = {}  # sha256 of a data URI -> (what stands for it, turned, why not or None)
+        self._embedded: dict[str, tuple] = {}  # sha256 of a data URI -> (what stands for it, found, why not or None)
 
     def resolve(self, ref: str, data_file: str) -> Path:
         """The absolute path a local reference names (not checked)."""
         base = self.root or Path(data_file).resolve().parent
         return (base / ref).resolve()
 
-    def resolve_images(self, messages: list[dict], data_file: str) -> tuple[list[dict], int]:
+    def resolve_images(self, messages: list[dict], data_file: str) -> tuple[list[dict], frozenset]:
         """(`messages` with every local image part checked and rewritten to its absolute path, so
-        later stages can open it without knowing the data file; how many of them EXIF turns).
-        Raises Quarantine naming the first bad image. Path resolution is not a repair: it is not
-        recorded as a fix (the caller records the turned images)."""
-        out, turned = [], 0
+        later stages can open it without knowing the data file; what its images hold that servers
+        load differently, for `fixes` and `as_written`). Raises Quarantine naming the first bad image.
+        Path resolution is not a repair: it is not recorded as a fix."""
+        out, found = [], frozenset()
         for m in messages:
             if isinstance(m["content"], str):
                 out.append(m)
@@ -194,23 +224,23 @@ class ImageChecker:
             parts = []
             for p in m["content"]:
                 if p.get("type") == "image" and not is_remote(p["image"]):
-                    image, was_turned = self._checked(p["image"], data_file)
-                    p, turned = {**p, "image": image}, turned + was_turned
+                    image, its = self._checked(p["image"], data_file)
+                    p, found = {**p, "image": image}, found | its
                 parts.append(p)
             out.append({**m, "content": parts})
-        return out, turned
+        return out, found
 
-    def fixes(self, turned: int) -> list[str]:
-        """What a row whose images EXIF turns records: its images made upright (a fix) ..."""
-        return ["image_upright"] if turned and self.upright else []
+    def fixes(self, found: frozenset) -> list[str]:
+        """What a row whose images servers load differently records: a copy as the server loads them (a fix) ..."""
+        return [IMAGE_FINDINGS[f][1] for f in sorted(found) if self.loading.applies(f)]
 
-    def as_written(self, turned: int) -> list[str]:
-        """... or read as stored, although a loader that applies the tag would turn them."""
-        return ["image_exif_turned"] if turned and not self.upright else []
+    def as_written(self, found: frozenset) -> list[str]:
+        """... or read as stored (as SGLang reads them), although another server would show other pixels."""
+        return [IMAGE_FINDINGS[f][0] for f in sorted(found) if not self.loading.applies(f)]
 
-    def _checked(self, ref: str, data_file: str) -> tuple[str, bool]:
-        """(what stands for a good local image: its resolved path or upright copy, whether EXIF turns
-        it), or Quarantine("<code>: <ref> (<details>)")."""
+    def _checked(self, ref: str, data_file: str) -> tuple[str, frozenset]:
+        """(what stands for a good local image: its resolved path or a copy as the server loads it, what it
+        holds that servers load differently), or Quarantine("<code>: <ref> (<details>)")."""
         if is_data_uri(ref):
             return self._embedded_image(ref)
         path = self.resolve(ref, data_file)
@@ -229,40 +259,45 @@ class ImageChecker:
         return self._seen[path][1]
 
     def _look(self, path: Path) -> tuple:
-        """(why the file cannot be trained on, or None; (what stands for it, whether EXIF turns it))."""
+        """(why the file cannot be trained on, or None; (what stands for it, what it holds))."""
         problem = _open_problem(path)
-        if problem or exif_orientation(path) == 1:
-            return problem, (str(path), False)
-        return None, (self._stand_in(upright_png(path)) if self.upright else str(path), True)
+        if problem:
+            return problem, (str(path), frozenset())
+        found = _findings(path)
+        upright, on_white = self.loading.changes(found)
+        if not (upright or on_white):
+            return None, (str(path), found)
+        return None, (self._stand_in(served_png(path, upright, on_white)), found)
 
-    def _embedded_image(self, uri: str) -> tuple[str, bool]:
-        """(the file (or, without embedded_dir, the URI) that stands for a good embedded image, whether
-        EXIF turns it)."""
+    def _embedded_image(self, uri: str) -> tuple[str, frozenset]:
+        """(the file (or, without embedded_dir, the URI) that stands for a good embedded image, what it
+        holds)."""
         key = hashlib.sha256(uri.encode()).hexdigest()
         if key not in self._embedded:
             try:
                 data = data_uri_bytes(uri)
                 decode_image(data)
-                turned = exif_orientation(data) != 1
-                if turned and self.upright:
-                    stands_for = self._stand_in(upright_png(data))
+                found = _findings(data)
+                upright, on_white = self.loading.changes(found)
+                if upright or on_white:
+                    stands_for = self._stand_in(served_png(data, upright, on_white))
                 else:
                     stands_for = self._write_embedded(data) if self.embedded_dir else uri
-                self._embedded[key] = (stands_for, turned, None)
+                self._embedded[key] = (stands_for, found, None)
             except ImageTooLarge as e:
-                self._embedded[key] = (None, False, f"image_too_large: {describe(uri)}: {e}")
+                self._embedded[key] = (None, frozenset(), f"image_too_large: {describe(uri)}: {e}")
             except OtherFormat as e:
-                self._embedded[key] = (None, False, f"image_format: {describe(uri)}: {e}")
+                self._embedded[key] = (None, frozenset(), f"image_format: {describe(uri)}: {e}")
             except ValueError as e:
-                self._embedded[key] = (None, False, f"image_unreadable: {describe(uri)}: {e}")
-        stands_for, turned, problem = self._embedded[key]
+                self._embedded[key] = (None, frozenset(), f"image_unreadable: {describe(uri)}: {e}")
+        stands_for, found, problem = self._embedded[key]
         if problem:
             raise Quarantine(problem)
-        return stands_for, turned
+        return stands_for, found
 
     def _stand_in(self, data: bytes) -> str:
-        """Image bytes made here (an upright copy) as later stages will read them: a file in embedded_dir,
-        or without one a data URI."""
+        """Image bytes made here (a copy as the server loads it) as later stages will read them: a file in
+        embedded_dir, or without one a data URI."""
         return self._write_embedded(data) if self.embedded_dir else to_data_uri(data)
 
     def _write_embedded(self, data: bytes) -> str:
@@ -273,6 +308,12 @@ class ImageChecker:
             with atomic_path(path) as tmp:
                 tmp.write_bytes(data)
         return str(path.resolve())
+
+
+def _findings(source) -> frozenset:
+    """What an image (a file or bytes) holds that servers load differently (IMAGE_FINDINGS)."""
+    return frozenset(name for name, holds in (("exif_turned", exif_orientation(source) != 1),
+                                              ("transparent", transparent(source))) if holds)
 
 
 def _open_problem(path: Path) -> str | None:
