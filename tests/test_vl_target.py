@@ -6,6 +6,8 @@ decoder layers, and the vision tower's own image features.
 """
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -318,6 +320,23 @@ def test_load_image_processor_bounds_pixels(tiny_vl_dir, tmp_path):
     assert int(grid[1] * grid[2]) * 16 * 16 >= 96 * 96
     with pytest.raises(ValueError, match="min"):
         load_image_processor(tiny_vl_dir, min_pixels=200 * 200)  # above the default max
+
+
+def test_pixel_bounds_hold_for_a_qwen2_5_vl_processor_config(tmp_path):
+    """Qwen2.5-VL checkpoints' preprocessor_config.json carries min_pixels / max_pixels, which transformers lets
+    override `size`: data.image_max_pixels was dropped without a word, and a phone photo became ~15,500 image
+    tokens in the data stage, the extraction and the engine alike."""
+    from PIL import Image
+
+    config = {"min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "temporal_patch_size": 2,
+              "merge_size": 2, "image_mean": [0.5] * 3, "image_std": [0.5] * 3,
+              "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor"}
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(config))
+    assert load_image_processor(tmp_path).size.longest_edge == 12845056
+    bounded = load_image_processor(tmp_path, max_pixels=1003520)
+    assert (bounded.size.shortest_edge, bounded.size.longest_edge) == (3136, 1003520)
+    t, h, w = image_inputs([Image.new("RGB", (4032, 3024))], bounded)["image_grid_thw"][0].tolist()
+    assert h * w * 14 * 14 <= 1003520
 
 
 def test_open_images_errors_name_the_file(tmp_path, pngs):

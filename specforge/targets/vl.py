@@ -160,7 +160,13 @@ def load_image_processor(target_path, min_pixels: int | None = None, max_pixels:
                 f"data.image_min_pixels/max_pixels: min {size['shortest_edge']} > max {size['longest_edge']} "
                 "(one of them comes from the target's image processor)"
             )
-        processor = AutoImageProcessor.from_pretrained(str(path), backend="pil", size=size)
+        # Qwen2.5-VL configs also carry min_pixels / max_pixels, which transformers lets override `size`
+        processor = AutoImageProcessor.from_pretrained(str(path), backend="pil", size=size,
+                                                       min_pixels=size["shortest_edge"], max_pixels=size["longest_edge"])
+        got = (processor.size.shortest_edge, processor.size.longest_edge)
+        if got != (size["shortest_edge"], size["longest_edge"]):
+            raise ValueError(f"data.image_min_pixels/max_pixels: the image processor of {path} kept {got[0]}..{got[1]} "
+                             f"pixels where {size['shortest_edge']}..{size['longest_edge']} were asked")
     return processor
 
 
