@@ -4,6 +4,7 @@ Built only from files in the run directory, so it can be rewritten at any time b
 """
 from __future__ import annotations
 
+import json
 import math
 import shlex
 from pathlib import Path
@@ -147,6 +148,7 @@ def _serve_lines(layout: RunLayout, evals: list[dict]) -> list[str]:
     """The SGLang command that serves the run's draft: the evaluation's epoch and tree when it ran
     (`RunLayout.eval_choice`), else the best simulated epoch with SGLang's own tree; then vLLM's."""
     from specforge.launch.sglang_commands import NEWEST_CHECKED, eagle3_options, render_options
+    from specforge.targets.vl import image_pixel_bounds
 
     best = read_json(layout.eval_choice) if layout.eval_choice.exists() else None
     run_cfg = OmegaConf.load(layout.config) if layout.config.exists() else None
@@ -159,6 +161,9 @@ def _serve_lines(layout: RunLayout, evals: list[dict]) -> list[str]:
                # the template the draft's data was rendered with: served alike
                "chat_template": OmegaConf.select(run_cfg, "target.chat_template", default=None),
                **eagle3_options(layout.checkpoint(epoch), best["tree"] if best else None)}
+    image_pixels = image_pixel_bounds(run_cfg.data) if "data" in run_cfg else {}
+    if image_pixels:  # the image tokens the draft was trained on
+        options["mm_process_config"] = json.dumps({"image": image_pixels})
     # the newest checked spellings, not the installed SGLang's: a report must not fail on an old one,
     # and these flags are spelled alike in every supported version
     command = shlex.join(["python", "-m", "sglang.launch_server", *render_options(options, NEWEST_CHECKED)])
@@ -173,11 +178,11 @@ def _serve_lines(layout: RunLayout, evals: list[dict]) -> list[str]:
                f"`python evaluate.py ckpt={layout.root}` measures the speed-up and picks the tree")
     return ["", "## Serve it", "", f"{why} (SGLang {NEWEST_CHECKED}'s flags):", "", "```bash", command, "```",
             *_vllm_lines(layout.checkpoint(epoch), target_path, options["trust_remote_code"], best,
-                         options["chat_template"])]
+                         options["chat_template"], image_pixels)]
 
 
 def _vllm_lines(checkpoint, target_path, trust_remote_code: bool, best: dict | None,
-                chat_template: str | None = None) -> list[str]:
+                chat_template: str | None = None, image_pixels: dict | None = None) -> list[str]:
     """vLLM drafts chains only: the evaluation's fastest chain of the chosen epoch, when it measured one."""
     from specforge.launch.vllm_commands import VLLM_CHECKED, vllm_serve_command
 
@@ -188,7 +193,8 @@ def _vllm_lines(checkpoint, target_path, trust_remote_code: bool, best: dict | N
     speed = chain.get("speedup", chain.get("predicted_speedup"))
     measured = "speed-up" if "speedup" in chain else "predicted speed-up"
     command = shlex.join(vllm_serve_command(target_path, checkpoint, chain["tree"],
-                                            trust_remote_code=trust_remote_code, chat_template=chat_template))
+                                            trust_remote_code=trust_remote_code, chat_template=chat_template,
+                                            image_pixels=image_pixels))
     return ["", f"With vLLM ({VLLM_CHECKED}'s options, not run here), which drafts a chain, not a tree: the "
             f"fastest chain of that epoch, `{chain['tree']}` (accept length {chain['accept_length']:.2f}, "
             f"{measured} {speed:.2f}x on our engine):", "", "```bash", command, "```"]

@@ -83,3 +83,29 @@ def test_extract_and_train_are_said_in_sentences_with_their_units(tmp_path):
         "seconds": 1.2}})
     assert ("`extract=online`: nothing stored; 130,288 tokens checked against the target's vocab, their hidden "
             "states computed by the train stage.") in write_run_report(tmp_path).read_text()
+
+
+def test_the_serve_commands_give_the_servers_the_runs_image_pixel_bounds(tmp_path):
+    """data.image_min/max_pixels resize every image the draft trained on; SGLang and vLLM started without them
+    resize with the target's own bounds (Qwen3-VL-2B: a 224 x 224 weather widget, 196 image tokens in
+    training, 64 served), so other image tokens, features and positions reach the draft."""
+    from omegaconf import OmegaConf
+
+    from specforge.eval.server_eval import sglang_command_builder
+
+    layout = RunLayout(tmp_path)
+    cfg = {"target": {"path": "/models/vl", "dtype": "bfloat16", "trust_remote_code": False},
+           "data": {"image_min_pixels": 200704, "image_max_pixels": 1003520}}
+    layout.config.write_text(OmegaConf.to_yaml(cfg))
+    write_json(layout.eval_choice, {"epoch": 1, "tree": "3_1_4", "speedup": 1.5,
+                                    "chain": {"tree": "3_1_4", "accept_length": 2.5, "speedup": 1.5}})
+    serve = write_run_report(tmp_path).read_text().split("## Serve it")[1]
+    bounds = '{"min_pixels": 200704, "max_pixels": 1003520}'
+    assert f"--mm-process-config '{{\"image\": {bounds}}}'" in serve  # SGLang hands it to the image processor
+    assert f"--mm-processor-kwargs '{bounds}'" in serve  # vLLM's
+    run_cfg = OmegaConf.create(cfg)
+    launch = sglang_command_builder(run_cfg, OmegaConf.create({"sglang_version": "0.5.23"}))("/models/vl", None, None, 1)
+    assert launch[launch.index("--mm-process-config") + 1] == f'{{"image": {bounds}}}'
+    run_cfg.data = {"image_min_pixels": None, "image_max_pixels": None}  # the target's own: nothing to pass
+    assert "--mm-process-config" not in sglang_command_builder(run_cfg, OmegaConf.create({"sglang_version": "0.5.23"}))(
+        "/m", None, None, 1)

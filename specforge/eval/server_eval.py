@@ -112,8 +112,12 @@ def sglang_command_builder(run_cfg, eval_cfg) -> CommandBuilder:
     """sglang_server_command with eval.dtype (else target.dtype), eval.sglang_args, eval.sglang_version."""
     from specforge.launch.sglang_commands import sglang_server_command
 
+    from specforge.targets.vl import image_pixel_bounds
+
     dtype = getattr(eval_cfg, "dtype", None) or run_cfg.target.dtype
     options = {"dtype": dtype, "trust_remote_code": bool(run_cfg.target.trust_remote_code)}
+    if bounds := image_pixel_bounds(run_cfg.data):  # the image tokens the draft was trained on
+        options["mm_process_config"] = json.dumps({"image": bounds})
     return partial(sglang_server_command, options=options, version=getattr(eval_cfg, "sglang_version", None),
                    extra_args=list(getattr(eval_cfg, "sglang_args", None) or []))
 

@@ -48,6 +48,7 @@ _FLAGS_0_5_20 = {
     "log_level": "--log-level",
     "skip_server_warmup": "--skip-server-warmup",
     "enable_return_hidden_states": "--enable-return-hidden-states",
+    "mm_process_config": "--mm-process-config",  # JSON; its "image" entries go to the HF image processor
 }
 # 0.5.23 adds aux hidden-state capture (docs/contract.md §7).
 _FLAGS_0_5_23 = {

@@ -170,6 +170,16 @@ def load_image_processor(target_path, min_pixels: int | None = None, max_pixels:
     return processor
 
 
+def image_pixel_bounds(data_cfg) -> dict[str, int]:
+    """{"min_pixels", "max_pixels"} the run resizes images to (data.image_min_pixels / max_pixels, the set
+    ones), {} for the target's own. A server must be given them too, or it serves other image tokens than
+    the draft trained on: SGLang's --mm-process-config '{"image": ...}', vLLM's --mm-processor-kwargs,
+    `specforge serve --image-min-pixels / --image-max-pixels`."""
+    bounds = {"min_pixels": getattr(data_cfg, "image_min_pixels", None),
+              "max_pixels": getattr(data_cfg, "image_max_pixels", None)}
+    return {k: int(v) for k, v in bounds.items() if v is not None}
+
+
 def open_images(refs: Sequence[str | Path]) -> list:
     """Open images as RGB PIL images, decoded now so that a broken one fails here, by name: files, or
     base64 `data:` URIs (what an eval prompt file may embed). A URL raises RemoteImage: nothing here
