@@ -507,3 +507,21 @@ def test_a_stage_refused_part_way_is_not_taken_as_done_when_the_earlier_settings
         run_pipeline(cfg)
     (tmp_path / "train.jsonl").write_text(good)
     assert "data" in run_pipeline(cfg) and samples.read_text() == first
+
+
+def test_a_fresh_training_removes_the_earlier_runs_checkpoints_and_evaluation_choice(weather_files, tiny_target_dir):
+    """Retraining with another configuration removed only the old training states: the old epoch_2 stayed
+    beside the new epoch_1, the evaluation measured both and eval/ship.json (and the report's serve command)
+    recommended the stale epoch_2, trained otherwise."""
+    from specforge.run_layout import RunLayout
+    from specforge.utils.io import write_json
+
+    tmp_path = weather_files
+    layout = RunLayout(tmp_path / "outputs" / "smollm2_weather")
+    run_pipeline(compose_cfg(tmp_path, tiny_target_dir, "stages=[data,extract,train]", "train.epochs=2"))
+    assert [p.name for p in layout.checkpoints()] == ["epoch_1", "epoch_2"]
+    write_json(layout.eval_choice, {"epoch": 2, "tree": "3_1_4", "speedup": 1.5, "chain": None})  # an evaluation's
+    run_pipeline(compose_cfg(tmp_path, tiny_target_dir, "stages=[data,extract,train]", "train.epochs=1",
+                             "train.lr=3e-4"))
+    assert [p.name for p in layout.checkpoints()] == ["epoch_1"] and not layout.eval_choice.exists()
+    assert "epoch_2" not in layout.report.read_text()

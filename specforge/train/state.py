@@ -177,6 +177,19 @@ def clear_states(states_dir: str | Path) -> list[str]:
     return removed
 
 
+def clear_earlier_outputs(layout: RunLayout) -> list[str]:
+    """A fresh run owns its `epoch_<k>/` checkpoints and what recommends one: remove an earlier run's (another
+    configuration's), or its epochs past this run's end and its evaluation's choice would be served."""
+    removed = [p.name for p in layout.checkpoints()]
+    for p in layout.checkpoints():
+        shutil.rmtree(p, ignore_errors=True)
+    for p in (layout.eval_choice, layout.eval_report):
+        if p.exists():
+            p.unlink()
+            removed.append(str(p.relative_to(layout.root)))
+    return removed
+
+
 @dataclass
 class Position:
     """Where training stands: a resumed run starts at (epoch, step_in_epoch)."""
@@ -258,6 +271,8 @@ class StateManager:
                 removed = clear_states(self.states_dir)
                 if removed:
                     print(f"[train] starting from scratch; removed earlier states {sorted(removed)}", flush=True)
+                if outputs := clear_earlier_outputs(self.layout):
+                    print(f"[train] removed the earlier run's checkpoints and evaluation choice {outputs}", flush=True)
             barrier()
             return None
         self._check_resumable(saved["meta"], env, path)
