@@ -429,6 +429,9 @@ RANGES = {
         "data.num_proc": (lambda v: v >= 0, "be >= 0 (0: no worker processes)"),
         "data.image_min_pixels": _none_or(_at_least(1)),
         "data.image_max_pixels": _none_or(_at_least(1)),
+        # the data stage builds the draft vocab and refuses a low coverage (training reads them too)
+        "draft.draft_vocab_size": _at_least(1),
+        "draft.min_vocab_coverage": _within(0.0, 1.0),
     },
     "extract": {
         "extract.batch_tokens": _at_least(1),
@@ -517,6 +520,7 @@ def check_ranges(cfg, stages) -> None:
         bad.append(f"data.image_min_pixels: {data.image_min_pixels} is above data.image_max_pixels "
                    f"{data.image_max_pixels}")
     if bad:
+        bad = list(dict.fromkeys(bad))  # a key two stages read is said once
         raise InvalidInput("invalid settings, refused before anything runs:\n  " + "\n  ".join(bad))
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -285,6 +286,20 @@ def test_settings_of_later_stages_that_cannot_work_are_refused_before_the_first_
     for refusal in refusals:
         assert refusal in str(refused.value)
     assert not (weather_files / "outputs").exists()  # not even the data stage ran
+
+
+def test_the_draft_vocab_settings_are_refused_before_a_data_stage_run_alone(weather_files, tiny_target_dir):
+    """stages=[data] (docs/multinode.md: the data stage first, with its regeneration) checked them only as
+    training settings: check_only said it would run, and the stage refused them at its very end."""
+    for bad, said in (("draft.min_vocab_coverage=80", "draft.min_vocab_coverage: must lie in [0, 1], got 80.0"),
+                      ("draft.draft_vocab_size=0", "draft.draft_vocab_size: must be >= 1, got 0")):
+        for extra in ((), ("check_only=true",)):
+            with pytest.raises(InvalidInput, match=re.escape(said)):
+                run_pipeline(compose_cfg(weather_files, tiny_target_dir, "stages=[data]", bad, *extra))
+    assert not (weather_files / "outputs").exists()
+    with pytest.raises(InvalidInput) as refused:  # both stages read them: said once
+        run_pipeline(compose_cfg(weather_files, tiny_target_dir, "draft.draft_vocab_size=0"))
+    assert str(refused.value).count("draft.draft_vocab_size") == 1
 
 
 def test_a_batch_the_samples_cannot_give_is_refused_before_the_extract_stage(weather_files, tiny_target_dir, capsys):
