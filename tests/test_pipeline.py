@@ -384,6 +384,9 @@ def test_wandb_syncing_without_a_key_is_refused_before_the_first_stage(weather_f
     assert run_pipeline(compose_cfg(weather_files, tiny_target_dir, "logging.wandb=true", "check_only=true"))  # offline
     monkeypatch.setenv("WANDB_API_KEY", "0" * 40)  # as on a node logged in
     assert run_pipeline(cfg)["check_only"]["train"] == "would run: not run yet"
+    monkeypatch.setenv("WANDB_MODE", "offline")  # what scripts/slurm/train.sbatch exported, whatever was asked
+    with pytest.warns(UserWarning, match="WANDB_MODE=offline in the environment overrules logging.wandb_mode=online"):
+        run_pipeline(cfg)
 
 
 @pytest.mark.parametrize("setting", ["eval.url=127.0.0.1:30000", "eval.baseline_url=localhost",

@@ -17,6 +17,13 @@ def check_wandb_login(logging_cfg) -> None:
     from specforge.errors import InvalidInput
 
     mode = os.environ.get("WANDB_MODE", logging_cfg.wandb_mode)  # as MetricsLogger sets it
+    if logging_cfg.wandb and mode != logging_cfg.wandb_mode:
+        import warnings
+
+        from specforge.errors import SpecForgeWarning
+
+        warnings.warn(f"WANDB_MODE={mode} in the environment overrules logging.wandb_mode={logging_cfg.wandb_mode}; "
+                      "unset it to log as the setting says", SpecForgeWarning, stacklevel=2)
     if not logging_cfg.wandb or mode not in SYNCING_MODES:
         return
     import wandb
