@@ -241,11 +241,12 @@ def _stages_in(cfg, env, run_dir: Path) -> dict[str, dict]:
             dist.barrier()
         else:
             summary = dist.run_on_main(lambda: stage.entry("run")(*args) or {}, what=f"stage '{name}'")
-        summary["seconds"] = round(time.time() - t0, 2)
+        wall = round(time.time() - t0, 2)
+        summary.setdefault("seconds", wall)  # training says its own, summed over the runs a resume continues
         if env.is_main:
             write_json(RunLayout(run_dir).marker(name), {"fingerprint": fp, "summary": summary})
             write_run_report(run_dir)  # with this stage's summary (time, throughput, rows)
-            print(f"[pipeline] {name}: done in {summary['seconds']} s", flush=True)
+            print(f"[pipeline] {name}: done in {wall} s", flush=True)
         dist.barrier()
         summaries[name] = summary
     return summaries

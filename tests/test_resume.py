@@ -75,6 +75,27 @@ def test_a_run_moved_to_twice_the_processes_with_half_the_grad_accum_resumes(pre
         torch.testing.assert_close(weights[k], ref_weights[k], rtol=0, atol=1e-5, msg=k)
 
 
+def test_the_training_time_of_a_resumed_run_counts_the_time_before_it(prep):
+    """The pipeline overwrote the train stage's own total with this invocation's wall time: a job preempted
+    after hours and resumed for minutes reported all its steps in minutes."""
+    run = new_run(prep, "long")
+    proc = start(prep, "long", 1, "train.grad_accum=2", "train.save_state_every=2")
+    wait_for(run / STEP_2, proc)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate()
+    step = run / STEP_2.rsplit("/", 1)[0]
+    state = torch.load(step / STATE_NAME, weights_only=True)
+    state["position"]["seconds"] += 3600.0  # as if it had trained an hour before the preemption
+    torch.save(state, step / STATE_NAME)
+    manifest = json.loads((step / MANIFEST).read_text())
+    manifest["files"][STATE_NAME] = (step / STATE_NAME).stat().st_size
+    (step / MANIFEST).write_text(json.dumps(manifest))
+    launch(prep, "long", 1, "train.grad_accum=2", "train.save_state_every=2", "train.resume=auto", fresh=False)
+    seconds = json.loads((run / ".stage_train.json").read_text())["summary"]["seconds"]
+    assert 3600 < seconds < 3600 + 300
+    assert f"in {seconds:.1f} s" in (run / "report.md").read_text()
+
+
 def test_online_training_killed_mid_epoch_resumes_to_the_uninterrupted_weights(prep):
     """extract=online: no store to resume from; the resumed run computes the states of the
     remaining micro-batches again, with the same forwards, and ends where an uninterrupted one does."""
