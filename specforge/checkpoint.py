@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 from specforge.config import check_eagle31_options
 from specforge.errors import InvalidInput
 from specforge.models.draft import ARCHITECTURE, VLLM_IDS_KEY, Eagle3Config, Eagle3Draft, vllm_layer_ids
+from specforge.speculators_format import NORM_BEFORE_RESIDUAL
 from specforge.targets.layers import check_aux_layer_ids
 from specforge.targets.loader import deepstack_layers, text_config
 from specforge.targets.vl import is_vl_config
@@ -75,6 +76,8 @@ def validate_config(d: dict, where: str = CONFIG_NAME) -> Eagle3Config:
         fail(f"num_hidden_layers must be 1, got {d.get('num_hidden_layers')!r}")
     if d.get("tie_word_embeddings") is not False:
         fail("tie_word_embeddings must be false (true breaks the draft lm_head on reload)")
+    if d.get("norm_before_residual"):  # vLLM would serve another layer than SGLang and our engine
+        fail(NORM_BEFORE_RESIDUAL)
     for key in ("vocab_size", "draft_vocab_size", "hidden_size", "intermediate_size",
                 "num_attention_heads", "num_key_value_heads", "head_dim", "target_hidden_size"):
         if not isinstance(d.get(key), int) or d[key] <= 0:

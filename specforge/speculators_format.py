@@ -20,6 +20,10 @@ from specforge.config import EAGLE31_OPTIONS
 
 LAYER_PREFIX = ("layers.0.", "midlayer.")
 TRAINING_ONLY = ("verifier_norm.weight", "verifier_lm_head.weight")
+# vLLM's llama_eagle3 reads the key from any config.json: our reader refuses it too (checkpoint.py)
+NORM_BEFORE_RESIDUAL = ("norm_before_residual: true (speculators' default) takes the layer's residual after "
+                        "hidden_norm; SGLang's llama_eagle3 takes it before, so such a draft does not convert exactly: "
+                        "train it with --no-norm-before-residual")
 
 
 def from_speculators(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -49,7 +53,5 @@ def options_of(config: dict) -> dict[str, bool]:
         raise ValueError(f"transformer_layer_config.num_hidden_layers: {layers}; our layout (SGLang's "
                          "llama_eagle3) has exactly one decoder layer")
     if config.get("norm_before_residual", False):
-        raise ValueError("norm_before_residual: true (speculators' default) takes the layer's residual "
-                         "after hidden_norm; SGLang's llama_eagle3 takes it before, so such a draft does "
-                         "not convert exactly: train it with --no-norm-before-residual")
+        raise ValueError(NORM_BEFORE_RESIDUAL)
     return {key: bool(config.get(key) or False) for key in EAGLE31_OPTIONS}

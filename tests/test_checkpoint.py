@@ -71,6 +71,18 @@ def test_bad_config_is_refused(ckpt, changes, message):
         read_checkpoint(ckpt)
 
 
+def test_norm_before_residual_is_refused_where_vllm_would_serve_another_layer(ckpt):
+    """vLLM's llama_eagle3 reads `norm_before_residual` from any config.json and then takes the layer's
+    residual after hidden_norm, where SGLang and our engine take it before: the reader passed such a
+    file untouched (kept as an unused key), so our evaluation measured another function than vLLM serves."""
+    edit_config(ckpt, norm_before_residual=True)
+    with pytest.raises(CheckpointError, match=r"epoch_1/config.json: norm_before_residual: true .* SGLang's "
+                                              r"llama_eagle3 takes it before"):
+        load_draft(ckpt)
+    edit_config(ckpt, norm_before_residual=False)  # SGLang's layer, spelled out: reads
+    assert load_draft(ckpt).config.extra["norm_before_residual"] is False
+
+
 def test_a_checkpoint_without_vllm_ids_still_reads(ckpt, tmp_path):
     """Checkpoints written before the key are read as they are, and a re-save adds it."""
     cfg = json.loads((ckpt / "config.json").read_text())

@@ -11,6 +11,7 @@ from specforge.checkpoint import load_draft
 from specforge.cli import main as cli
 from specforge.config import TargetConfig
 from specforge.draft_import import import_draft
+from specforge.errors import SpecForgeWarning
 from specforge.eval.engine_eval import load_run_config
 from specforge.eval.stage import run_evaluation
 from specforge.speculators_format import to_speculators
@@ -50,6 +51,36 @@ def ours(deep_target, tmp_path):
 
 def target(path):
     return TargetConfig(name="deep", path=str(path))
+
+
+def deepseek_target(deep_target, tmp_path):
+    """A DeepSeek-V3 target (SGLang adds its +1 only when the first id is 1) as wide as `deep_target`,
+    with its weights: import-draft reads only the embedding and head, under the same names."""
+    from transformers import AutoConfig, DeepseekV3Config
+
+    llama = AutoConfig.from_pretrained(deep_target)
+    path = tmp_path / "deepseek_target"
+    DeepseekV3Config(num_hidden_layers=8, hidden_size=llama.hidden_size, vocab_size=llama.vocab_size,
+                     tie_word_embeddings=llama.tie_word_embeddings, architectures=["DeepseekV3ForCausalLM"]
+                     ).save_pretrained(path)
+    shutil.copy(deep_target / "model.safetensors", path / "model.safetensors")
+    return path
+
+
+def speculators_dir(config, tensors, path, ids, **keys):
+    """A speculators directory (as test_a_speculators_draft_imports_with_its_layers_renumbered checks
+    it) of our draft `config` / `tensors`, with vLLM ids `ids` and further top-level `keys`."""
+    layer = {k: config[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                                    "head_dim", "hidden_act", "rms_norm_eps", "max_position_embeddings", "vocab_size",
+                                    "rope_theta")}
+    layer.update(model_type="llama", num_hidden_layers=1)
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["Eagle3DraftModel"], "speculators_model_type": "eagle3", "draft_vocab_size":
+        config["draft_vocab_size"], "norm_before_residual": False, "target_hidden_size": None,
+        "eagle_aux_hidden_state_layer_ids": ids, "transformer_layer_config": layer, **keys}))
+    save_file(to_speculators(tensors), path / "model.safetensors")
+    return path
 
 
 def test_a_specforge_draft_imports_as_sglang_serves_it(deep_target, tmp_path):
@@ -130,13 +161,8 @@ def test_a_speculators_draft_imports_with_its_layers_renumbered(deep_target, tmp
 def test_ids_sglang_takes_as_layer_inputs_are_renumbered(deep_target, tmp_path):
     """SpecForge's DeepSeek-style drafts (e.g. Kimi-K2.5's [2, 30, 58]) give ids SGLang takes as layer
     inputs (no +1 when the first id is not 1): ours are one lower, and SGLang's +1 restores them."""
-    from transformers import AutoConfig, DeepseekV3Config
-
     path, tensors, config = ours(deep_target, tmp_path)
-    llama = AutoConfig.from_pretrained(deep_target)
-    deepseek = tmp_path / "deepseek_target"
-    DeepseekV3Config(num_hidden_layers=8, hidden_size=llama.hidden_size, vocab_size=llama.vocab_size,
-                     architectures=["DeepseekV3ForCausalLM"]).save_pretrained(deepseek)
+    deepseek = deepseek_target(deep_target, tmp_path)
     src = tmp_path / "specforge_kimi"
     shutil.copytree(path, src)
     theirs = {k: v for k, v in config.items() if k not in ("eagle_aux_hidden_state_layer_ids", "specforge_target")}
@@ -152,6 +178,122 @@ def test_ids_sglang_takes_as_layer_inputs_are_renumbered(deep_target, tmp_path):
     assert load_draft(dst).config.aux_layer_ids == [2, 4, 5]
 
 
+def test_a_speculators_drafts_ids_are_not_renumbered_twice_and_those_sglang_cannot_serve_are_refused(
+        deep_target, tmp_path):
+    """speculators' ids are vLLM's (layer inputs): the layout already made them ours, and SGLang's +1
+    rule for DeepSeek-style targets shifted them a second time: vLLM [3, 5, 6] (outputs of layers
+    2, 4, 5) was imported as layers 1, 3, 4. Our layout cannot give SGLang those layers on such a
+    target (it reads ids not starting at 1 as layer inputs): refused, naming the ids."""
+    path, tensors, config = ours(deep_target, tmp_path)
+    deepseek = deepseek_target(deep_target, tmp_path)
+    src = speculators_dir(config, tensors, tmp_path / "spec_356", [3, 5, 6])
+    with pytest.raises(ValueError, match=r"spec_356/config.json: eagle_aux_hidden_state_layer_ids \[3, 5, 6\] "
+                                         r"\(vLLM's numbering: the outputs of layers \[2, 4, 5\]\): SGLang serves a "
+                                         r"DeepseekV3ForCausalLM target's draft .* only when the first id is 1"):
+        import_draft(src, tmp_path / "refused", target(deepseek))
+    assert not (tmp_path / "refused").exists()
+
+    # ours starting at 1 (vLLM's 2) SGLang serves as they are on that target
+    src = speculators_dir(config, tensors, tmp_path / "spec_245", [2, 4, 5])
+    dst = import_draft(src, tmp_path / "imported", target(deepseek))
+    assert load_draft(dst).config.aux_layer_ids == [1, 3, 4]
+    assert json.loads((dst / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+
+
+def full_vocab(tensors, config, head=None):
+    """Our draft's tensors and config over the whole vocab: no d2t / t2d, `head` as lm_head (None: none)."""
+    tensors = {k: v for k, v in tensors.items() if k not in ("d2t", "t2d", "lm_head.weight")}
+    if head is not None:
+        tensors["lm_head.weight"] = head
+    config = {k: v for k, v in config.items() if k not in ("eagle_aux_hidden_state_layer_ids", "specforge_target")}
+    return tensors, {**config, "draft_vocab_size": config["vocab_size"]}
+
+
+def test_a_null_draft_vocab_size_drafts_with_the_targets_lm_head(deep_target, tmp_path):
+    """`draft_vocab_size: null` is SGLang's load_lm_head_from_target (nvidia/gpt-oss-120b-Eagle3 ships so,
+    without lm_head.weight): the draft drafts with the target's head over the whole vocab. Import refused
+    such a file without lm_head.weight and, with one, kept the file's own head that SGLang never serves."""
+    from transformers import AutoModelForCausalLM
+
+    path, tensors, config = ours(deep_target, tmp_path)
+    target_head = AutoModelForCausalLM.from_pretrained(deep_target).get_output_embeddings().weight.detach()
+    vocab, width = config["vocab_size"], config["hidden_size"]
+    own_head = torch.randn(vocab, width).to(torch.bfloat16)
+    for name, head in (("shared", None), ("own_head", own_head)):
+        theirs, theirs_config = full_vocab(tensors, config, head)
+        src = tmp_path / name
+        src.mkdir()
+        (src / "config.json").write_text(json.dumps({**theirs_config, "draft_vocab_size": None}))
+        save_file(theirs, src / "model.safetensors")
+        replaced = "in place of the file's own" if head is not None else "lm_head.weight$"
+        with pytest.warns(SpecForgeWarning, match=rf"{name}/config.json: draft_vocab_size null: SGLang drafts with "
+                                                  rf"the target's lm_head over the whole vocab .*{replaced}"):
+            dst = import_draft(src, tmp_path / f"{name}_imported", target(deep_target))
+        again = load_file(dst / "model.safetensors")
+        assert torch.equal(again["lm_head.weight"], target_head.to(torch.bfloat16))
+        assert torch.equal(again["d2t"], torch.zeros(vocab, dtype=torch.int64)) and bool(again["t2d"].all())
+        assert json.loads((dst / "config.json").read_text())["draft_vocab_size"] == vocab
+
+    # a reduced d2t cannot map the target's whole head: refused
+    theirs, theirs_config = full_vocab(tensors, config)
+    src = tmp_path / "reduced"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({**theirs_config, "draft_vocab_size": None}))
+    save_file({**theirs, "d2t": tensors["d2t"]}, src / "model.safetensors")
+    with pytest.raises(ValueError, match=r"reduced/model.safetensors: d2t maps a reduced vocab, but .*reduced/"
+                                         r"config.json has draft_vocab_size null"):
+        import_draft(src, tmp_path / "reduced_imported", target(deep_target))
+
+    # the key absent keeps its meaning: the file's own head over the whole vocab
+    theirs, theirs_config = full_vocab(tensors, config, own_head)
+    src = tmp_path / "absent"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({k: v for k, v in theirs_config.items() if k != "draft_vocab_size"}))
+    save_file(theirs, src / "model.safetensors")
+    dst = import_draft(src, tmp_path / "absent_imported", target(deep_target))
+    assert torch.equal(load_file(dst / "model.safetensors")["lm_head.weight"], own_head)
+
+
+def test_a_drafts_own_embedding_is_replaced_by_the_targets_as_sglang_serves_it(deep_target, tmp_path):
+    """A draft trained with its own embedding (speculators' embed_requires_grad) as wide as the target:
+    SGLang serves it with the target's embedding (set_embed), but import kept the file's, so our engine
+    measured a draft no SGLang serves. The target's is written, with a warning (vLLM keeps the draft's)."""
+    from transformers import AutoModelForCausalLM
+
+    path, tensors, config = ours(deep_target, tmp_path)
+    embedding = AutoModelForCausalLM.from_pretrained(deep_target).get_input_embeddings().weight.detach()
+    trained = {**tensors, "embed_tokens.weight": tensors["embed_tokens.weight"] + 0.5}
+    src = speculators_dir(config, trained, tmp_path / "trained_embedding", [2, 4, 5], embed_requires_grad=True)
+    with pytest.warns(SpecForgeWarning, match=r"trained_embedding/model.safetensors: embed_tokens.weight is not the "
+                                              r"target's embedding: SGLang serves .* vLLM would have kept the draft's"):
+        dst = import_draft(src, tmp_path / "imported", target(deep_target))
+    assert torch.equal(load_file(dst / "model.safetensors")["embed_tokens.weight"], embedding.to(torch.bfloat16))
+    assert torch.equal(load_draft(dst).embed_tokens.weight, embedding.to(torch.bfloat16).float())
+
+
+@pytest.mark.parametrize("rope_scaling", [None, {"rope_type": "linear", "factor": 2.0}])
+def test_rope_parameters_win_over_a_disagreeing_rope_theta_as_transformers_5_reads_them(
+        deep_target, tmp_path, rope_scaling):
+    """A config with both a top-level rope_theta and transformers 5's rope_parameters: transformers 5 (what
+    servers parse configs with) takes rope_parameters' theta unless rope_scaling is set, which then
+    replaces rope_parameters. Import took the top-level rope_theta: the draft served at 500000 was
+    evaluated at 10000."""
+    from transformers import LlamaConfig
+
+    path, tensors, config = ours(deep_target, tmp_path)
+    src = tmp_path / "both"
+    shutil.copytree(path, src)
+    theirs = {k: v for k, v in config.items() if k not in ("eagle_aux_hidden_state_layer_ids", "specforge_target")}
+    theirs.update(rope_theta=10000.0, rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+                  rope_scaling=rope_scaling)
+    (src / "config.json").write_text(json.dumps(theirs))
+    served = LlamaConfig.from_dict(json.loads(json.dumps(theirs))).rope_parameters  # a copy: it edits the dict
+    assert served["rope_theta"] == (500000.0 if rope_scaling is None else 10000.0)
+    dst = import_draft(src, tmp_path / "imported", target(deep_target))
+    imported = json.loads((dst / "config.json").read_text())
+    assert imported["rope_theta"] == served["rope_theta"] and imported["rope_scaling"] == rope_scaling
+
+
 @pytest.mark.parametrize("edit, message", [
     (lambda c, t: t.pop("d2t"), r"draft_vocab_size \d+ < vocab_size \d+ but the weights have no d2t"),
     (lambda c, t: c.update(architectures=["LlamaForCausalLM"]), r"not an EAGLE-3 draft"),
@@ -161,6 +303,8 @@ def test_ids_sglang_takes_as_layer_inputs_are_renumbered(deep_target, tmp_path):
                            eagle_aux_hidden_state_layer_ids=[2, 4, 10]),
      r"bad/config.json: the draft does not fit the target: .*the target has 8 decoder layers"),
     (lambda c, t: c.update(hidden_size=32, head_dim=8), r"bad/model.safetensors: .*fc.weight: \(64, 192\) != expected"),
+    # vLLM takes the residual after hidden_norm, SGLang and our engine before: one layout cannot say both
+    (lambda c, t: c.update(norm_before_residual=True), r"bad/config.json: norm_before_residual: true"),
 ])
 def test_what_a_server_would_misread_is_refused(deep_target, tmp_path, edit, message):
     path, tensors, config = ours(deep_target, tmp_path)
@@ -179,13 +323,19 @@ def test_what_a_server_would_misread_is_refused(deep_target, tmp_path, edit, mes
 def test_an_imported_draft_is_measured_like_our_own(tiny_run, tmp_path, capsys):
     """`specforge import-draft` then `evaluate.py ckpt=... out_dir=...`: the same accept length as
     the draft it came from, and the run's own evaluation untouched."""
+    from transformers import AutoModelForCausalLM
+
+    target_path = load_run_config(tiny_run).target.path
+    weights = load_file(tiny_run / "epoch_1" / "model.safetensors")  # trained drafts carry the target's embedding
+    weights["embed_tokens.weight"] = AutoModelForCausalLM.from_pretrained(target_path).get_input_embeddings().weight
+    save_file({k: v.detach().contiguous() for k, v in weights.items()}, tiny_run / "epoch_1" / "model.safetensors")
     src = tmp_path / "theirs"
     shutil.copytree(tiny_run / "epoch_1", src)
     config = json.loads((src / "config.json").read_text())
     for key in ("eagle_aux_hidden_state_layer_ids", "target_hidden_size", "specforge_target"):
         config.pop(key, None)
     (src / "config.json").write_text(json.dumps(config))  # eagle_config kept: 4 layers have no default
-    cli(["import-draft", str(src), str(tiny_run / "theirs"), "--target", load_run_config(tiny_run).target.path])
+    cli(["import-draft", str(src), str(tiny_run / "theirs"), "--target", target_path])
     assert "measure it: python evaluate.py" in capsys.readouterr().out
 
     run_cfg, ev = configs(tiny_run, "dtype=float32")
