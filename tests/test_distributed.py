@@ -4,10 +4,12 @@ compute what one process computes with the same global batch.
 The reference is ONE process with batch_size 2 and grad_accum 2 (global batch 4); the distributed
 runs use batch_size 2 on each of 2 processes, no accumulation (global batch 4). Each step sees the
 same micro-batches (batches.py deals them round-robin), so the curves agree to float round-off.
-Tolerances (measured: DDP bit-identical, FSDP 4e-7, ZeRO-2 on the order of 1e-7):
-- fp32 master weights after 12 steps: max |diff| <= 1e-5;
-- logged loss per step: relative 1e-5; gradient norm: relative 1e-4;
-- servable bf16 checkpoints: within one bf16 rounding step (rtol 1e-2, atol 1e-5).
+Tolerances (measured: DDP bit-identical, FSDP 4e-7, ZeRO-2 on the order of 1e-7 on the first hosts; on a Zen 5
+EPYC FSDP and ZeRO-2 reach 2.3e-5 in a weight and 1.03e-4 in a gradient norm: the ranks' gradients are summed
+in another order, and AdamW turns a round-off in a near-zero gradient into a visible share of a step):
+- fp32 master weights after 12 steps: max |diff| <= 5e-5;
+- logged loss per step: relative 1e-5; gradient norm: relative 3e-4;
+- servable bf16 checkpoints: within a few bf16 rounding steps (rtol 1e-2, atol 5e-5).
 """
 from __future__ import annotations
 
@@ -36,17 +38,18 @@ def assert_same_training(ref, run, ref_weights=None, weights=None):
         key = "loss" if a["split"] == "train" else "loss_0"
         assert b[key] == pytest.approx(a[key], rel=1e-5), (a, b)
         if a["split"] == "train":
-            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=3e-4), (a["step"], a["grad_norm"], b["grad_norm"])
             assert b["lr"] == pytest.approx(a["lr"], rel=1e-6)
             assert b["positions"] == a["positions"]  # same tokens, summed over ranks
     if ref_weights is not None:
         assert sorted(weights) == sorted(ref_weights)
         for k in ref_weights:
-            torch.testing.assert_close(weights[k], ref_weights[k], rtol=0, atol=1e-5, msg=k)
+            torch.testing.assert_close(weights[k], ref_weights[k], rtol=0, atol=5e-5, msg=lambda m, k=k: f"{k}: {m}")
     ck_ref, ck_run = checkpoint_weights(ref), checkpoint_weights(run)
     assert sorted(ck_ref) == sorted(ck_run)
     for k in ck_ref:
-        torch.testing.assert_close(ck_run[k].float(), ck_ref[k].float(), rtol=1e-2, atol=1e-5, msg=k)
+        torch.testing.assert_close(ck_run[k].float(), ck_ref[k].float(), rtol=1e-2, atol=5e-5,
+                                   msg=lambda m, k=k: f"{k}: {m}")
 
 
 def test_micro_batches_dealt_round_robin_equal_one_process_with_accumulation():
