@@ -358,3 +358,61 @@ def test_stage_errors_name_the_problem(run_setup, tiny_dir):
     (run_dir / "data" / "train.jsonl").unlink()
     with pytest.raises(FileNotFoundError, match="train.jsonl: not found; run the data stage"):
         stage.run(cfg, run_dir)
+
+
+def overflowing_target():
+    """A float32 tiny Llama whose token 5 carries a massive activation: its states (~5e5) are finite
+    in float32 and bfloat16, past float16's 65504."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                             num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                             tie_word_embeddings=False)).eval().requires_grad_(False)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[5] *= 1e7
+    return model
+
+
+OVERFLOW_ROWS = [{"id": "a", "input_ids": torch.tensor([1, 5, 7, 9], dtype=torch.int32),
+                  "loss_mask": torch.tensor([0, 0, 1, 1], dtype=torch.uint8)}]
+FLOAT16_OVERFLOW = (r"sample 'a': aux holds inf/nan in row 1 of 4: the target's values \(up to [0-9.e+]+\) overflow "
+                    r"the storage dtype torch.float16: use extract.dtype=bfloat16")
+
+
+def test_float16_states_past_its_range_name_extract_dtype_not_the_target(tmp_path):
+    """The extractors hand float16 stores' states over in the target's dtype (store.handoff_dtype), so
+    the writer sees the overflow and names the setting that fixes it; cast before, they arrived as
+    inf and the message sent users to target.dtype."""
+    from specforge.extract.store import handoff_dtype, store_layout
+
+    ex = EmbeddedExtractor(overflowing_target(), [0, 1, 2], 64, storage_dtype=handoff_dtype("float16", torch.float32))
+    meta = dict(hidden_size=32, aux_layer_ids=[0, 1, 2], target_dtype="float32", **store_layout("float16"))
+    with pytest.raises(ValueError, match=FLOAT16_OVERFLOW):
+        stage.extract_split(ex, OVERFLOW_ROWS, tmp_path / "train", meta, 256)
+
+
+def test_a_rank_labels_its_progress_with_its_own_rank(run_setup, tiny_model, monkeypatch, capsys):
+    from specforge.distributed.env import DistEnv
+
+    cfg, run_dir, _ = run_setup
+    monkeypatch.setattr(stage.dist, "current", lambda: DistEnv(rank=1, world_size=2))
+    monkeypatch.setattr(stage.dist, "gather_objects", lambda part: [part])
+    monkeypatch.setattr(stage.dist, "broadcast_object", lambda summary: summary)
+    labels = []
+
+    class Progress:
+        def add_task(self, description, **kw):
+            labels.append(description)
+
+        def update(self, *a, **kw):
+            pass
+
+    rows = stage.load_rows(run_dir / "data" / "train.jsonl")
+    for _ in range(2):  # the second resumes: its line names the rank too
+        stage.extract_split_sharded(EmbeddedExtractor(tiny_model, AUX, 96), rows, run_dir / "extract" / "train",
+                                    {"aux_layer_ids": AUX, "hidden_size": 64, **stage.store_layout("bfloat16")}, 4,
+                                    Progress())
+    assert labels == ["extract train (rank 1 of 2)"] * 2
+    assert "[extract] train (rank 1 of 2): resuming, 4 samples already stored" in capsys.readouterr().out

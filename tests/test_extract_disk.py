@@ -81,3 +81,27 @@ def test_the_check_can_be_switched_off_and_is_not_part_of_the_fingerprint(run_se
     stage.run(cfg, run_dir)
     assert "the stores take" not in capsys.readouterr().out
     assert json.loads((run_dir / "extract" / "train" / "manifest.json").read_text())["complete"]
+
+
+def test_rank_stores_of_another_number_of_processes_are_not_counted_as_resumed(run_setup, monkeypatch):
+    """A re-run with another number of processes reads none of the rank stores an interrupted run
+    left (each rank reads only its own rank<r>of<W>), and they stay on disk until the merge: their
+    bytes must not be subtracted from what the extraction needs."""
+    from specforge.distributed.env import DistEnv
+    from specforge.run_layout import RunLayout
+
+    cfg, run_dir, _ = run_setup
+    layout = RunLayout(run_dir)
+    for name in ("rank00000of00003", "rank00002of00003"):  # sparse: 10 MB each, on no disk
+        (layout.store("train") / name).mkdir(parents=True)
+        with open(layout.store("train") / name / "shard_00000.safetensors", "wb") as f:
+            f.truncate(10**7)
+    meta, model_config = stage.config_meta(cfg)
+    rows = stage.read_rows(stage.sample_files(layout), meta)
+
+    def earlier(world_size: int) -> str:
+        monkeypatch.setattr(stage.dist, "current", lambda: DistEnv(world_size=world_size))
+        return stage.disk_check(cfg, layout, rows, meta, model_config).split(" of it from an earlier run")[0][-7:]
+
+    assert earlier(2) == "0.00 GB" and earlier(1) == "0.00 GB"
+    assert earlier(3) == "0.02 GB"  # the same number resumes from them

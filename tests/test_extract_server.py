@@ -209,6 +209,9 @@ def test_gpu_env_pins_one_gpu_per_local_rank(monkeypatch):
     assert gpu_env(1, 2) == {"CUDA_VISIBLE_DEVICES": "5"}
     with pytest.raises(ValueError, match=r"only GPUs \['4', '5'\] are visible"):
         gpu_env(2, 3)
+    # Slurm --gpus-per-task=1: each task sees its own GPU alone, whatever its local rank
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    assert gpu_env(1, 4) == gpu_env(3, 4) == {"CUDA_VISIBLE_DEVICES": "3"}
 
 
 def test_two_ranks_share_the_servers_and_store_what_one_process_stores(tiny_target_dir, tmp_path_factory):

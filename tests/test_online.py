@@ -73,6 +73,32 @@ def test_a_micro_batch_is_computed_in_forwards_of_at_most_batch_tokens(tiny_targ
     assert extractor.stats["tokens"] == sum(lengths)  # read from what was prefetched, not computed again
 
 
+def test_online_refuses_states_past_float16_as_a_store_does_naming_the_sample(tmp_path, tiny_target_dir):
+    """extract.dtype=float16 with states past 65504: an extraction refuses the sample, naming it; online
+    trained on inf (loss nan, steps skipped, stopped with "lower train.lr"). Now refused alike, before
+    training reads it: the target's states are handed over in its own dtype and rounded as a store does."""
+    from specforge.extract.embedded import EmbeddedExtractor
+    from specforge.extract.online import OnlineStates
+    from specforge.extract.store import handoff_dtype, store_layout
+    from specforge.run_layout import RunLayout
+    from specforge.train.loop import open_stores
+    from specforge.utils.io import write_jsonl
+    from tests.test_extract import FLOAT16_OVERFLOW, OVERFLOW_ROWS, overflowing_target
+
+    extractor = EmbeddedExtractor(overflowing_target(), [0, 1, 2], 64, handoff_dtype("float16", torch.float32))
+    states = OnlineStates(OVERFLOW_ROWS, extractor, {"aux_layer_ids": [0, 1, 2], **store_layout("float16")})
+    with pytest.raises(ValueError, match=FLOAT16_OVERFLOW):
+        states.prefetch([0])
+
+    # the train stage's wiring: a float32 target hands over float32, read back as the float16 a store holds
+    layout = RunLayout(tmp_path / "run")
+    write_jsonl(layout.samples("train"), [{"id": "r", "input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}])
+    cfg = compose_cfg(tmp_path, tiny_target_dir, "extract=online", "extract.dtype=float16")
+    train, _ = open_stores(cfg, layout, "cpu")
+    assert train.extractor.storage_dtype == torch.float32
+    assert train[0]["aux"].dtype == train[0]["last"].dtype == torch.float16
+
+
 def test_switching_a_run_to_online_keeps_its_store_unread(weather_files, tiny_target_dir, capsys):  # noqa: F811
     """A store is hours of target forwards: switching the same run to extract=online leaves it (and says
     so), training reruns from the target; switching back resumes the store, nothing extracted again."""

@@ -38,7 +38,8 @@ def total_tokens(samples: Iterable[dict]) -> int:
 class Extractor:
     """Runs rows through a backend in planned batches. `stats` counts real tokens, padded tokens
     and forward seconds since construction. `storage_dtype` is the dtype rows are handed to the
-    store writer in (store.handoff_dtype: for fp8 stores the target's own, the writer quantises).
+    store writer in (store.handoff_dtype: for fp8 and float16 stores the target's own, the writer
+    quantises or checks the range).
     `writes_behind`: the store is written on a thread of its own while the next batch computes
     (write_behind.py), where the compute is not this process's CPU (a GPU, a server); on the CPU
     the two would share its cores (6-14% slower end to end on 2 cores, docs/benchmarks.md)."""

@@ -41,10 +41,11 @@ def free_bytes(directory: Path) -> int:
     return shutil.disk_usage(existing).free
 
 
-def written_bytes(directories: list[Path]) -> int:
-    """What earlier extractions left in `directories`: resumed from, or deleted to start afresh,
-    either way not needed again."""
-    return sum(f.stat().st_size for d in directories if d.exists() for f in d.rglob("*") if f.is_file())
+def written_bytes(directories: list[Path], nested: bool = True) -> int:
+    """What earlier extractions left in `directories` (with `nested`, in their sub-directories too);
+    stage.resumed_bytes: those an extraction resumes from, or deletes to start afresh."""
+    return sum(f.stat().st_size for d in directories if d.exists()
+               for f in (d.rglob("*") if nested else d.iterdir()) if f.is_file())
 
 
 def check_disk_space(needed: int, written: int, free: int, where: Path, tokens: int, dtype: str,

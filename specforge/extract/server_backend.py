@@ -197,11 +197,14 @@ def extraction_servers(build: ExtractionCommand, target_path, aux_layer_ids: Seq
 
 def gpu_env(local_rank: int, local_world_size: int) -> dict | None:
     """CUDA_VISIBLE_DEVICES for this rank's servers when several ranks share a node: the
-    local_rank-th visible GPU (of CUDA_VISIBLE_DEVICES when set, as Slurm does)."""
+    local_rank-th visible GPU (of CUDA_VISIBLE_DEVICES when set, as Slurm does), or the one GPU a
+    task sees when Slurm binds one to each (--gpus-per-task=1), as training's DistEnv.device picks it."""
     if local_world_size <= 1:
         return None
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     gpus = [g for g in visible.split(",") if g.strip()] if visible else [str(i) for i in range(local_world_size)]
+    if len(gpus) == 1:
+        return {"CUDA_VISIBLE_DEVICES": gpus[0]}
     if local_rank >= len(gpus):
         raise ValueError(f"rank {local_rank} of {local_world_size} on this node, but only GPUs {gpus} are visible")
     return {"CUDA_VISIBLE_DEVICES": gpus[local_rank]}

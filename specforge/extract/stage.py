@@ -14,7 +14,10 @@ first, cut into chunks of `extract.shard_samples`, one shard each) is dealt roun
 rank c % world_size. Each rank writes its chunks as a store of its own in `<split>/rank<r>of<W>/`
 (resumable as above), and rank 0 then lists every rank's shards, in chunk order, in the split's
 `manifest.json`. Each chunk is computed with exactly the forwards one process would run, so the
-merged store holds the same samples, in the same order, as a one-process extraction.
+merged store holds the same samples, in the same order, as a one-process extraction. A rank reads
+only its own store: an interrupted extraction re-run with the same number of processes resumes;
+with another number it extracts everything again, and the rank stores it did not read are deleted
+once the new store is complete.
 """
 from __future__ import annotations
 
@@ -181,7 +184,7 @@ def extract_split_sharded(extractor: Extractor, rows: list[dict], out_dir: Path,
     mine = [rows[i] for c in range(env.rank, len(chunks), env.world_size) for i in chunks[c]]
     part_meta = dict(meta, rank=env.rank, world_size=env.world_size, shard_samples=shard_samples)
     part = extract_split(extractor, mine, out_dir / rank_dir_name(env.rank, env.world_size), part_meta,
-                         shard_samples, progress, label=f"{out_dir.name} (rank 0 of {env.world_size})")
+                         shard_samples, progress, label=f"{out_dir.name} (rank {env.rank} of {env.world_size})")
     parts = dist.gather_objects(part)  # also waits until every rank's store is complete
     summary = None
     if env.is_main:
@@ -352,9 +355,19 @@ def disk_check(cfg, layout: RunLayout, rows: dict, meta: dict, model_config) -> 
     def needed(dtype: str) -> int:
         return store_bytes(every, meta["hidden_size"], len(meta["aux_layer_ids"]), dtype, image_token_id)
 
-    return check_disk_space(needed(cfg.extract.dtype), written_bytes([layout.store(s) for s in SPLITS]),
+    return check_disk_space(needed(cfg.extract.dtype), resumed_bytes(layout, dist.current().world_size),
                             free_bytes(layout.extract_dir), layout.extract_dir, total_tokens(every),
                             cfg.extract.dtype, needed("fp8"))
+
+
+def resumed_bytes(layout: RunLayout, world_size: int) -> int:
+    """What an extraction with `world_size` processes resumes from, or deletes as it opens it: each
+    split's own store (one process) or its rank<r>of<W> stores. Those of another number of processes
+    are neither reused nor deleted before the merge (remove_unlisted): they still take their room."""
+    stores = [layout.store(s) for s in SPLITS]
+    if world_size > 1:
+        stores = [d / rank_dir_name(r, world_size) for d in stores for r in range(world_size)]
+    return written_bytes(stores, nested=False)
 
 
 def store_meta(cfg, model_config, target_path: Path) -> dict:
@@ -392,6 +405,8 @@ def open_backend(cfg, run_dir: Path, env, meta: dict, model_config):
     if backend == "embedded":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
         model = load_target(cfg.target, device=str(env.device))
+        # what it computes in (float32 for bf16 on a CPU without native bf16): no rounding on the way
+        storage = handoff_dtype(cfg.extract.dtype, model.dtype)
     # else the weights live in the servers: the config is enough here
     aux, tcfg = meta["aux_layer_ids"], text_config(model_config)
     if backend == "embedded":

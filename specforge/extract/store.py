@@ -76,9 +76,12 @@ def store_layout(storage_dtype: str) -> dict:
 
 
 def handoff_dtype(storage_dtype: str, compute_dtype: torch.dtype) -> torch.dtype:
-    """The dtype extractors hand the writer: the stored dtype itself, or for fp8 the target's own
-    compute dtype, since the writer alone quantises (with per-row scales it must see the values)."""
-    return compute_dtype if storage_dtype == "fp8" else STORAGE_DTYPES[storage_dtype]
+    """The dtype extractors hand the writer: the stored dtype itself, or the target's own compute
+    dtype for fp8 (the writer alone quantises: with per-row scales it must see the values) and for
+    float16 (the one range narrower than a target's: the writer must see what overflows it to say
+    "use extract.dtype=bfloat16"). The cost, with a float32 target only: the hand-off buffers (the
+    batch computed, WriteBehind's extract.batch_tokens tokens waiting) take 4 bytes a value, not 2."""
+    return compute_dtype if storage_dtype in ("fp8", "float16") else STORAGE_DTYPES[storage_dtype]
 
 
 def scored_rows(loss_mask: torch.Tensor) -> torch.Tensor:
@@ -113,6 +116,16 @@ def _refuse_non_finite(sample_id: str, name: str, x: torch.Tensor, computed: tor
     else:
         why = f"the target computed them so (it overflows in {x.dtype}? try target.dtype=bfloat16 or float32)"
     raise ValueError(f"sample {sample_id!r}: {name} holds inf/nan in row {row} of {x.shape[0]}: {why}")
+
+
+def stored_states(sample_id: str, name: str, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x` on the CPU in `dtype` (not fp8) as a store holds it, inf/nan refused naming the sample: the
+    writer's, and extract=online's (specforge/extract/online.py), so both refuse alike."""
+    _refuse_non_finite(sample_id, name, x)  # where x is (a GPU's reduction costs nothing)
+    stored = x.detach().to("cpu", dtype)
+    if stored.dtype == torch.float16 and x.dtype != torch.float16:  # the one narrower range
+        _refuse_non_finite(sample_id, name, stored, computed=x)
+    return stored
 
 
 def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -301,12 +314,9 @@ class HiddenStateStoreWriter:
         """Hidden states as stored: cast to the storage dtype, or (fp8) quantised with their scales.
         inf/nan (a target overflowing in its dtype, or states beyond float16's range) are refused:
         the draft would train on nothing but them."""
-        _refuse_non_finite(sample_id, name, x)  # where x is (a GPU's reduction costs nothing)
         if self.dtype != FP8 or name in EXACT_STATES:
-            stored = x.detach().to("cpu", torch.bfloat16 if self.dtype == FP8 else self.dtype)
-            if stored.dtype == torch.float16 and x.dtype != torch.float16:  # the one narrower range
-                _refuse_non_finite(sample_id, name, stored, computed=x)
-            return {name: stored}
+            return {name: stored_states(sample_id, name, x, torch.bfloat16 if self.dtype == FP8 else self.dtype)}
+        _refuse_non_finite(sample_id, name, x)  # where x is (a GPU's reduction costs nothing)
         q, scale = quantize_fp8(x, groups)
         return {name: q, f"{name}_scale": scale}
 

@@ -191,12 +191,13 @@ def open_stores(cfg, layout: RunLayout, device) -> tuple:
     from specforge.extract.embedded import EmbeddedExtractor
     from specforge.extract.online import OnlineStates
     from specforge.extract.stage import split_rows, store_meta
+    from specforge.extract.store import handoff_dtype
     from specforge.targets.loader import load_target, resolve_target_path
 
     target = load_target(cfg.target, device=device)
     meta = store_meta(cfg, target.config, resolve_target_path(cfg.target))
     extractor = EmbeddedExtractor(target, meta["aux_layer_ids"], batch_tokens=cfg.extract.batch_tokens,
-                                  storage_dtype=torch_dtype(cfg.extract.dtype))
+                                  storage_dtype=handoff_dtype(cfg.extract.dtype, target.dtype))
     train_rows = split_rows(layout.samples("train"), "train", meta["vocab_size"])
     eval_path = layout.samples("eval")
     eval_rows = split_rows(eval_path, "eval", meta["vocab_size"]) if eval_path.exists() else []
