@@ -258,3 +258,86 @@ def test_bench_command_refuses_bad_values_with_the_message_not_a_traceback(args,
                            "--vocab-size", "100", *args], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert proc.stderr.strip() == message  # no request was sent: the refusal comes first
+
+
+class SGLangBytesHandler(BaseHTTPRequestHandler):
+    """Streams as SGLang writes them (orjson: non-ASCII raw UTF-8, U+2028 not escaped); a prompt of more than 4
+    tokens is aborted by the "scheduler" (one chunk, finish_reason abort, then [DONE]); /server_info needs the
+    key s3cret, as a server started with --api-key."""
+
+    protocol_version = "HTTP/1.1"
+    TEXT = ["Hello", "Hello\u2028", "Hello\u2028world\u0085!"]
+
+    def log_message(self, *args):
+        pass
+
+    def _sse(self, raw: bytes):
+        data = b"data: " + raw + b"\n\n"
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        self.wfile.flush()
+
+    def do_GET(self):
+        ok = self.headers.get("Authorization") == "Bearer s3cret"
+        body = json.dumps({"model_path": "/m/tgt", "speculative_algorithm": None} if ok else
+                          {"error": {"message": "Unauthorized"}}).encode()
+        self.send_response(200 if ok else 401)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self):
+        req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        if len(req["input_ids"]) > 4:
+            meta = {"prompt_tokens": len(req["input_ids"]), "completion_tokens": 0,
+                    "finish_reason": {"type": "abort", "status_code": 400, "message": "input too long"}}
+            self._sse(json.dumps({"text": "", "output_ids": [], "meta_info": meta}).encode())
+        else:
+            for i, text in enumerate(self.TEXT, 1):
+                meta = {"prompt_tokens": 3, "completion_tokens": i, **({"spec_verify_ct": 2} if i == 3 else {})}
+                self._sse(json.dumps({"text": text, "meta_info": meta}, ensure_ascii=False, separators=(",", ":"))
+                          .encode())
+        self._sse(b"[DONE]")
+        self.wfile.write(b"0\r\n\r\n")
+        self.wfile.flush()
+
+
+@pytest.fixture
+def sglang_bytes_server():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), SGLangBytesHandler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_a_generated_line_separator_does_not_cut_the_event(sglang_bytes_server):
+    """httpx's aiter_lines splits at U+2028, U+2029 and U+0085 too, which SGLang writes raw inside a JSON
+    string: every request whose text held one failed (JSONDecodeError), or the warm-up stopped the run as
+    'is the server up?'."""
+    result = bc.run_benchmark(sglang_bytes_server, [bc.BenchRequest([1, 2, 3], 3, 3) for _ in range(4)])
+    m = result.metrics
+    assert (m["completed"], m["failed"], m["total_output_tokens"], m["accept_length"]) == (4, 0, 12, 1.5)
+    assert {r.text for r in result.requests} == {"Hello\u2028world\u0085!"}
+
+
+def test_a_request_the_server_aborts_counts_as_failed(sglang_bytes_server):
+    """SGLang streams an aborted request (input past the context) as a chunk and [DONE]: it was counted as
+    completed with 0 tokens and a TTFT of 0, halving the mean TTFT."""
+    m = bc.run_benchmark(sglang_bytes_server, [bc.BenchRequest([1, 2, 3], 3, 3),
+                                               bc.BenchRequest(list(range(10)), 10, 3)], warmup=0).metrics
+    assert (m["completed"], m["failed"]) == (1, 1)
+    assert m["errors"] == ["RuntimeError: aborted by the server: input too long"]
+
+
+def test_the_api_key_flag_reaches_the_server_info_check(sglang_bytes_server, monkeypatch):
+    """`specforge bench --api-key`: the swapped-URL check read /server_info without it (401, taken as a
+    server without /server_info), so swapped URLs went unsaid."""
+    monkeypatch.delenv("SPECFORGE_API_KEY", raising=False)
+    with pytest.warns(UserWarning, match="without speculative decoding"):
+        served = bc.served_by(sglang_bytes_server, None, strict=False, api_key="s3cret")
+    assert served == {"server": {"model_path": "/m/tgt", "speculative_algorithm": None}}
+    assert bc.served_by(sglang_bytes_server, None, strict=False) == {}  # no key: the server said nothing

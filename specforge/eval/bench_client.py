@@ -170,15 +170,22 @@ def _requests(prompts: list[dict], tokenizer, num_prompts: int, output_len: int,
 
 
 async def _sse_events(response: httpx.Response):
-    """JSON payloads of `data: ...` lines, with the arrival time of each; stops at [DONE]."""
-    async for line in response.aiter_lines():
-        if not line.startswith("data:"):
-            continue
-        data = line[5:].strip()
-        now = time.perf_counter()
-        if data == "[DONE]":
-            return
-        yield now, json.loads(data)
+    """JSON payloads of `data: ...` lines, with the arrival time of each; stops at [DONE]. Lines end at
+    b"\n" alone: httpx's aiter_lines also splits at U+2028, U+2029 and U+0085, which SGLang's orjson (and
+    pydantic) write raw inside a JSON string, so a generated one cut the event in two."""
+    pending = b""
+    async for chunk in response.aiter_bytes():
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        for raw in lines:
+            line = raw.rstrip(b"\r").decode("utf-8")
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            now = time.perf_counter()
+            if data == "[DONE]":
+                return
+            yield now, json.loads(data)
 
 
 class _Timing:
@@ -203,6 +210,10 @@ def _check_error(data: dict):
     err = data.get("error")
     if err:
         raise RuntimeError(err.get("message", str(err)) if isinstance(err, dict) else str(err))
+    # SGLang streams a request its scheduler aborts (past the context, say) as a chunk, then [DONE]
+    finish = (data.get("meta_info") or {}).get("finish_reason")
+    if isinstance(finish, dict) and finish.get("type") == "abort":
+        raise RuntimeError(f"aborted by the server: {finish.get('message', finish)}")
 
 
 async def _post_stream(client: httpx.AsyncClient, url: str, payload: dict):
@@ -479,7 +490,7 @@ SERVED_KEYS = ("model_path", "speculative_algorithm", "speculative_draft_model_p
 
 
 def served_by(url: str, baseline_url: str | None, names: tuple[str, str] = ("eval.url", "eval.baseline_url"),
-              strict: bool = True) -> dict[str, dict]:
+              strict: bool = True, api_key: str | None = None) -> dict[str, dict]:
     """What each running server serves, asked before a request is timed: the URL named first
     (`names`: how the user gave the two) should draft and the baseline should not (swapped URLs
     report the target alone as the speed-up), and they should serve one target. `strict` (the
@@ -495,7 +506,7 @@ def served_by(url: str, baseline_url: str | None, names: tuple[str, str] = ("eva
     for label, where in (("server", url), ("baseline", baseline_url)):
         if where:
             try:
-                info = read_server_info(where.rstrip("/"))
+                info = read_server_info(where.rstrip("/"), api_key=api_key)
             except (RuntimeError, ConnectionError):  # none (vLLM), or not answering: the benchmark says so
                 continue
             if isinstance(info, dict):
@@ -588,7 +599,8 @@ def bench(args) -> dict:
     served = None
     if args.baseline_url:  # swapped URLs would time the target alone as the speed-up: said before a request
         try:
-            served = served_by(args.url, args.baseline_url, names=("--url", "--baseline-url"), strict=False)
+            served = served_by(args.url, args.baseline_url, names=("--url", "--baseline-url"), strict=False,
+                               api_key=args.api_key)
         except InvalidInput as e:
             raise SystemExit(f"bench: {e}") from None
     from rich.console import Console

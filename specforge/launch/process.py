@@ -91,12 +91,12 @@ def auth_headers(api_key: str | None) -> dict:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-def http_json(url: str, body=None, timeout: float = 600.0, *, raw: bool = False):
-    """GET url (body None) or POST body as JSON, with the key of SPECFORGE_API_KEY if set; the
-    decoded JSON answer (raw: its bytes). An HTTP error raises RuntimeError with the server's own
+def http_json(url: str, body=None, timeout: float = 600.0, *, raw: bool = False, api_key: str | None = None):
+    """GET url (body None) or POST body as JSON, with `api_key` (default: SPECFORGE_API_KEY's) if set;
+    the decoded JSON answer (raw: its bytes). An HTTP error raises RuntimeError with the server's own
     message; nothing answering, ConnectionError."""
     data = None if body is None else json.dumps(body).encode()
-    headers = {"Content-Type": "application/json", **auth_headers(api_key_from_env())}
+    headers = {"Content-Type": "application/json", **auth_headers(api_key or api_key_from_env())}
     req = urllib.request.Request(url, data=data, headers=headers)
     try:
         with _DIRECT.open(req, timeout=timeout) as r:
@@ -113,13 +113,13 @@ def http_json(url: str, body=None, timeout: float = 600.0, *, raw: bool = False)
         raise ConnectionError(f"{url}: no answer ({getattr(e, 'reason', e)})") from None
 
 
-def server_info(url: str, timeout: float = 30.0) -> dict:
+def server_info(url: str, timeout: float = 30.0, api_key: str | None = None) -> dict:
     """GET /server_info (SGLang's older name: /get_server_info): a server's arguments (SGLang's
     server args; `specforge serve` answers the same keys) and state."""
     try:
-        return http_json(url + "/server_info", timeout=timeout)
+        return http_json(url + "/server_info", timeout=timeout, api_key=api_key)
     except RuntimeError:
-        return http_json(url + "/get_server_info", timeout=timeout)
+        return http_json(url + "/get_server_info", timeout=timeout, api_key=api_key)
 
 
 def _tail(path: Path, lines: int = 30) -> str:
