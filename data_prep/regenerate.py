@@ -56,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--thinking", action="store_true", help="enable_thinking=True in the chat template")
     p.add_argument("--keep-truncated", action="store_true",
                    help="keep answers cut off at --max-new-tokens as the last turn instead of skipping")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (--temperature > 0; greedy answers "
+                                                      "do not depend on it)")
     p.add_argument("--format", choices=[f for f in FORMATS if f != "text"], default="auto",
                    help="input row format (not preformatted text: it has no turns to ask the target)")
     p.add_argument("--toon", action="store_true", help="repair/quarantine TOON answers (data.fix.toon)")

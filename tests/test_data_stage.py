@@ -462,3 +462,24 @@ def test_ids_repeated_across_files_are_made_unique_as_a_fix(tmp_path, tiny_targe
            ["0", "0@chats.jsonl:1", "0@chats.jsonl:1~1", "1", "2"]
     assert summary["train"]["by_fix"] == {"renamed_duplicate_id": 1} and summary["train"]["fixed"] == 1
     assert "| renamed_duplicate_id | 1 |" in (data / "report.md").read_text()
+
+
+def test_the_data_stage_reruns_under_another_seed_only_where_regeneration_samples(tmp_path, tiny_target_dir, raw):
+    """Regenerated with temperature > 0, the answers follow the seed, yet the data stage's key did not
+    hold it: another seed kept the answers sampled with the last one. Now it does, and only then
+    (no regeneration, or greedy: runs made before stay up to date)."""
+    from specforge.pipeline import STAGES, stage_fingerprint
+
+    train_file, eval_file = raw
+
+    def key(seed: int, **regen) -> str:
+        cfg = make_cfg(tmp_path, tiny_target_dir, train_file, eval_file, **regen)
+        cfg.seed = seed
+        return stage_fingerprint(cfg, STAGES["data"], tmp_path / "run")
+
+    assert key(0) == key(1)
+    assert key(0, **{"regenerate.enabled": True}) == key(1, **{"regenerate.enabled": True})
+    sampled = {"regenerate.enabled": True, "regenerate.temperature": 0.7}
+    assert key(0, **sampled) != key(1, **sampled)
+    cfg = make_cfg(tmp_path, tiny_target_dir, train_file, eval_file)
+    assert "regenerate_seed" not in stage.extra_inputs(cfg)  # the key of a run made before is unchanged

@@ -908,6 +908,161 @@ def test_openai_answers_get_the_thinking_a_reasoning_parser_split_off(fields, te
     assert _parse(raw, "http://127.0.0.1:1") == Answer(text=text, tokens=9, truncated=False)
 
 
+class StubServer(ThreadingHTTPServer):
+    """An OpenAI-compatible server without a model: it serves `model` and answers every chat request
+    with `reply(body)` -> (HTTP status, JSON), as SGLang or vLLM would in the case at hand."""
+
+    daemon_threads = True
+
+    def __init__(self, model: str, reply) -> None:
+        super().__init__(("127.0.0.1", 0), StubHandler)
+        self.model, self.reply, self.requests = model, reply, []
+        self.url = f"http://127.0.0.1:{self.server_address[1]}"
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+
+class StubHandler(Handler):
+    server: StubServer
+
+    def do_GET(self):
+        self._send(200, {"object": "list", "data": [{"id": self.server.model, "object": "model"}]})
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.server.requests.append(body)
+        self._send(*self.server.reply(body))
+
+
+@pytest.fixture
+def stub():
+    servers = []
+
+    def start(reply, model: str = "tiny-chat") -> StubServer:
+        servers.append(StubServer(model, reply))
+        return servers[-1]
+
+    yield start
+    for srv in servers:
+        srv.shutdown()
+        srv.server_close()
+
+
+def completion(text: str, finish: str | None = "stop") -> tuple[int, dict]:
+    return 200, {"choices": [{"index": 0, "finish_reason": finish, "message": {"role": "assistant", "content": text}}],
+                 "usage": {"prompt_tokens": 10, "completion_tokens": 3}}
+
+
+@pytest.mark.parametrize("finish, truncated", [("stop", False), ("tool_calls", False), ("length", True),
+                                               ("repetition", True), ("abort", None), ("error", None), (None, None)])
+def test_openai_only_an_answer_the_server_finished_counts_as_one(finish, truncated):
+    """Only "length" counted as unfinished: an answer vLLM or SGLang aborted ("abort", "error") or
+    cut as a loop (vLLM's "repetition") was kept as a finished one. Now "stop" and "tool_calls" end
+    an answer, "repetition" is cut as "length" is, and anything else is the server's failure."""
+    from specforge.data.regen.openai_api import _parse
+    from specforge.data.regen.replay import RegenFailure
+
+    raw = json.dumps(completion("Oslo is", finish)[1]).encode()
+    if truncated is not None:
+        assert _parse(raw, "http://127.0.0.1:1") == Answer("Oslo is", tokens=3, truncated=truncated, prompt_tokens=10)
+        return
+    with pytest.raises(RegenFailure, match=rf"finish_reason {finish!r}: the server did not finish") as failed:
+        _parse(raw, "http://127.0.0.1:1")
+    assert failed.value.code == "regen_server_error" and failed.value.transient
+
+
+def test_an_answer_the_server_aborted_is_asked_again_not_kept(stub, tmp_path):
+    """SGLang answers a request it aborted (abort_request, a shutdown, preemption) with HTTP 200,
+    finish_reason "abort" and what it had decoded. Before, that half answer was kept as regenerated
+    and logged as done: never asked again. Now it is retried as a 5xx is, then kept with its original
+    answer as a transient failure, which the next run asks again."""
+    finish = ["abort"]
+    srv = stub(lambda body: completion("Oslo is", finish[0]))
+    convs = dataset(2, follow_up_every=99)
+    c = cfg(backend="openai", urls=[srv.url])
+    rows, report = regenerate_conversations(convs, c, None, tmp_path, "train")
+    assert report["regenerated"] == 0 and report["kept_original"] == 2
+    assert [r["messages"] for r in rows] == [conv["messages"] for conv in convs]
+    failures = list(read_jsonl(tmp_path / "regen_train.failures.jsonl"))
+    assert all(f["transient"] and "finish_reason 'abort': the server did not finish the answer" in f["reason"]
+               for f in failures)
+    assert len(srv.requests) == 2 * 4  # the first turn of each: the first attempt and 3 retries
+    finish[0] = "stop"
+    rows, report = regenerate_conversations(convs, c, None, tmp_path, "train")
+    assert report["asked"] == 2 and report["regenerated"] == 2
+    assert all(r["messages"][-1]["content"] == "Oslo is" for r in rows)
+
+
+def test_without_a_model_named_the_resume_log_is_the_served_models(stub, tmp_path):
+    """data.regenerate.model unset (data_prep/regenerate.py without --model): the first model a
+    server lists answers. Before, the resume log's fingerprint named no model, so the same work dir
+    against a server of another model resumed the first model's answers. Now it names the served
+    model (asked before the log is read); naming that model resumes the log, as before the fix."""
+    from specforge.data.regen.run import FORMAT_VERSION, regen_fingerprint
+    from specforge.utils.io import fingerprint
+
+    convs = dataset(2, follow_up_every=99)
+    qwen = stub(lambda body: completion("Qwen says"), model="Qwen/Qwen3-8B")
+    llama = stub(lambda body: completion("Llama says"), model="meta-llama/Llama-3.1-8B-Instruct")
+    rows, report = regenerate_conversations(convs, cfg(backend="openai", urls=[qwen.url]), None, tmp_path, "train")
+    assert report["asked"] == 2 and rows[0]["messages"][-1]["content"] == "Qwen says"
+    rows, report = regenerate_conversations(convs, cfg(backend="openai", urls=[llama.url]), None, tmp_path, "train")
+    assert report["asked"] == 2 and report["resumed"] == 0 and rows[0]["messages"][-1]["content"] == "Llama says"
+    named = cfg(backend="openai", urls=[llama.url], model="meta-llama/Llama-3.1-8B-Instruct")
+    rows, report = regenerate_conversations(convs, named, None, tmp_path, "train")
+    assert report["asked"] == 0 and report["resumed"] == 2 and rows[0]["messages"][-1]["content"] == "Llama says"
+    # a named model's fingerprint is the one it had: logs written before the fix resume
+    assert regen_fingerprint(named, None, 0) == fingerprint(FORMAT_VERSION, "openai", named.model, 0.0, 24, False, 0,
+                                                            None, False)
+
+
+CONTEXT_ERRORS = [  # the 400s of a prompt that leaves no room for max_tokens
+    "This model's maximum context length is 4096 tokens. However, you requested 4352 tokens (4096 in the messages, "
+    "256 in the completion). Please reduce the length of the messages or completion.",  # vLLM
+    "'max_tokens' or 'max_completion_tokens' is too large: 256. This model's maximum context length is 4096 tokens "
+    "and your request has 3900 input tokens (256 > 4096 - 3900).",  # vLLM, later
+    "The decoder prompt (length 5000) is longer than the maximum model length of 4096.",  # vLLM's engine
+    "Requested token count exceeds the model's maximum context length of 4096 tokens. You requested a total of "
+    "4352 tokens: 4096 tokens from the input messages and 256 tokens for the completion.",  # SGLang
+    "The input (5000 tokens) is longer than the model's context length (4096 tokens).",  # SGLang
+]
+
+
+def test_a_run_of_prompts_past_the_servers_context_is_theirs_not_the_servers(stub, tmp_path):
+    """A 400 saying prompt + max_tokens pass the context counted toward the server-wide rejection
+    streak: a dataset with a run of long conversations stopped every rerun at the same place. Now it
+    is the conversation's own (regen_prompt_too_long, as in-process): kept with its original answer."""
+    def reply(body):
+        text = json.dumps(body["messages"])
+        if "Long" not in text:
+            return completion("Short answer.")
+        i = int(re.search(r"Long (\d+)", text)[1])
+        return 400, {"object": "error", "message": CONTEXT_ERRORS[i % len(CONTEXT_ERRORS)], "code": 400}
+
+    srv = stub(reply)
+    convs = dataset(2, follow_up_every=99) + [
+        {"id": f"long{i}", "messages": [{"role": "user", "content": f"Long {i}"},
+                                        {"role": "assistant", "content": "x"}]} for i in range(12)]
+    c = cfg(backend="openai", urls=[srv.url], concurrency=2)  # a streak of 8 stops a run
+    rows, report = regenerate_conversations(convs, c, None, tmp_path, "train")
+    assert report["regenerated"] == 2 and report["kept_original"] == 12
+    assert report["failures_by_reason"] == {"regen_prompt_too_long": 12}
+    assert not any(f["transient"] for f in read_jsonl(tmp_path / "regen_train.failures.jsonl"))
+    assert len(srv.requests) == 3 + 12  # each long one asked once: asking again gives the same answer
+    assert regenerate_conversations(convs, c, None, tmp_path, "train")[1]["asked"] == 0
+
+
+def test_greedy_answers_resume_under_another_seed_sampled_ones_do_not(stub, tmp_path):
+    """At temperature 0 the seed decides nothing, yet the resume log's fingerprint held it: changing
+    the training seed asked every conversation again. Now only sampled answers are keyed by it."""
+    srv = stub(lambda body: completion("Sunny."))
+    convs = dataset(2, follow_up_every=99)
+    for temperature, asked in ((0.0, 0), (0.7, 2)):
+        c = cfg(backend="openai", urls=[srv.url], temperature=temperature)
+        assert regenerate_conversations(convs, c, None, tmp_path / str(temperature), "train", seed=0)[1]["asked"] == 2
+        assert regenerate_conversations(convs, c, None, tmp_path / str(temperature), "train",
+                                        seed=1)[1]["asked"] == asked
+
+
 def test_data_stage_trains_on_the_regenerated_answers(target, tmp_path):
     """`data.regenerate.enabled=true`: the stage's conversations and loss-masked tokens are the
     target's own answers, and every input row is still accounted for."""

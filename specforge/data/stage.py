@@ -106,7 +106,7 @@ def _check_exists(path: str) -> None:
 
 def extra_inputs(cfg) -> dict:
     """Content fingerprints of the raw files (folders: of all their files; hub datasets: their
-    name only): editing a file re-runs the stage."""
+    name only): editing a file re-runs the stage. The seed where regeneration samples."""
     out = {}
     for split, files in split_files(cfg).items():
         for f in files:
@@ -114,6 +114,9 @@ def extra_inputs(cfg) -> dict:
         out[split] = {f: source_fingerprint(f) for f in files}
     if cfg.target.chat_template and Path(cfg.target.chat_template).is_file():  # editing it renders rows anew
         out["chat_template"] = file_fingerprint(cfg.target.chat_template)
+    regen = cfg.data.regenerate
+    if regen.enabled and regen.temperature > 0:  # sampled answers follow the seed (greedy ones do not)
+        out["regenerate_seed"] = cfg.seed
     return out
 
 

@@ -6,6 +6,9 @@ of $SPECFORGE_API_KEY (the servers' --api-key) as a Bearer token. Connection err
 and 5xx are retried with exponential backoff; other 4xx are not (asking again gives the same
 answer). 401, 403 and 404 say the server or model is wrong, not the conversation: the run stops.
 So does a streak of rejected conversations, none of which is kept: the next run asks them again.
+A 400 saying the prompt and max_tokens pass the context is the conversation's own (regen_prompt_too_long).
+An answer is finished when its finish_reason says so (stop, tool_calls); length and vLLM's repetition
+(a loop it cut) are truncated; any other (abort, error, none) is the server's failure, retried as a 5xx.
 
 A server renders the prompt with its own chat template. Given the target's (`prompts`), the first
 prompt each server answers is checked: as many prompt tokens there (OpenAI's usage) as here, or the
@@ -17,6 +20,7 @@ from __future__ import annotations
 import http.client
 import itertools
 import json
+import re
 import socket
 import threading
 import time
@@ -42,6 +46,10 @@ PROBE_TIMEOUT_S = 10.0
 # Failures that are the conversation's own now and then, but the server's when they come in a streak
 # (an option it does not take, an endpoint that answers something else than a chat completion).
 SERVER_WIDE = ("regen_request_rejected", "regen_bad_response")
+# vLLM's and SGLang's words for a prompt that leaves no room for max_tokens: that conversation's, not the server's
+TOO_LONG = re.compile(r"context length|maximum model length|is too long", re.IGNORECASE)
+FINISHED = ("stop", "tool_calls")
+CUT = ("length", "repetition")  # max_tokens, or vLLM's repetition detection: an answer the target did not end
 NEEDS_KEY = "the server wants an API key; set SPECFORGE_API_KEY to its --api-key"  # its answer to 401 / 403
 TRANSPORT_ERRORS = (urllib.error.URLError, ConnectionError, TimeoutError, socket.timeout, http.client.HTTPException)
 
@@ -200,9 +208,14 @@ class OpenAIBackend:
                                        "OpenAI-compatible server. Finished results are kept; run again to resume"
                                        ) from None
                 if e.code != 429 and e.code < 500:
-                    raise RegenFailure("regen_request_rejected", last) from None
+                    raise RegenFailure("regen_prompt_too_long" if TOO_LONG.search(last) else "regen_request_rejected",
+                                       last) from None
             except TRANSPORT_ERRORS as e:
                 last = f"{url}/v1/chat/completions: {getattr(e, 'reason', None) or e!r}"
+            except RegenFailure as e:  # answered, but not finished (aborted): asked again as after a 5xx
+                if not e.transient:
+                    raise
+                last = e.detail
             if attempt < self.retries:
                 time.sleep(self.backoff_s * 2**attempt)
         raise RegenFailure("regen_server_error", f"{self.retries + 1} attempts failed; last: {last}", transient=True)
@@ -312,5 +325,8 @@ def _parse(raw: bytes, url: str) -> Answer:
     if calls:  # its parser took the answer for calls; the results recorded after them are not theirs
         raise RegenFailure("regen_tool_call", f"{url}/v1/chat/completions: the target called {', '.join(calls)} "
                                               "where the conversation answers")
-    return Answer(text=with_reasoning(content, reasoning), tokens=tokens, truncated=finish == "length",
+    if finish not in FINISHED + CUT:  # SGLang answers an aborted request 200, with what it had decoded
+        raise RegenFailure("regen_server_error", f"{url}/v1/chat/completions: finish_reason {finish!r}: the server "
+                                                 "did not finish the answer", transient=True)
+    return Answer(text=with_reasoning(content, reasoning), tokens=tokens, truncated=finish in CUT,
                   prompt_tokens=prompt_tokens)

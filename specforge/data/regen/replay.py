@@ -12,7 +12,7 @@ Failure policy (one place, so the report and the docs cannot drift apart):
   tool where the trace answers (a server's parsed `tool_calls`): the sample is
   KEPT WITH ITS ORIGINAL ANSWERS (all of them, so the conversation stays coherent). It is still
   valid training data and an outage must not shrink the dataset; transient failures (connection
-  errors, 5xx, 429) are asked again on the next run.
+  errors, 5xx, 429, an answer the server did not finish) are asked again on the next run.
 - the target answered but the answer is unusable: an EMPTY answer (nothing to learn, and an
   empty turn breaks role alternation) or a TRUNCATED one (it hit max_new_tokens: the rendered
   sample would teach an end of turn where the target does not end, and later turns would be

@@ -61,8 +61,12 @@ def regenerate_conversations(
     files = {name: out_dir / f"regen_{split}.{name}.jsonl" for name in ("partial", "failures", "skipped")}
     keys = [conversation_key(c) for c in conversations]
 
-    journal = Journal(files["partial"], regen_fingerprint(cfg, target_cfg, seed),
-                      {"split": split, "backend": cfg.backend, "model": cfg.model})
+    backend, model = None, cfg.model
+    if cfg.backend == "openai" and not model:  # the server's first model answers: its name keys the resume log
+        backend = make_backend(cfg, target_cfg, seed)
+        model = backend.model
+    journal = Journal(files["partial"], regen_fingerprint(cfg, target_cfg, seed, model),
+                      {"split": split, "backend": cfg.backend, "model": model})
     started = time.monotonic()
     tokens = asked = 0
     generating = 0.0  # seconds spent asking the target (model loading and probing excluded)
@@ -71,7 +75,7 @@ def regenerate_conversations(
         todo = _todo(conversations, keys, done, cfg.max_new_tokens, cfg.keep_truncated)
         unique = len(set(keys))
         if todo:
-            backend = make_backend(cfg, target_cfg, seed)  # loaded only when there is work
+            backend = backend or make_backend(cfg, target_cfg, seed)  # loaded only when there is work
             # The bar counts turns as they are answered: the embedded backend journals a group of
             # conversations at a time (minutes apart on a CPU), the turns come steadily.
             per_key = {k: turns_to_answer(c["messages"], c.get("tools"))  # once each
@@ -151,9 +155,11 @@ def check_config(cfg) -> None:
         raise InvalidInput(f"data.regenerate.temperature: must be >= 0, got {cfg.temperature}")
 
 
-def regen_fingerprint(cfg, target_cfg, seed: int) -> str:
+def regen_fingerprint(cfg, target_cfg, seed: int, model: str | None = None) -> str:
     """Everything that decides the answers; URLs, concurrency and batch size do not (they decide
-    how fast we get them), so changing them keeps the resume log."""
+    how fast we get them), so changing them keeps the resume log. `model`: the one answering where
+    data.regenerate.model names none (a server's). Greedy answers do not depend on the seed: it is
+    fingerprinted as 0 then, so a greedy log stays valid under another seed (and as before at 0)."""
     target = None
     if target_cfg is not None:
         from specforge.targets.loader import resolve_target_path, target_fingerprint
@@ -162,8 +168,9 @@ def regen_fingerprint(cfg, target_cfg, seed: int) -> str:
         target = {"files": target_fingerprint(resolve_target_path(target_cfg)),
                   "dtype": target_cfg.dtype if cfg.backend == "embedded" else None,
                   **({"chat_template": file_fingerprint(template)} if template else {})}
-    return fingerprint(FORMAT_VERSION, cfg.backend, cfg.model, float(cfg.temperature), int(cfg.max_new_tokens),
-                       bool(cfg.thinking), seed, target, bool(cfg.keep_truncated))
+    return fingerprint(FORMAT_VERSION, cfg.backend, cfg.model or model, float(cfg.temperature),
+                       int(cfg.max_new_tokens), bool(cfg.thinking), seed if cfg.temperature > 0 else 0, target,
+                       bool(cfg.keep_truncated))
 
 
 def make_backend(cfg, target_cfg, seed: int):
