@@ -192,6 +192,57 @@ def test_bad_requests_get_400(servers, body, message):
     assert status == 400 and message in json.loads(text)["error"]["message"]
 
 
+def test_a_stop_token_that_ends_the_output_is_not_in_its_text(servers, tiny_tokenizer):
+    """SGLang's detokenizer trims a matched stop token (vLLM leaves a stop's text out too); the text had it."""
+    eagle, _ = servers
+    greedy = json.loads(post(eagle.url + "/generate", {"input_ids": [5, 6, 7], "sampling_params": {
+        "max_new_tokens": 6, "temperature": 0, "ignore_eos": True}})[1])["output_ids"]
+    stop = next(t for t in greedy[2:] if t not in greedy[:2] and t not in tiny_tokenizer.all_special_ids)
+    upto = greedy[:greedy.index(stop) + 1]
+    out = json.loads(post(eagle.url + "/generate", {"input_ids": [5, 6, 7], "sampling_params": {
+        "max_new_tokens": 6, "temperature": 0, "ignore_eos": True, "stop_token_ids": [stop]}})[1])
+    assert out["output_ids"] == upto and out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert out["text"] == tiny_tokenizer.decode(upto[:-1], skip_special_tokens=True)
+    resp = json.loads(post(eagle.url + "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 6, "temperature": 0,
+                                                           "ignore_eos": True, "stop_token_ids": [stop]})[1])
+    assert resp["choices"][0]["text"] == out["text"] and resp["choices"][0]["finish_reason"] == "stop"
+    body = post(eagle.url + "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 6, "temperature": 0,
+                                                "ignore_eos": True, "stop_token_ids": [stop], "stream": True})[1]
+    deltas = [json.loads(line[6:]) for line in body.splitlines() if line.startswith("data: {")]
+    assert "".join(d["choices"][0]["text"] for d in deltas if d["choices"]) == out["text"]
+
+
+def test_a_temperature_below_sglangs_epsilon_decodes_greedily(servers):
+    """A softmax at temperature 1e-39 overflows to nan: a 500 from the engine thread; SGLang decodes greedily."""
+    eagle, _ = servers
+    ask = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}}
+    greedy = json.loads(post(eagle.url + "/generate", ask)[1])["output_ids"]
+    ask["sampling_params"]["temperature"] = 1e-39
+    status, body = post(eagle.url + "/generate", ask)
+    assert status == 200 and json.loads(body)["output_ids"] == greedy
+
+
+def test_a_client_that_leaves_a_request_that_does_not_stream_cancels_it(servers, caplog):
+    """Only a stream's write noticed a gone client: a request that does not stream (a client timing out) kept
+    the one engine thread generating up to max_new_tokens while every request queued behind it."""
+    import logging
+    import socket
+
+    eagle, _ = servers
+    host, port = eagle.httpd.server_address[:2]
+    body = json.dumps({"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2000, "temperature": 0,
+                                                                  "ignore_eos": True}}).encode()
+    with caplog.at_level(logging.INFO, logger="specforge.serve"):
+        with socket.create_connection((host, port)) as client:
+            client.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            time.sleep(0.5)
+        deadline = time.monotonic() + 30
+        while "cancelled (client gone)" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.1)
+    assert "cancelled (client gone)" in caplog.text
+
+
 def test_health_is_503_while_loading(model_dirs):
     target, _, _ = model_dirs
     release = threading.Event()

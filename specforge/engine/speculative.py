@@ -175,9 +175,12 @@ def _as_prompt(input_ids, device) -> torch.Tensor:
     return ids.to(device)
 
 
+GREEDY_BELOW = 1e-6  # SGLang's sampling epsilon: a temperature under it decodes greedily (1e-39 overflows)
+
+
 def sample_token(logits: torch.Tensor, temperature: float, generator) -> torch.Tensor:
     """Greedy at temperature 0, else a draw from target_probs: the one sampling rule of the engine."""
-    if temperature <= 0:
+    if temperature < GREEDY_BELOW:
         return logits.argmax(dim=-1)
     probs = target_probs(logits, temperature)
     return torch.multinomial(probs, 1, generator=generator)[0]
@@ -463,7 +466,7 @@ class SpeculativeEngine:
             start = self.runner.length
             logits, aux = self.runner.tree(tree.tokens, tree.depth, tree.mask)
             timer.lap("verify")
-            if temperature <= 0:
+            if temperature < GREEDY_BELOW:
                 path, emitted = greedy_verify(tree, logits)
             else:
                 path, emitted = sampling_verify(tree, target_probs(logits, temperature), generator)

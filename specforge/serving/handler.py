@@ -41,6 +41,9 @@ from __future__ import annotations
 import json
 import logging
 import math
+import queue
+import select
+import socket
 import time
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler
@@ -88,17 +91,25 @@ def _meta_info(job: Job, prompt_tokens: int, output_ids: list[int], stats, model
     return meta
 
 
+CLIENT_CHECK_S = 1.0  # how often a request that does not stream looks whether its client is still there
+
+
 def _is_token_id(t) -> bool:
     return isinstance(t, int) and not isinstance(t, bool)
 
 
 class _TextDeltas:
-    """Incremental detokenization: the text so far, holding back an incomplete UTF-8 character."""
+    """Incremental detokenization: the text so far, holding back an incomplete UTF-8 character. A stop
+    token that ends the output is not shown, as SGLang's detokenizer trims a matched stop (and vLLM
+    leaves a stop's text out); output_ids keep it."""
 
-    def __init__(self, tokenizer):
-        self.tokenizer, self.sent = tokenizer, ""
+    def __init__(self, tokenizer, stop_token_ids=None):
+        self.tokenizer, self.sent, self.stop = tokenizer, "", set(stop_token_ids or ())
 
     def full(self, ids) -> str:
+        ids = list(ids)
+        if ids and ids[-1] in self.stop:
+            ids = ids[:-1]
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def delta(self, ids, final: bool) -> str:
@@ -377,9 +388,21 @@ class Handler(BaseHTTPRequestHandler):
 
     def _wait_events(self, job: Job):
         """Yield ("tokens", ids) ... then ("done", stats); raise on errors. Token groups that
-        queued up while the client was being written to are merged into one chunk."""
+        queued up while the client was being written to are merged into one chunk. A client that
+        closes its connection meanwhile (a timeout: nothing is written to it before the answer of a
+        request that does not stream) raises ConnectionError within a second, as SGLang checks."""
+        checked = time.monotonic()
         while True:
-            kind, value = job.events.get()
+            try:
+                kind, value = job.events.get(timeout=CLIENT_CHECK_S)
+            except queue.Empty:
+                kind = None
+            if time.monotonic() - checked >= CLIENT_CHECK_S:
+                if self._client_gone():
+                    raise ConnectionError("the client closed the connection")
+                checked = time.monotonic()
+            if kind is None:
+                continue
             while kind == "tokens" and not job.events.empty():
                 nxt = job.events.get()
                 if nxt[0] != "tokens":
@@ -392,6 +415,14 @@ class Handler(BaseHTTPRequestHandler):
             yield kind, value
             if kind == "done":
                 return
+
+    def _client_gone(self) -> bool:
+        """Readable with nothing to read: the client closed its end (a pipelined next request is data)."""
+        try:
+            readable, _, _ = select.select([self.connection], [], [], 0)
+            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+        except OSError:
+            return True
 
     def _run_job(self, job: Job, on_tokens: Callable[[list[int]], None]):
         """Queue the job, feed committed tokens to `on_tokens` (in this thread); returns
@@ -448,7 +479,7 @@ class Handler(BaseHTTPRequestHandler):
             self._attach_images(job, body["image_data"])
         self._check_placeholders(job)
         model = self.server.worker.model
-        text = _TextDeltas(model.tokenizer)
+        text = _TextDeltas(model.tokenizer, job.stop_token_ids)
 
         def response(output, stats):
             return {"text": text.full(output), "output_ids": list(output),
@@ -519,7 +550,7 @@ class Handler(BaseHTTPRequestHandler):
         name = self.server.model_name
         created = int(time.time())
         rid = f"cmpl-{job.rid}"
-        text = _TextDeltas(model.tokenizer)
+        text = _TextDeltas(model.tokenizer, job.stop_token_ids)
         stream_options = body.get("stream_options") or {}
         spec_details = bool(body.get("return_spec_tokens_details"))
 
