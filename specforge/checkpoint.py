@@ -86,6 +86,11 @@ def validate_config(d: dict, where: str = CONFIG_NAME) -> Eagle3Config:
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
         # absent, our reader would take 10000 where a server reads the key (or rope_parameters)
         fail(f"rope_theta must be a positive number, got {d.get('rope_theta')!r}")
+    params = d.get("rope_parameters")
+    if isinstance(params, dict) and "rope_theta" in params and params["rope_theta"] != theta \
+            and not d.get("rope_scaling"):  # transformers 5 (what servers parse configs with) reads rope_parameters
+        fail(f"rope_theta {theta!r} and rope_parameters.rope_theta {params['rope_theta']!r} disagree: a server "
+             "reading it with transformers 5 takes the second, our engine the first; keep one")
     if d["draft_vocab_size"] > d["vocab_size"]:
         fail(f"draft_vocab_size {d['draft_vocab_size']} > vocab_size {d['vocab_size']}")
     ids = (d.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")

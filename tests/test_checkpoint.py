@@ -59,6 +59,9 @@ def edit_weights(ckpt, fn):
     ({"model_type": "qwen2"}, "model_type must be 'llama'"),
     # transformers 5 writes RoPE as rope_parameters: without rope_theta we would have read 10000
     ({"rope_theta": None, "rope_parameters": {"rope_theta": 1e6}}, "rope_theta must be a positive number"),
+    # both, disagreeing (a config edited across transformers versions): a server reads the second, we the first
+    ({"rope_parameters": {"rope_theta": 1e6, "rope_type": "default"}},
+     r"rope_theta 10000.0 and rope_parameters.rope_theta 1000000.0 disagree"),
     # the ids as SGLang numbers them, copied to the key vLLM reads: vLLM would take each layer one early
     ({"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}, r"must be eagle_config's ids \+ 1 = \[1, 2, 3\]"),
     # shapes a server and our engine cannot run, said naming the file instead of a shape error at the first step
