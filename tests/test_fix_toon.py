@@ -224,3 +224,20 @@ def test_prose_kept_is_recorded_and_prose_quarantined_is_not():
     assert kept.counts["by_kept_as_written"] == {"toon_prose": 1}
     strict = fix_dataset([_row(prose, 1), _row(CANONICAL, 2)], FixConfig(toon=True, dedupe=False))
     assert strict.counts["by_reason"] == {"toon_not_a_document": 1} and strict.counts["by_kept_as_written"] == {}
+
+
+def test_an_answer_with_its_reasoning_in_front_repairs_the_toon_after_it():
+    """A server's split-off reasoning is put back in front of the answer (`<think>\\n...\\n</think>\\n\\n`):
+    the whole text was decoded as TOON, so every such row was quarantined toon_unrepairable, or with
+    toon_unrepairable=keep kept unrepaired. The reasoning stays as written, the answer after it is repaired."""
+    reasoning = "The user asks: Paris weather.\nIt rains."
+    row = RawRow("answers.jsonl", 1, {"messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": CANONICAL.replace("hourly[3]", "hourly[9]"), "reasoning_content": reasoning}]},
+        None)
+    result = fix_dataset([row], FixConfig(toon=True, dedupe=False))
+    assert result.quarantined == [] and result.kept[0]["fixes"] == ["fixed_array_length"]
+    assert result.kept[0]["messages"][1]["content"] == f"<think>\n{reasoning}\n</think>\n\n{CANONICAL}"
+    fenced = fix_dataset([_row(f"<think>\nmaybe ```toon\n</think>\n\nIt rains.\n```toon\n{CANONICAL}\n```")],
+                         FixConfig(toon=True, toon_where="fenced"))
+    assert fenced.quarantined == [] and fenced.kept[0]["fixes"] == []

@@ -11,13 +11,14 @@ import pytest
 from data_prep.weather import generate
 from specforge.data import stage
 from specforge.data.formats import DataError, to_conversation
-from specforge.data.template import TemplateError, assistant_markers, render, render_text, text_prompt
+from specforge.data.template import (TemplateError, as_template_reads, assistant_markers, render, render_text,
+                                     text_prompt)
 from specforge.errors import InvalidInput
 from specforge.eval.prompts import heldout_prompts
 from specforge.targets.tiny import CHATML_TEMPLATE, SPECIAL_TOKENS, build_tiny_tokenizer
 from specforge.utils.io import read_jsonl, write_jsonl
 from test_data_stage import make_cfg
-from test_template import REASONING_TEMPLATE, SMOL_TEMPLATE
+from test_template import HARMONY_SPECIALS, HARMONY_TEMPLATE, REASONING_TEMPLATE, SMOL_TEMPLATE
 
 LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 LLAMA3_TEMPLATE = (
@@ -30,6 +31,7 @@ TEMPLATES = {
     "smollm2 (a default system prompt)": (SMOL_TEMPLATE, SPECIAL_TOKENS),
     "reasoning (earlier <think> dropped)": (REASONING_TEMPLATE, SPECIAL_TOKENS),
     "llama 3": (LLAMA3_TEMPLATE, SPECIAL_TOKENS + LLAMA3_SPECIALS),
+    "gpt-oss harmony (reasoning on its own channel)": (HARMONY_TEMPLATE, SPECIAL_TOKENS + HARMONY_SPECIALS[:-1]),
 }
 CONVERSATIONS = [
     [{"role": "user", "content": "weather in Oslo?"}, {"role": "assistant", "content": "city: Oslo"}],
@@ -45,12 +47,31 @@ def test_text_trains_exactly_as_the_same_turns_through_the_template(name, messag
     template, specials = TEMPLATES[name]
     tok = build_tiny_tokenizer(None, special_tokens=specials, chat_template=template)
     turns = render(tok, messages)
-    text = render_text(tok, tok.apply_chat_template(messages, tokenize=False))
+    rendered = tok.apply_chat_template(as_template_reads(tok, messages), tokenize=False)  # harmony: reasoning apart
+    text = render_text(tok, rendered)
     assert (text.input_ids, text.loss_mask, text.turns) == (turns.input_ids, turns.loss_mask, turns.turns)
     assert sum(turns.loss_mask) > 0
-    prompt = text_prompt(tok, tok.apply_chat_template(messages, tokenize=False))
+    prompt = text_prompt(tok, rendered)
     head = [m for m in messages[:[m["role"] for m in messages].index("assistant")]]
     assert prompt == tok.apply_chat_template(head, tokenize=False, add_generation_prompt=True)
+
+
+def test_each_turn_of_a_text_ends_at_its_own_end_token_as_the_turns_do():
+    """The end of a turn was read off one probe answer: gpt-oss's harmony ends a last answer with
+    <|return|>, an earlier one with <|end|> and a call with <|call|>, so a text trained everything from its
+    first answer on, user turns and tool results included."""
+    tok = build_tiny_tokenizer(None, special_tokens=SPECIAL_TOKENS + HARMONY_SPECIALS[:-1],
+                               chat_template=HARMONY_TEMPLATE)
+    call = {"type": "function", "id": "c0", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
+    messages = [{"role": "user", "content": "Oslo?"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "name": "get_weather", "content": "snow"}, {"role": "assistant", "content": "snow"},
+                {"role": "user", "content": "Lima?"}, {"role": "assistant", "content": "sun"}]
+    turns = render(tok, messages)
+    text = render_text(tok, tok.apply_chat_template(messages, tokenize=False))
+    assert (text.input_ids, text.loss_mask, text.turns) == (turns.input_ids, turns.loss_mask, turns.turns)
+    assert tok.decode([i for i, m in zip(text.input_ids, text.loss_mask) if m]) == (
+        ' to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Oslo"}<|call|>'
+        "<|channel|>final<|message|>snow<|end|><|channel|>final<|message|>sun<|return|>")
 
 
 def test_a_turn_cut_off_trains_to_the_end_and_truncation_is_as_for_turns():

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 
+from specforge.data.formats import to_conversation
 from specforge.data.template import TemplateError, render
 from specforge.targets.tiny import build_tiny_tokenizer
 
@@ -251,3 +252,111 @@ def test_a_template_that_trims_the_content_trains_on_the_answer_it_renders(tok, 
     tok.chat_template = TRIM_TEMPLATE
     messages = [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": answer}]
     assert masked_text(tok, messages) == f"sunny today{E}"
+
+
+# DeepSeek-R1-Distill's template as published since February 2025 (tool calls left out): it drops the
+# reasoning of every answer, and its generation prompt opens a think block that no rendered answer has.
+R1_SPECIALS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"]
+R1_TEMPLATE = (
+    "{% if not add_generation_prompt is defined %}{% set add_generation_prompt = false %}{% endif %}"
+    "{{ bos_token }}{%- for message in messages %}"
+    "{%- if message['role'] == 'user' %}{{ '<｜User｜>' + message['content'] }}{%- endif %}"
+    "{%- if message['role'] == 'assistant' %}{% set content = message['content'] %}"
+    "{% if '</think>' in content %}{% set content = content.split('</think>')[-1] %}{% endif %}"
+    "{{ '<｜Assistant｜>' + content + '<｜end▁of▁sentence｜>' }}{%- endif %}{%- endfor -%}"
+    "{% if add_generation_prompt %}{{ '<｜Assistant｜><think>\\n' }}{% endif %}"
+)
+R1_JANUARY_TEMPLATE = R1_TEMPLATE.replace("'<｜Assistant｜><think>\\n'", "'<｜Assistant｜>'")  # its first version
+# Qwen3-Thinking-2507's and QwQ's: Qwen3's, with a generation prompt that opens the think block.
+THINKING_TEMPLATE = REASONING_TEMPLATE.replace("{{ '<|im_start|>assistant\\n' }}{% endif %}",
+                                               "{{ '<|im_start|>assistant\\n<think>\\n' }}{% endif %}")
+
+
+def r1_tokenizer(template):
+    tok = build_tiny_tokenizer(None, special_tokens=R1_SPECIALS + [E], chat_template=template)
+    tok.bos_token, tok.eos_token = R1_SPECIALS[0], R1_SPECIALS[1]
+    return tok
+
+
+def test_a_generation_prompt_that_opens_a_think_block_the_answers_lack_still_locates_them(tok):
+    """The prompt rendered with the generation prompt had to be a prefix of the whole text: with R1's
+    `<｜Assistant｜><think>\\n` every row was quarantined, with Qwen3-Thinking-2507's every multi-turn row
+    (its earlier answers are rendered without `<think>\\n`). A turn starts where the prompt and the text part."""
+    eos = R1_SPECIALS[1]
+    messages = [{"role": "user", "content": "Oslo?"},
+                {"role": "assistant", "content": "<think>\ncold\n</think>\n\nsky: snow"},
+                {"role": "user", "content": "Lima?"}, {"role": "assistant", "content": "sky: sunny"}]
+    assert masked_text(r1_tokenizer(R1_TEMPLATE), messages) == f"\n\nsky: snow{eos}sky: sunny{eos}"  # as rendered
+    tok.chat_template = THINKING_TEMPLATE
+    messages[3] = {"role": "assistant", "content": "<think>\nwarm\n</think>\n\nsky: sunny"}
+    # the last turn after the served prompt (its <think>\n is the prompt's), the earlier one as rendered
+    assert masked_text(tok, messages) == f"sky: snow{E}warm\n</think>\n\nsky: sunny{E}"
+    assert masked_text(tok, messages[:2]) == f"cold\n</think>\n\nsky: snow{E}"
+
+
+def test_a_template_that_drops_the_last_answers_reasoning_is_a_row_error_not_a_sample_without_it(tok):
+    """The fallback for templates that drop earlier turns' reasoning applied to every turn: with R1's
+    January template (it drops it from all) the last answer trained without its reasoning, silently,
+    where the README promises the later turns keep it. A turn no user message follows must render it."""
+    messages = [{"role": "user", "content": "Oslo?"},
+                {"role": "assistant", "content": "<think>\nLong reasoning about Oslo.\n</think>\n\nsky: snow"}]
+    for template in (R1_JANUARY_TEMPLATE, R1_TEMPLATE):
+        with pytest.raises(TemplateError, match=r"messages\[1\].content: the chat template drops the reasoning .*"
+                                                r"target.chat_template"):
+            render(r1_tokenizer(template), messages)
+    tok.chat_template = REASONING_TEMPLATE  # reasoning rendered, respaced: still trained
+    respaced = [messages[0], {"role": "assistant", "content": "<think>cold</think>sky: snow"}]
+    assert masked_text(tok, respaced) == f"<think>\ncold\n</think>\n\nsky: snow{E}"
+
+
+# gpt-oss's harmony template, its message loop as published (system prompt shortened, tool definitions
+# not rendered): reasoning comes from `message.thinking`, on the analysis channel; an earlier answer ends
+# with <|end|>, the last with <|return|>, a call with <|call|>.
+HARMONY_SPECIALS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>", "<|call|>", E]
+HARMONY_TEMPLATE = (
+    "{{- '<|start|>system<|message|>Reasoning: medium<|end|>' }}"
+    "{%- if messages[0].role == 'system' %}"
+    "{{- '<|start|>developer<|message|># Instructions\\n\\n' + messages[0].content + '<|end|>' }}"
+    "{%- set loop_messages = messages[1:] %}{%- else %}{%- set loop_messages = messages %}{%- endif %}"
+    "{%- set last_tool_call = namespace(name=none) %}"
+    "{%- for message in loop_messages -%}"
+    "{%- if message.role == 'assistant' -%}"
+    "{%- if 'tool_calls' in message %}"
+    "{%- set future_final_message = namespace(found=false) %}"
+    "{%- for future_message in loop_messages[loop.index:] %}"
+    "{%- if future_message.role == 'assistant' and 'tool_calls' not in future_message %}"
+    "{%- set future_final_message.found = true %}{%- endif %}{%- endfor %}"
+    "{%- set tool_call = message.tool_calls[0] %}"
+    "{%- if tool_call.function %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{%- if message.content and message.thinking %}{{- raise_exception('Cannot pass both content and thinking') }}"
+    "{%- elif message.content and not future_final_message.found %}"
+    "{{- '<|start|>assistant<|channel|>analysis<|message|>' + message.content + '<|end|>' }}"
+    "{%- elif message.thinking and not future_final_message.found %}"
+    "{{- '<|start|>assistant<|channel|>analysis<|message|>' + message.thinking + '<|end|>' }}{%- endif %}"
+    "{{- '<|start|>assistant to=' }}{{- 'functions.' + tool_call.name + '<|channel|>commentary ' }}"
+    "{{- (tool_call.content_type if tool_call.content_type is defined else 'json') + '<|message|>' }}"
+    "{{- tool_call.arguments|tojson }}{{- '<|call|>' }}{%- set last_tool_call.name = tool_call.name %}"
+    "{%- elif loop.last and not add_generation_prompt %}"
+    "{%- if 'thinking' in message %}"
+    "{{- '<|start|>assistant<|channel|>analysis<|message|>' + message.thinking + '<|end|>' }}{%- endif %}"
+    "{{- '<|start|>assistant<|channel|>final<|message|>' + message.content + '<|return|>' }}"
+    "{%- else %}{{- '<|start|>assistant<|channel|>final<|message|>' + message.content + '<|end|>' }}"
+    "{%- set last_tool_call.name = none %}{%- endif %}"
+    "{%- elif message.role == 'tool' -%}"
+    "{{- '<|start|>functions.' + last_tool_call.name }}"
+    "{{- ' to=assistant<|channel|>commentary<|message|>' + message.content|tojson + '<|end|>' }}"
+    "{%- elif message.role == 'user' -%}{{- '<|start|>user<|message|>' + message.content + '<|end|>' }}"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|start|>assistant{%- endif -%}"
+)
+
+
+def test_reasoning_is_rendered_from_the_field_the_template_reads_it_from():
+    """Reasoning a server split off was put back as `<think>` text in front of the answer for every
+    template: gpt-oss's harmony rendered it inside the final answer, a text the target never writes,
+    instead of on its analysis channel (`message.thinking`)."""
+    tok = build_tiny_tokenizer(None, special_tokens=HARMONY_SPECIALS, chat_template=HARMONY_TEMPLATE)
+    conv = to_conversation({"messages": [{"role": "user", "content": "Oslo?"}, {"role": "assistant",
+                            "content": "sky: snow", "reasoning_content": "It is winter."}]})
+    assert masked_text(tok, conv["messages"]) == ("<|channel|>analysis<|message|>It is winter.<|end|>"
+                                                  "<|start|>assistant<|channel|>final<|message|>sky: snow<|return|>")

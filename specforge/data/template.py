@@ -7,6 +7,8 @@ text (default system prompts, BOS, ...) are handled without knowing them.
 """
 from __future__ import annotations
 
+import os
+import re
 import weakref
 from dataclasses import dataclass
 from typing import Iterator
@@ -14,7 +16,7 @@ from typing import Iterator
 import jinja2
 
 from specforge.config import OVERLENGTH
-from specforge.data.formats import THINK_END, DataError, tools_entry
+from specforge.data.formats import THINK_END, THINK_START, DataError, tools_entry
 
 
 class TemplateError(DataError):
@@ -61,7 +63,34 @@ def _template_ids(tokenizer, messages: list[dict], tools=None) -> list[int]:
 
 def template_length(tokenizer, messages: list[dict], tools=None) -> int:
     """Tokens of these turns through the chat template, without a generation prompt."""
-    return len(_template_ids(tokenizer, messages, tools))
+    return len(_template_ids(tokenizer, as_template_reads(tokenizer, messages), tools))
+
+
+REASONING_FIELDS = ("thinking", "reasoning_content")  # gpt-oss's harmony template; Qwen3's, GLM-4.5's
+
+
+def reasoning_field(tokenizer) -> str | None:
+    """The message field the chat template renders an answer's reasoning from, or None."""
+    template = str(tokenizer.chat_template or "")
+    return next((f for f in REASONING_FIELDS if re.search(rf"\.{f}\b|\[\s*['\"]{f}['\"]\s*\]", template)), None)
+
+
+def as_template_reads(tokenizer, messages: list[dict]) -> list[dict]:
+    """The turns with the reasoning in front of an answer (`<think>...</think>`, as formats puts it back)
+    moved into the field the template reads it from, so it renders as the target writes it: gpt-oss's
+    harmony writes it on its analysis channel, and would render the <think> text as part of the answer."""
+    field = reasoning_field(tokenizer)
+    if field is None:
+        return messages
+    out = []
+    for m in messages:
+        content = m.get("content")
+        if m.get("role") == "assistant" and field not in m and isinstance(content, str) \
+                and content.lstrip().startswith(THINK_START) and THINK_END in content:
+            reasoning, answer = content.lstrip()[len(THINK_START):].split(THINK_END, 1)
+            m = {**m, field: reasoning.strip("\n"), "content": answer.lstrip("\n")}
+        out.append(m)
+    return out
 
 
 THINKING_SWITCH = "enable_thinking"  # the chat template variable of Qwen3's hybrid models: think first or not
@@ -89,13 +118,12 @@ def assistant_char_spans(tokenizer, messages: list[dict], full: str, tools=None)
     for i, msg in enumerate(messages):
         if msg["role"] != "assistant":
             continue
-        prefix = _template_text(tokenizer, messages[:i], add_generation_prompt=True, tools=tools)
-        if not full.startswith(prefix):
+        start = _generation_start(tokenizer, messages[:i], full, tools)
+        if start is None:
             raise TemplateError(
                 f"messages[{i}]: the chat template renders the conversation before this assistant "
                 f"turn differently from the full conversation; cannot locate the turn"
             )
-        start = len(prefix)
         upto = _template_text(tokenizer, messages[: i + 1], add_generation_prompt=False, tools=tools)
         exact = full.startswith(upto) and len(upto) > start
         turn_end = len(upto) if exact else len(full)
@@ -107,6 +135,12 @@ def assistant_char_spans(tokenizer, messages: list[dict], full: str, tools=None)
                 # without its <think> block: the turn is its answer, as the target sees it later on.
                 content = content.rsplit(THINK_END, 1)[1].lstrip("\n")
                 at = full.find(content, start, turn_end) if content else start
+                if at >= 0 and THINK_END not in full[start:at] \
+                        and not any(m["role"] == "user" for m in messages[i + 1:]):
+                    raise TemplateError(
+                        f"messages[{i}].content: the chat template drops the reasoning (<think>...</think>) of "
+                        f"this turn, though no user message follows it: it would be trained without the "
+                        f"reasoning the target writes; give target.chat_template a template that keeps it")
             if at < 0 and (stripped := content.strip()) and stripped != content:
                 # Templates that `| trim` the content (Llama 3's, Gemma's) render it without its outer whitespace.
                 content, at = stripped, full.find(stripped, start, turn_end)
@@ -130,6 +164,23 @@ def assistant_char_spans(tokenizer, messages: list[dict], full: str, tools=None)
     return spans
 
 
+def _generation_start(tokenizer, head: list[dict], full: str, tools=None) -> int | None:
+    """Where the answer after the turns `head` starts in `full`: after the generation prompt, or None
+    where the text does not render `head` first. A generation prompt that opens a think block
+    (DeepSeek-R1-Distill's `<｜Assistant｜><think>\n`, Qwen3-Thinking-2507's, QwQ's) is not in the text
+    of an answer the template renders without it: there the answer starts after what the prompt and
+    the answer share, so the <think> the template writes itself stays context, as the served prompt."""
+    prompt = _template_text(tokenizer, head, add_generation_prompt=True, tools=tools)
+    if full.startswith(prompt):
+        return len(prompt)
+    bare = _template_text(tokenizer, head, add_generation_prompt=False, tools=tools)
+    header = prompt[len(bare):]
+    if not (prompt.startswith(bare) and full.startswith(bare)):
+        return None
+    shared = os.path.commonprefix([header, full[len(bare):]])
+    return len(bare) + len(shared) if THINK_START in header[len(shared):] else None
+
+
 def _tool_name(tool: dict) -> str:
     """A tool definition's name ({"type": "function", "function": {"name"}} or bare {"name"})."""
     fn = tool.get("function", tool)
@@ -148,6 +199,7 @@ def render(tokenizer, messages: list[dict], max_length: int | None = None, overl
     definitions, which the template renders (usually into the system turn)."""
     if overlength not in OVERLENGTH:
         raise ValueError(f"data.overlength: {overlength!r} is not one of {list(OVERLENGTH)}")
+    messages = as_template_reads(tokenizer, messages)
     full = _template_text(tokenizer, messages, add_generation_prompt=False, tools=tools)
     names = [_tool_name(t) for t in tools or ()]
     if tools and not any(n in full for n in names):
@@ -204,14 +256,29 @@ def _limited(result: Rendered, max_length: int | None, overlength: str) -> Rende
 
 # ---- preformatted text (data.format=text) ------------------------------------------------------------
 
-_MARKERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> (header, end-of-turn id)
+_MARKERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> (header, end-of-turn ids)
+
+_PROBE = "Sunny, 21 degrees."
+_PROBE_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                                  "parameters": {"type": "object",
+                                                                 "properties": {"city": {"type": "string"}}}}}]
+_PROBE_TURNS = (  # (turns, tools): a turn before a user message, and a tool call, where their end may differ
+    ([{"role": "user", "content": "Q"}, {"role": "assistant", "content": _PROBE}, {"role": "user", "content": "Q2"},
+      {"role": "assistant", "content": _PROBE}], None),
+    ([{"role": "user", "content": "Q"},
+      {"role": "assistant", "content": "", "tool_calls": [
+          {"type": "function", "id": "call_0", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+      {"role": "tool", "name": "get_weather", "tool_call_id": "call_0", "content": "snow"},
+      {"role": "assistant", "content": _PROBE}], _PROBE_TOOLS),
+)
 
 
-def assistant_markers(tokenizer) -> tuple[str, int]:
-    """(the text that opens an assistant turn, the id of the token that ends it), read off the chat
-    template: its generation prompt after a user turn, and the first special token after an answer.
-    A template whose generation prompt is empty (Mistral's [INST] ... [/INST]) cannot mark turns in
-    text: TemplateError."""
+def assistant_markers(tokenizer) -> tuple[str, frozenset[int]]:
+    """(the text that opens an assistant turn, the ids of the tokens that end one), read off the chat
+    template: its generation prompt after a user turn, and the tokens `render` ends probe turns with
+    (gpt-oss's harmony ends a last answer with <|return|>, an earlier one with <|end|>, a call with
+    <|call|>). A template whose generation prompt is empty (Mistral's [INST] ... [/INST]) cannot mark
+    turns in text: TemplateError."""
     if tokenizer not in _MARKERS:
         user = [{"role": "user", "content": "Q"}]
         bare, prompt = (_template_text(tokenizer, user, add_generation_prompt=g) for g in (False, True))
@@ -219,17 +286,23 @@ def assistant_markers(tokenizer) -> tuple[str, int]:
         if not header.strip():
             raise TemplateError("the chat template opens no assistant turn with a generation prompt, so preformatted "
                                 "text (data.format=text) cannot be split into turns; give the conversations as turns")
-        probe = "Sunny, 21 degrees."
-        answered = _template_text(tokenizer, [*user, {"role": "assistant", "content": probe}],
+        answered = _template_text(tokenizer, [*user, {"role": "assistant", "content": _PROBE}],
                                   add_generation_prompt=False)
         enc = tokenizer(answered, add_special_tokens=False, return_offsets_mapping=True)
-        after = answered.find(probe) + len(probe)
+        after = answered.find(_PROBE) + len(_PROBE)
         specials = _special_ids(tokenizer)
         ends = [t for t, (a, _) in zip(enc["input_ids"], enc["offset_mapping"]) if a >= after and t in specials]
         if not ends:
             raise TemplateError("the chat template ends an assistant turn with no special token, so preformatted "
                                 "text (data.format=text) cannot be split into turns; give the conversations as turns")
-        _MARKERS[tokenizer] = (header, ends[0])
+        end_ids = {ends[0]}
+        for turns, tools in _PROBE_TURNS:
+            try:
+                ids, mask = render(tokenizer, turns, tools=tools)
+            except TemplateError:  # no tool support, say: text cannot hold such turns either
+                continue
+            end_ids.update(t for t, m, nxt in zip(ids, mask, [*mask[1:], 0]) if m and not nxt and t in specials)
+        _MARKERS[tokenizer] = (header, frozenset(end_ids))
     return _MARKERS[tokenizer]
 
 
@@ -246,7 +319,7 @@ def render_text(tokenizer, text: str, max_length: int | None = None, overlength:
     tokenized as written; loss, as `render` puts it, on what each assistant turn generates: from
     its header (`assistant_markers`) up to and including its end-of-turn token, or to the end of the
     text where a turn is cut off."""
-    header, end_id = assistant_markers(tokenizer)
+    header, end_ids = assistant_markers(tokenizer)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     input_ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
     loss_mask = [0] * len(input_ids)
@@ -258,8 +331,8 @@ def render_text(tokenizer, text: str, max_length: int | None = None, overlength:
         while t < len(input_ids):
             loss_mask[t] = 1
             t += 1
-            if input_ids[t - 1] == end_id:
-                break
+            if input_ids[t - 1] in end_ids and not text.startswith(header, offsets[t - 1][1]):
+                break  # (harmony writes its analysis, <|end|>, then the header and its final answer: one turn)
         turns += 1
         at = text.find(header, offsets[t - 1][1] if t else start)
     return _limited(Rendered(input_ids, loss_mask, full_length=len(input_ids), turns=turns), max_length, overlength)

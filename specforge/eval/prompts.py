@@ -29,7 +29,8 @@ from specforge.data.formats import (THINK_START, DataError, read_raw_rows, text_
                                    tools_entry)
 from specforge.data.rows import special_token_in_text
 from specforge.data.sources import check_source, is_hub, is_table_source
-from specforge.data.template import THINKING_SWITCH, assistant_markers, has_thinking_switch, text_prompt
+from specforge.data.template import (THINKING_SWITCH, as_template_reads, assistant_markers, has_thinking_switch,
+                                     text_prompt)
 from specforge.data.vl_render import image_paths, prompt_with_images
 from specforge.errors import InvalidInput, MissingInput, SpecForgeWarning
 from specforge.utils.io import read_jsonl
@@ -68,7 +69,8 @@ def render_prompt(head: list[dict], tokenizer, vl=None, tools: list[dict] | None
     (image processor, VLInfo) image placeholders are expanded and the prompt also carries
     "images": {"pixel_values", "image_grid_thw"}."""
     kwargs = {**tools_entry(tools), **(template_kwargs or {})}
-    ids = tokenizer.apply_chat_template(head, add_generation_prompt=True, tokenize=True, **kwargs)
+    ids = tokenizer.apply_chat_template(as_template_reads(tokenizer, head), add_generation_prompt=True, tokenize=True,
+                                        **kwargs)
     if hasattr(ids, "keys"):  # BatchEncoding from newer transformers
         ids = ids["input_ids"]
     prompt = {"input_ids": list(ids), "messages": head, "template_kwargs": kwargs}

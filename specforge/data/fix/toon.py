@@ -56,6 +56,8 @@ from typing import Any, Callable
 import toon_format
 from toon_format import ToonDecodeError
 
+from specforge.data.formats import THINK_END, THINK_START
+
 INDENT = 2  # toon_format's default and canonical indent size
 
 FENCE = re.compile(r"^```toon[ \t]*\n(.*?)^```[ \t]*$", re.M | re.S)
@@ -181,15 +183,27 @@ def repair_answers(messages: list[dict], where: str, prose: str = "keep",
 def _repair_content(content: str | list, repair: Callable) -> tuple[str | list, list[str]]:
     """A string, or each text part of a multimodal answer."""
     if isinstance(content, str):
-        return repair(content)
+        return _after_reasoning(content, repair)
     parts, fixes = [], []
     for part in content:
         if part.get("type") == "text":
-            text, part_fixes = repair(part["text"])
+            text, part_fixes = _after_reasoning(part["text"], repair)
             part = {**part, "text": text}
             fixes.extend(f for f in part_fixes if f not in fixes)
         parts.append(part)
     return parts, fixes
+
+
+def _after_reasoning(text: str, repair: Callable) -> tuple[str, list[str]]:
+    """`repair` of the answer after a leading `<think>...</think>` block (the reasoning a server split off,
+    put back in front by formats.with_reasoning), the reasoning kept as written: decoded whole, it is
+    no TOON document."""
+    if not text.lstrip().startswith(THINK_START) or THINK_END not in text:
+        return repair(text)
+    cut = text.rindex(THINK_END) + len(THINK_END)
+    answer = text[cut:].lstrip()
+    fixed, fixes = repair(answer)
+    return text[: len(text) - len(answer)] + fixed, fixes
 
 
 def _check_document(value: Any, prose: str, kept: list[str] | None = None) -> None:

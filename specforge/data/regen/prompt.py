@@ -10,7 +10,7 @@ import jinja2
 
 from specforge.data.formats import tools_entry
 from specforge.data.regen.replay import RegenFailure
-from specforge.data.template import THINKING_SWITCH, has_thinking_switch
+from specforge.data.template import THINKING_SWITCH, as_template_reads, has_thinking_switch
 from specforge.errors import SpecForgeWarning
 
 
@@ -29,8 +29,9 @@ class PromptRenderer:
 
     def ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         try:
-            text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True, **tools_entry(tools), **self.kwargs)
+            text = self.tokenizer.apply_chat_template(  # earlier answers' reasoning where the template reads it
+                as_template_reads(self.tokenizer, messages), tokenize=False, add_generation_prompt=True,
+                **tools_entry(tools), **self.kwargs)
         except (TypeError, ValueError, jinja2.TemplateError) as e:
             raise RegenFailure("regen_template_error", f"the chat template cannot render the prompt ({e})") from None
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
