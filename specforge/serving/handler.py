@@ -334,7 +334,8 @@ class Handler(BaseHTTPRequestHandler):
             raise RequestError(f"max_new_tokens must be an integer >= 1, got {max_new!r}")
         self._check_context(len(ids), max_new, "prompt")
         temperature = params["temperature"]
-        if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not 0 <= temperature < math.inf:
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
+                or not 0 <= temperature < math.inf:
             raise RequestError(f"temperature must be a finite number >= 0, got {temperature!r}")  # JSON reads NaN
         if seed is not None and not (_is_token_id(seed) and -2 ** 63 <= seed < 2 ** 64):  # what manual_seed takes
             raise RequestError(f"the seed must be an integer, got {seed!r}")

@@ -161,8 +161,9 @@ def load_image_processor(target_path, min_pixels: int | None = None, max_pixels:
                 "(one of them comes from the target's image processor)"
             )
         # Qwen2.5-VL configs also carry min_pixels / max_pixels, which transformers lets override `size`
-        processor = AutoImageProcessor.from_pretrained(str(path), backend="pil", size=size,
-                                                       min_pixels=size["shortest_edge"], max_pixels=size["longest_edge"])
+        low, high = size["shortest_edge"], size["longest_edge"]
+        processor = AutoImageProcessor.from_pretrained(str(path), backend="pil", size=size, min_pixels=low,
+                                                       max_pixels=high)
         got = (processor.size.shortest_edge, processor.size.longest_edge)
         if got != (size["shortest_edge"], size["longest_edge"]):
             raise ValueError(f"data.image_min_pixels/max_pixels: the image processor of {path} kept {got[0]}..{got[1]} "
