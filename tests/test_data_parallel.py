@@ -118,3 +118,17 @@ def test_vision_language_rows_render_alike_in_workers(tmp_path, tiny_vl_dir):
         outputs[n] = (summary, [(data / name).read_bytes() for name in ("train.jsonl", "quarantine.jsonl", "eval.jsonl")])
     assert outputs[0][0]["train"]["images"] > 0 and outputs[0][0]["train"]["quarantined"] > 0
     assert outputs[2] == outputs[0]
+
+
+def test_both_paths_name_a_relative_file_alike_and_the_cache_key_covers_the_image_code(tmp_path, monkeypatch):
+    """read_raw_texts (the data.num_proc workers) kept `./d/a.jsonl` as written where read_raw_rows recorded
+    `d/a.jsonl`: quarantine entries and duplicate reasons named another file with workers. And the workers'
+    cache key hashed no code of utils/images.py, which decides which images pass and writes their copies."""
+    from specforge.data.formats import read_raw_rows, read_raw_texts
+    from specforge.data.parallel import CODE
+
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a.jsonl").write_text('{"id": 1}\n{"id": 2}\n')
+    monkeypatch.chdir(tmp_path)
+    assert [r[0] for r in read_raw_texts("./d/a.jsonl")] == [r.file for r in read_raw_rows("./d/a.jsonl")]
+    assert {p.name for p in CODE} >= {"images.py", "io.py", "conversations.py"}

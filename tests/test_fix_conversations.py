@@ -9,6 +9,7 @@ from PIL import Image
 
 from specforge.config import FixConfig
 from specforge.data.fix import fix_dataset
+from specforge.data.fix.conversations import merge_consecutive
 from specforge.data.formats import RawRow, read_raw_rows
 
 USER = {"role": "user", "content": "Weather in Oslo?"}
@@ -70,6 +71,17 @@ def test_consecutive_turns_of_one_role_are_merged():
     kept, _ = _one(_raw([USER, {"role": "user", "content": "In Celsius."}, ASSISTANT]))
     assert kept["messages"] == [{"role": "user", "content": "Weather in Oslo?\n\nIn Celsius."}, ASSISTANT]
     assert kept["fixes"] == ["merged_consecutive_user"]
+
+
+def test_turns_with_images_merge_with_their_texts_apart():
+    """Image parts made the merge concatenate part lists: templates print text parts back to back, so the
+    target read "What is this?In Celsius." where plain turns get a blank line."""
+    first = {"role": "user", "content": [{"type": "image", "image": "data:image/png;base64,iVBORw0KGgo="},
+                                         {"type": "text", "text": "What is this?"}]}
+    joined, _ = merge_consecutive([first, {"role": "user", "content": "In Celsius."}, ASSISTANT])
+    assert joined[0]["content"][1:] == [{"type": "text", "text": "What is this?\n\n"},
+                                        {"type": "text", "text": "In Celsius."}]
+    assert first["content"][1]["text"] == "What is this?"  # the row itself is left as it was
 
 
 def test_merging_can_be_switched_off():

@@ -108,7 +108,7 @@ def read_raw_texts(path: str | Path) -> Iterator[tuple[str, int, str | None, str
     from specforge.data import sources
 
     if not sources.is_table_source(path) and text_kind(_text_file(path)) == ".jsonl":
-        file = str(path)
+        file = str(_text_file(path))  # spelled as read_raw_rows spells it: the reasons name the same file
         for lineno, text in _jsonl_lines(Path(path)):
             yield file, lineno, text, None
         return

@@ -36,7 +36,8 @@ READ_BATCH = 4096  # rows per Arrow batch written and read back in this process
 # The per-row code: a change to it must not load stale results from the cache.
 CODE = [Path(__file__).parent / n for n in ("formats.py", "sources.py", "rows.py", "template.py", "vl_render.py",
                                             "parallel.py", "fix/__init__.py", "fix/conversations.py", "fix/toon.py")]
-CODE.append(Path(__file__).parents[1] / "targets" / "vl.py")
+CODE += [Path(__file__).parents[1] / "targets" / "vl.py", Path(__file__).parents[1] / "utils" / "images.py",
+         Path(__file__).parents[1] / "utils" / "io.py"]  # which images pass and their copies; ids of rows without
 
 
 def normalise_split(cfg, files: list[str], max_chars: int, tokenizer=None, vl=None, embedded_dir: Path | None = None,

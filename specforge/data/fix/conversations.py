@@ -100,9 +100,14 @@ def merge_consecutive(messages: list[dict]) -> tuple[list[dict], list[str]]:
 
 
 def _join(a: str | list, b: str | list) -> str | list:
+    """Two turns' content as one: texts apart by a blank line, also where a turn holds images (templates print
+    text parts back to back: "What is this?Answer in French." otherwise)."""
     if isinstance(a, str) and isinstance(b, str):
         return f"{a}\n\n{b}"
-    return _parts(a) + _parts(b)
+    first, second = _parts(a), _parts(b)
+    if first and second and first[-1].get("type") == "text" and second[0].get("type") == "text":
+        first[-1] = {**first[-1], "text": first[-1]["text"] + "\n\n"}
+    return first + second
 
 
 def _parts(content: str | list) -> list[dict]:
