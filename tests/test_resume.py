@@ -75,6 +75,23 @@ def test_a_run_moved_to_twice_the_processes_with_half_the_grad_accum_resumes(pre
         torch.testing.assert_close(weights[k], ref_weights[k], rtol=0, atol=1e-5, msg=k)
 
 
+def test_two_ranks_with_feature_noise_resume_each_with_its_own_random_state(prep):
+    """A state held rank 0's random state alone and every rank restored it: with train.feature_noise the other
+    ranks drew rank 0's noise after a resume, and the run ended elsewhere than an uninterrupted one. (Two
+    processes run this tiny training in about a second, too fast to kill on time: the resumed run starts from
+    a copy of the uninterrupted run's first epoch state.)"""
+    noisy = ("train.strategy=ddp", "train.feature_noise=0.05")
+    ref = new_run(prep, "noisy_ref")
+    launch(prep, "noisy_ref", 2, *noisy, fresh=False)
+    run = new_run(prep, "noisy_resumed")
+    shutil.copytree(ref / "state" / "epoch_1", run / "state" / "epoch_1")
+    out = launch(prep, "noisy_resumed", 2, *noisy, "train.resume=auto", fresh=False)
+    assert "[train] resuming from" in out and "/state/epoch_1" in out
+    weights, ref_weights = master_weights(run), master_weights(ref)
+    for k in ref_weights:
+        torch.testing.assert_close(weights[k], ref_weights[k], rtol=0, atol=1e-6, msg=k)
+
+
 def test_the_training_time_of_a_resumed_run_counts_the_time_before_it(prep):
     """The pipeline overwrote the train stage's own total with this invocation's wall time: a job preempted
     after hours and resumed for minutes reported all its steps in minutes."""

@@ -226,13 +226,27 @@ class TrainState:
         self.meter.sync(self.device)  # rank 0 holds the window of every rank from here on
         position = Position(**{**vars(self.position), "seconds": self.elapsed(),
                                "epochs": list(self.position.epochs)})
-        return {"scheduler": self.scheduler.state_dict(), "rng": rng_state(), "meter": self.meter.state(),
-                "position": vars(position)}
+        return {"scheduler": self.scheduler.state_dict(), "rng": dist.gather_objects(rng_state()),  # every rank's
+                "meter": self.meter.state(), "position": vars(position)}
+
+    @staticmethod
+    def _restore_rng(saved, step: int) -> None:
+        """Each rank its own random state (feature noise draws differ by rank: their batches pad alike only by
+        chance). A state of another number of processes (or of an earlier version: rank 0's alone) cannot be
+        continued exactly: rank 0's, the others reseeded apart from it."""
+        states = saved if isinstance(saved, list) else [saved]
+        env = current()
+        if len(states) == env.world_size:
+            set_rng_state(states[env.rank])
+            return
+        set_rng_state(states[0])
+        if env.rank:
+            torch.manual_seed(1_000_003 * (step + 1) + env.rank)
 
     def load_state_dict(self, state: dict, path: Path) -> None:
         self.strategy.load_state(path, state["meta"])
         self.scheduler.load_state_dict(state["scheduler"])
-        set_rng_state(state["rng"])
+        self._restore_rng(state["rng"], state["position"]["step"])
         self.meter.load(state["meter"], current().is_main)
         self.position = Position(**state["position"])
         self.started = time.time()
