@@ -235,3 +235,23 @@ def test_a_partial_file_that_is_not_ours_is_measured_again(tmp_path, capsys):
     assert read_partial(tmp_path / "absent.json") is None
     assert rows({"configs": "2_1_3"}, "configs") == rows(None, "configs") == rows({}, "configs") == []
     assert rows({"configs": [{"tree": "2_1_3"}, 3, None]}, "configs") == [{"tree": "2_1_3"}]
+
+
+def test_rows_an_earlier_version_counted_otherwise_are_measured_again(run, monkeypatch, capsys):
+    """A partial file keeps finished configurations for the next run of the same evaluation; one written before
+    the engine's counting changed (the generation config's stop ids, drafts cut where a request finishes) was
+    kept with its old figures. Every key holds the figures' version (resume.FIGURES)."""
+    from specforge.eval import resume
+
+    cfg = eval_cfg(run, "epochs=[1]")
+    run_evaluation(load_run_config(run), run, cfg)
+    results = read_json(run / "eval" / "results.json")
+    stopped = {"base": results["base"], "configs": results["configs"]}  # as if it had stopped before results.json
+    for version, kept in ((resume.FIGURES - 1, False), (resume.FIGURES, True)):
+        (run / "eval" / PARTIAL_NAME).write_text(json.dumps(stopped))
+        monkeypatch.setattr(resume, "FIGURES", version)
+        capsys.readouterr()
+        run_evaluation(load_run_config(run), run, cfg)
+        said = "measured by an earlier run of this evaluation that stopped, kept" in capsys.readouterr().out
+        assert said == kept, version
+        monkeypatch.undo()

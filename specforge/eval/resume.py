@@ -18,6 +18,9 @@ import torch
 from specforge.utils.io import fingerprint, read_json, write_json
 
 KEY = "resume_key"
+# How the engine counts and stops, in every key: raised when that changes, so an earlier version's rows are measured
+# again (2: the generation config's stop ids, drafts counted up to where a request finishes)
+FIGURES = 2
 
 
 def prompts_digest(prompts: list[dict]) -> str:
@@ -36,7 +39,7 @@ def settings(target: str, eval_cfg, prompts: list[dict], dtype_name: str, device
     fingerprint (loader.target_fingerprint), `names` the eval settings the figures depend on."""
     return {"target": target, "prompts": prompts_digest(prompts),
             "eval": {name: getattr(eval_cfg, name, None) for name in names}, "dtype": dtype_name,
-            "device": device, "threads": torch.get_num_threads(), "torch": torch.__version__}
+            "device": device, "threads": torch.get_num_threads(), "torch": torch.__version__, "figures": FIGURES}
 
 
 def config_key(common: dict, ckpt_fingerprint: str, *parts) -> str:
