@@ -146,6 +146,11 @@ def test_the_memory_probe_on_cuda_reports_the_peak_and_refuses_what_does_not_fit
                                            r".*Lower train.batch_size"):
         probe_memory(Outgrowing(), docs, heaviest, CUDA, contextlib.nullcontext(), what)
     assert torch.cuda.memory_allocated() == held
+    # the optimizer's state to come, held aside: a batch that fits alone but not beside it is refused
+    free = torch.cuda.mem_get_info()[0]
+    with pytest.raises(InvalidInput, match=r"does not fit on cuda beside the optimizer state to come"):
+        probe_memory(module, docs, heaviest, CUDA, contextlib.nullcontext(), what, reserve=free)
+    assert torch.cuda.memory_allocated() == held
 
 
 def _kept_mb(impl, seq, packed=False):

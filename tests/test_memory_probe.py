@@ -124,3 +124,18 @@ def test_a_batch_the_data_cannot_give_is_refused_before_training(prep):
             f"({max(store.lengths)} tokens), which would be a row of its own, longer than that. Set "
             f"train.pack_tokens >= {max(store.lengths)}") in out
     assert not (prep.outputs / "short_rows" / "epoch_1").exists()
+
+
+def test_the_optimizer_state_to_come_is_counted_for_the_strategy_that_will_hold_it():
+    """The probe ran before the optimizer existed: AdamW's two fp32 moments per trainable value (and DDP's
+    gradient buckets) were not held while it measured, so a batch within that much of a GPU's memory passed it
+    and ran out hours in. On a GPU that much is held aside during the probe (state_bytes)."""
+    from specforge.train.memory_probe import state_bytes
+
+    module = torch.nn.Sequential(torch.nn.Embedding(100, 8), torch.nn.Linear(8, 8))
+    module[0].weight.requires_grad_(False)  # frozen, as the target's embedding: no moments
+    trainable = 8 * 8 + 8
+    assert state_bytes(module, "single", 1) == 2 * 4 * trainable
+    assert state_bytes(module, "ddp", 2) == 3 * 4 * trainable
+    assert state_bytes(module, "fsdp", 4) == 2 * 4 * trainable // 4
+    assert state_bytes(module, "deepspeed", 2) == 2 * 4 * trainable // 2

@@ -26,7 +26,7 @@ from specforge.extract.store import HiddenStateStore
 from specforge.models.draft import EAGLE31_OPTIONS, Eagle3Config, Eagle3Draft
 from specforge.targets.loader import compute_dtype, load_embedding_and_head, torch_dtype
 from specforge.train.batches import collate, epoch_batches, eval_batches, global_batches, steps_per_epoch
-from specforge.train.memory_probe import describe, heaviest_micro_batch, probe_memory
+from specforge.train.memory_probe import describe, heaviest_micro_batch, probe_memory, state_bytes
 from specforge.run_layout import RunLayout
 from specforge.train.state import StateManager, TrainState
 from specforge.train.ttt import StepStats, Teacher, TeacherMemo, add_stats, summarize, ttt_forward
@@ -439,7 +439,8 @@ def train(cfg, run_dir: Path, fingerprint: str, split_free: str | None = None) -
         what = describe(train_store.lengths, heaviest, tc.pack_tokens)
         if main:  # said first: on a CPU, running out of memory is a kill, not an error
             print(f"[train] memory probe: the heaviest micro-batch ({what}), forward and backward", flush=True)
-        probed = probe_memory(module, train_samples, heaviest, device, amp, what, image_token_id, tc.pack_tokens)
+        probed = probe_memory(module, train_samples, heaviest, device, amp, what, image_token_id, tc.pack_tokens,
+                              reserve=state_bytes(module, tc.strategy, env.world_size))
         if main:
             print(f"[train] memory probe: {probed}", flush=True)
     strategy = make_strategy(module, tc, env, device)

@@ -3,8 +3,10 @@ batch that does not fit the device fails in the first minute rather than hours i
 (batches are shuffled: the one with the longest samples may come last).
 
 The probe runs on the bare module, before a strategy wraps it: a sharded strategy (FSDP, ZeRO)
-would hold less of the draft's weights and gradients, so it errs on the safe side. Its gradients
-are dropped and the random state restored, so the training that follows is the one without it."""
+would hold less of the draft's weights and gradients, so it errs on the safe side. What the optimizer
+will hold from its first step on (AdamW's two moments, DDP's gradient buckets) does not exist yet: on a
+GPU that much is held aside while the probe runs (`state_bytes`). Its gradients are dropped and the
+random state restored, so the training that follows is the one without it."""
 from __future__ import annotations
 
 import os
@@ -43,6 +45,16 @@ def heaviest_micro_batch(lengths: list[int], batch_size: int, pack_tokens: int =
     return [i for r in fullest for i in rows[r]]
 
 
+def state_bytes(module: torch.nn.Module, strategy: str, world_size: int) -> int:
+    """What a training step holds beyond the probe's weights, gradients and activations: the optimizer's
+    fp32 moments (two per trainable value, AdamW's; Muon keeps one for its matrices: two errs on the safe
+    side) and DDP's bucket copy of the gradients; a sharded strategy (fsdp, deepspeed) holds its share."""
+    trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    copies = 2 + (strategy == "ddp")
+    share = world_size if strategy in ("fsdp", "deepspeed") else 1
+    return trainable * 4 * copies // share
+
+
 def describe(lengths: list[int], indices: list[int], pack_tokens: int) -> str:
     """"4 samples of up to 2048 tokens (8192 padded)", or for packed rows their count and size."""
     if not pack_tokens:
@@ -54,18 +66,21 @@ def describe(lengths: list[int], indices: list[int], pack_tokens: int) -> str:
 
 
 def probe_memory(module: torch.nn.Module, samples, indices: list[int], device: torch.device, amp,
-                 what: str, image_token_id: int | None = None, pack_tokens: int = 0) -> str:
+                 what: str, image_token_id: int | None = None, pack_tokens: int = 0, reserve: int = 0) -> str:
     """One forward and backward of `module` on the micro-batch `indices` (`samples`: a TeacherMemo);
     `what` describes it. -> a line for the run's summary (the GPU's peak memory, or the process's
     peak RSS on a CPU).
     A batch that does not fit is refused (InvalidInput), saying what to lower; on a CPU, memory
-    that runs out is usually the kernel's kill, not an error: the caller says first what it probes."""
+    that runs out is usually the kernel's kill, not an error: the caller says first what it probes.
+    `reserve` (state_bytes): on a GPU, bytes held aside meanwhile for the optimizer's state to come."""
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    refused = None
+    refused, held = None, None
     try:
+        if cuda and reserve:
+            held = torch.empty(reserve, dtype=torch.uint8, device=device)  # the optimizer's moments, DDP's buckets
         with torch.random.fork_rng(devices=[device] if cuda else []):
             batch = {k: v.to(device) for k, v in collate(samples.samples(indices), image_token_id=image_token_id,
                                                          pack_tokens=pack_tokens).items()}
@@ -77,13 +92,14 @@ def probe_memory(module: torch.nn.Module, samples, indices: list[int], device: t
             raise
         refused = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
     finally:
-        batch = loss = None  # noqa: F841 - nothing of the batch outlives the probe, nor its failure
+        batch = loss = held = None  # noqa: F841 - nothing of the batch outlives the probe, nor its failure
         module.zero_grad(set_to_none=True)
     if cuda:
         torch.cuda.empty_cache()
     if refused is not None:  # raised out of the handler: the failure's traceback (its frames hold the batch) is gone
+        beside = f" beside the optimizer state to come ({reserve / 2**30:.1f} GiB)" if cuda and reserve else ""
         raise InvalidInput(
-            f"train: the heaviest micro-batch of this run ({what}) does not fit on {device}: {refused}. "
+            f"train: the heaviest micro-batch of this run ({what}) does not fit on {device}{beside}: {refused}. "
             "Lower train.batch_size (raising train.grad_accum keeps the global batch) or data.max_length, or "
             "pack the samples (train.pack_tokens); refused before the first step (train.memory_probe)")
     if cuda:
