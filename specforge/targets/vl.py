@@ -165,9 +165,9 @@ def load_image_processor(target_path, min_pixels: int | None = None, max_pixels:
         processor = AutoImageProcessor.from_pretrained(str(path), backend="pil", size=size, min_pixels=low,
                                                        max_pixels=high)
         got = (processor.size.shortest_edge, processor.size.longest_edge)
-        if got != (size["shortest_edge"], size["longest_edge"]):
+        if got != (low, high):
             raise ValueError(f"data.image_min_pixels/max_pixels: the image processor of {path} kept {got[0]}..{got[1]} "
-                             f"pixels where {size['shortest_edge']}..{size['longest_edge']} were asked")
+                             f"pixels where {low}..{high} were asked")
     return processor
 
 

@@ -180,9 +180,10 @@ def clear_states(states_dir: str | Path) -> list[str]:
 def clear_earlier_outputs(layout: RunLayout) -> list[str]:
     """A fresh run owns its `epoch_<k>/` checkpoints and what recommends one: remove an earlier run's (another
     configuration's), or its epochs past this run's end and its evaluation's choice would be served."""
-    removed = [p.name for p in layout.checkpoints()]
+    removed = []
     for p in layout.checkpoints():
         shutil.rmtree(p, ignore_errors=True)
+        removed.append(p.name)
     for p in (layout.eval_choice, layout.eval_report):
         if p.exists():
             p.unlink()

@@ -184,11 +184,9 @@ def exif_orientation(source) -> int:
     """The EXIF Orientation tag (1-8) of an image file or bytes; 1, upright as stored, where it has none
     or an unreadable one (the engines that apply the tag skip a malformed one too)."""
     try:
-        with _opened_source(source) as im:
-            value = im.getexif().get(EXIF_ORIENTATION, 1)
-    except Exception:  # the image itself is checked elsewhere; PIL's EXIF parser raises many types
+        return orientation_and_transparency(source)[0]
+    except Exception:  # the image itself is checked elsewhere
         return 1
-    return value if isinstance(value, int) and 1 <= value <= 8 else 1
 
 
 def transparent(source) -> bool:
@@ -196,8 +194,18 @@ def transparent(source) -> bool:
     servers read differently. SGLang converts it to RGB, keeping the colour stored under the alpha;
     vLLM composites it onto white (its rgba_to_rgb). Other modes with transparency (palette, LA) both
     convert alike."""
+    return orientation_and_transparency(source)[1]
+
+
+def orientation_and_transparency(source) -> tuple[int, bool]:
+    """(exif_orientation, transparent) of an image file or bytes, from one opening of it."""
     with _opened_source(source) as im:
-        return im.mode == "RGBA" and im.getchannel("A").getextrema()[0] < 255
+        try:
+            value = im.getexif().get(EXIF_ORIENTATION, 1)
+        except Exception:  # PIL's EXIF parser raises many types
+            value = 1
+        clear = im.mode == "RGBA" and im.getchannel("A").getextrema()[0] < 255
+    return (value if isinstance(value, int) and 1 <= value <= 8 else 1), clear
 
 
 def served_png(source, upright: bool = False, on_white: bool = False) -> bytes:

@@ -16,8 +16,8 @@ from PIL import UnidentifiedImageError
 
 from specforge.data.formats import detect_format, is_tool_turn, read_turns, turns_field
 from specforge.utils.images import (ImageTooLarge, OtherFormat, data_uri_bytes, decode_image, describe,
-                                    exif_orientation, image_format, is_data_uri, is_remote, opened, served_png,
-                                    to_data_uri, transparent)
+                                    image_format, is_data_uri, is_remote, opened, orientation_and_transparency,
+                                    served_png, to_data_uri)
 from specforge.utils.io import atomic_path
 
 CANONICAL_ROLES = ("system", "user", "assistant", "tool")
@@ -316,9 +316,9 @@ class ImageChecker:
 
 
 def _findings(source) -> frozenset:
-    """What an image (a file or bytes) holds that servers load differently (IMAGE_FINDINGS)."""
-    return frozenset(name for name, holds in (("exif_turned", exif_orientation(source) != 1),
-                                              ("transparent", transparent(source))) if holds)
+    """What an image (a file or bytes) holds that servers load differently (IMAGE_FINDINGS), from one opening."""
+    orientation, clear = orientation_and_transparency(source)
+    return frozenset(name for name, holds in (("exif_turned", orientation != 1), ("transparent", clear)) if holds)
 
 
 def _open_problem(path: Path) -> str | None:
