@@ -14,12 +14,11 @@ from PIL import Image
 from specforge.config import FixConfig
 from specforge.data.fix import fix_dataset
 from specforge.data.fix.conversations import ImageLoading
-from specforge.data.formats import RawRow
 from specforge.errors import InvalidInput
 from specforge.targets.vl import open_images
 from specforge.utils.images import EXIF_ORIENTATION, served_png, transparent
 from specforge.utils.io import read_jsonl
-from test_image_orientation import _data_stage
+from test_image_orientation import _data_stage, _image, _rows
 
 WHITE = ImageLoading(on_white=True)
 
@@ -32,16 +31,6 @@ def logo(path: Path, fmt: str = "PNG") -> Path:
     pixels[:, 16:32] = (200, 0, 0, 128)
     Image.fromarray(pixels, "RGBA").save(path, format=fmt)
     return path
-
-
-def _rows(tmp_path: Path, refs: list[str]) -> list[RawRow]:
-    return [RawRow(str(tmp_path / "data.jsonl"), i + 1, {"id": f"r{i}", "messages": [
-        {"role": "user", "content": [{"type": "image", "image": ref}, {"type": "text", "text": f"Logo {i}?"}]},
-        {"role": "assistant", "content": "a blue bar"}]}, None) for i, ref in enumerate(refs)]
-
-
-def _image(row: dict) -> str:
-    return row["messages"][0]["content"][0]["image"]
 
 
 def test_the_white_copy_has_the_pixels_vllm_gives_and_the_stored_read_sglangs(tmp_path):

@@ -15,21 +15,15 @@ from PIL import EpsImagePlugin, Image
 
 from specforge.config import FixConfig
 from specforge.data.fix import fix_dataset
-from specforge.data.formats import RawRow
 from specforge.targets.vl import open_images
 from specforge.utils.images import OtherFormat, decode_image, image_formats, load_image
+from test_image_orientation import _image, _rows
 
 
 def heic_bytes() -> bytes:
     """The head of an iPhone photo: an ISO-BMFF `ftyp` box of major brand `heic` (what identifies the
     format; no decoder here goes further)."""
     return struct.pack(">I", 24) + b"ftypheic" + b"\0\0\0\0" + b"mif1heic" + bytes(64)
-
-
-def _rows(tmp_path: Path, refs: list[str]) -> list[RawRow]:
-    return [RawRow(str(tmp_path / "data.jsonl"), i + 1, {"id": f"r{i}", "messages": [
-        {"role": "user", "content": [{"type": "image", "image": ref}, {"type": "text", "text": f"Weather {i}?"}]},
-        {"role": "assistant", "content": "sunny"}]}, None) for i, ref in enumerate(refs)]
 
 
 def _uri(data: bytes, kind: str) -> str:
@@ -86,7 +80,7 @@ def test_a_file_and_its_bytes_read_alike_in_every_format_of_the_list(photos):
     uris = [_uri((photos / name).read_bytes(), Path(name).suffix[1:]) for name in files]
     result = fix_dataset(_rows(photos, files + uris), FixConfig(), image_root=None, embedded_dir=photos / "images")
     assert result.counts["quarantined"] == 0 and len(result.kept) == 2 * len(files)
-    written = [Path(r["messages"][0]["content"][0]["image"]) for r in result.kept[len(files):]]
+    written = [Path(_image(r)) for r in result.kept[len(files):]]
     assert [p.suffix for p in written] == [".tiff", ".avif"][:len(files)]
 
 
